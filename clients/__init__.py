@@ -1,0 +1,1 @@
+"""Clients of radixserve and the workloads the benchmarks drive through them."""

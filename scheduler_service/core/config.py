@@ -1,0 +1,76 @@
+"""The scheduler core's settings (one frozen object, built once at start).
+
+Defaults follow SGLang's server arguments and environment defaults where we
+have the same knob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
+
+# SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission assumes a request
+# needs at most this many more tokens, so huge max_new_tokens do not starve it.
+CLIP_MAX_NEW_TOKENS = 4096
+# lpm falls back to fcfs past this many waiting requests (matching is O(queue)).
+LPM_FALLBACK_QUEUE_LEN = 128
+# In-batch prefix deduplication thresholds (SGLang's IN_BATCH_PREFIX_CACHING_*).
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    page_size: int = 1
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    # None disables chunking; otherwise the most prompt tokens prefilled per step.
+    chunked_prefill_size: int | None = 8192
+    schedule_policy: str = "fcfs"
+    enable_mixed_chunk: bool = False
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_preemption_threshold: int = 10
+    schedule_conservativeness: float = 1.0
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    # After a retraction, the ratio is estimated as if every remaining request
+    # still decodes this many more steps.
+    retract_decode_steps: int = 20
+    context_len: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    random_seed: int = 0
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(
+                f"unknown schedule policy {self.schedule_policy!r}; choose one of {POLICIES}"
+            )
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size "
+                f"({self.page_size}), or None to disable chunking"
+            )
+
+    @property
+    def start_new_token_ratio(self) -> float:
+        return min(self.init_new_token_ratio * self.schedule_conservativeness, 1.0)
+
+    @property
+    def min_new_token_ratio(self) -> float:
+        return min(self.start_new_token_ratio * self.min_new_token_ratio_factor, 1.0)
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        steps = max(self.new_token_ratio_decay_steps, 1)
+        return (self.start_new_token_ratio - self.min_new_token_ratio) / steps

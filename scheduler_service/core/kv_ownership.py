@@ -1,0 +1,143 @@
+"""Who holds which KV page: a request's table, the radix cache, or the free list.
+
+A running request's page table is always shaped::
+
+    pages = [ tree pages (locked via last_node) | own pages ]
+              ^ 0            tree_pages ^                ^ len(pages)
+
+Tree pages are shared through the radix cache and kept alive by the lock on
+``last_node``; own pages are the request's alone. Tables only grow on the
+worker (plans append page ids), so a request never swaps a page under its
+own table: if another request cached the same tokens first, this request
+keeps its duplicate pages until it releases them.
+
+KV of position p is "valid" once a plan that computes it has been created:
+the worker runs plans in order, so any later plan that reads it (through the
+cache) runs after the write.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.radix_cache import RadixCache, RadixNode
+from scheduler_service.core.request import Request
+
+
+class KvManager:
+    def __init__(self, pool: PagePool, cache: RadixCache) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.page_size = pool.page_size
+
+    # ------------------------------------------------------------ budget
+    def available_pages(self) -> int:
+        """Pages that could be handed out now: free plus evictable."""
+        return self.pool.num_free + self.cache.evictable_pages
+
+    def pages_for(self, req: Request, kv_len: int) -> int:
+        """New pages ``req`` needs so its table covers positions [0, kv_len)."""
+        return max(0, -(-kv_len // self.page_size) - len(req.pages))
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n pages, evicting unlocked cache leaves if the free list is short."""
+        if n <= 0:
+            return []
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self.cache.evictable_pages:
+                return None
+            self.cache.evict(short)
+        return self.pool.alloc(n)
+
+    # ------------------------------------------------------ request life
+    def attach_prefix(self, req: Request, pages: list[int], length: int, node: RadixNode) -> None:
+        """Start ``req``'s table with a cached prefix (the caller locked ``node``)."""
+        assert not req.pages and req.last_node is None
+        req.pages = list(pages)
+        req.tree_pages = len(pages)
+        req.last_node = node
+        req.kv_len = length
+
+    def grow(self, req: Request, kv_len: int) -> list[int] | None:
+        """Extend ``req``'s table to cover [0, kv_len); None if memory is short."""
+        new = self.alloc(self.pages_for(req, kv_len))
+        if new:
+            req.pages.extend(new)
+        return new
+
+    def cache_computed_prefix(self, req: Request) -> None:
+        """Share ``req``'s computed full pages through the cache while it runs.
+
+        Skipped when the cache already holds those tokens under other pages:
+        the request keeps using its own copy until it is released.
+        """
+        page_size = self.page_size
+        n_pages = min(req.kv_len, req.num_tokens) // page_size
+        if n_pages <= req.tree_pages:
+            return
+        tokens = req.prompt_ids if not req.output_ids else req.all_token_ids()
+        result = self.cache.insert(
+            tokens[: n_pages * page_size],
+            req.pages[:n_pages],
+            req.extra_key,
+            stop_on_conflict=True,
+        )
+        if result.conflict:
+            return
+        self.cache.lock(result.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node = result.node
+        req.tree_pages = n_pages
+
+    def release(self, req: Request, cache_tokens: bool = True) -> None:
+        """Give back everything ``req`` holds.
+
+        With ``cache_tokens`` its valid full pages go into the radix cache
+        (unlocked, so evictable) for later requests with the same prefix;
+        duplicates of pages the cache already has are freed.
+        """
+        pool, cache = self.pool, self.cache
+        pages = req.pages
+        own_from = req.tree_pages
+        if cache_tokens:
+            n_pages = min(req.kv_len, req.num_tokens) // self.page_size
+            if n_pages > req.tree_pages:
+                tokens = req.all_token_ids()
+                result = cache.insert(
+                    tokens[: n_pages * self.page_size], pages[:n_pages], req.extra_key
+                )
+                pool.release(result.dup_pages)
+                own_from = n_pages
+        pool.release(pages[own_from:])
+        if req.last_node is not None:
+            cache.unlock(req.last_node)
+        req.pages = []
+        req.tree_pages = 0
+        req.last_node = None
+        req.kv_len = 0
+
+    # --------------------------------------------------------- invariants
+    def add_request_holdings(self, req: Request, holders: dict[int, int]) -> None:
+        """Count ``req``'s own pages in ``holders`` and check its table's shape."""
+        page_size = self.page_size
+        if len(req.pages) != -(-req.kv_len // page_size):
+            raise AssertionError(
+                f"request {req.rid}: {len(req.pages)} pages for kv_len {req.kv_len} "
+                f"(page size {page_size})"
+            )
+        for p in req.pages[req.tree_pages :]:
+            holders[p] = holders.get(p, 0) + 1
+        path: list[list[int]] = []
+        node = req.last_node
+        while node is not None and node.parent is not None:
+            if node.lock_ref < 1:
+                raise AssertionError(f"request {req.rid} holds an unlocked cache node")
+            path.append(node.pages)
+            node = node.parent
+        tree_pages = [p for seg in reversed(path) for p in seg]
+        if tree_pages != req.pages[: req.tree_pages]:
+            raise AssertionError(
+                f"request {req.rid}: its first {req.tree_pages} pages are not the cache path "
+                "it locked"
+            )

@@ -1,0 +1,42 @@
+"""What the scheduler hands back to the service after each update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.plan import TokenLogprobs
+from scheduler_service.core.request import Request
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """New tokens of one request (and whether it just finished).
+
+    ``req.finish_reason`` tells why when ``finished``; the delta of a request
+    finished outside a step (abort, out of memory) carries no tokens.
+    """
+
+    req: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Prompt logprobs, in prompt order, starting at prompt position
+    # ``prompt_logprobs_start``; each position is delivered once.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    preemptions: int = 0
+    oom_aborts: int = 0
+    discarded_tokens: int = 0  # sampled in flight for requests that had moved on
+    finished: dict[str, int] = field(default_factory=dict)  # by finish kind

@@ -1,0 +1,221 @@
+"""Admission of waiting requests into one step (SGLang's PrefillAdder).
+
+Budgets, in tokens (pages x page_size):
+
+- total: free + evictable, minus what running requests are expected to still
+  need (``new_token_ratio`` x their remaining max_new_tokens, each clipped at
+  CLIP_MAX_NEW_TOKENS), minus what this step has admitted (its prefill, its
+  clipped max_new_tokens and one page of alignment slack each);
+- current: free + evictable minus this step's prefill (what must be
+  allocatable right now);
+- input: ``max_prefill_tokens`` per step;
+- chunk: ``chunked_prefill_size`` per step; a longer prompt is cut at a page
+  boundary and continues first in line next step.
+
+The adder decides; the scheduler allocates pages afterwards. Locks taken
+here on matched prefixes keep them out of the evictable budget.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+from scheduler_service.core.config import CLIP_MAX_NEW_TOKENS, SchedulerConfig
+from scheduler_service.core.kv_ownership import KvManager
+from scheduler_service.core.request import Request
+
+
+class AddResult(enum.Enum):
+    CONTINUE = "continue"
+    NO_TOKEN = "no_token"  # memory budget exhausted
+    OTHER = "other"  # a per-step limit (prefill tokens, chunk) reached
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KvManager,
+        running: list[Request],
+        new_token_ratio: float,
+        mixed_decode_tokens: int = 0,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.page_size = config.page_size
+        self.new_token_ratio = new_token_ratio
+        self.rem_input_tokens = config.max_prefill_tokens - mixed_decode_tokens
+        chunk = config.chunked_prefill_size
+        self.rem_chunk_tokens = None if chunk is None else chunk - mixed_decode_tokens
+        self.cur_rem_offset = mixed_decode_tokens
+        self.rem_total_offset = mixed_decode_tokens + sum(self.running_need(r) for r in running)
+        self.nothing_running = not running
+        # (request, end position of the tokens it computes this step)
+        self.admitted: list[tuple[Request, int]] = []
+        self.new_chunked: Request | None = None
+        self.preempted: list[Request] = []
+        self.hit_tokens = 0
+        self.input_tokens = 0
+
+    # ------------------------------------------------------------ budgets
+    def running_need(self, req: Request) -> float:
+        remaining = req.sampling.max_new_tokens - req.planned_outputs
+        return min(max(remaining, 0), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+    def admission_need(self, req: Request) -> int:
+        """Tokens a waiting request is expected to take (its matched prefix aside)."""
+        remaining = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
+        extend = req.num_tokens - req.match_len
+        return extend + min(remaining, CLIP_MAX_NEW_TOKENS) + self.page_size
+
+    def _available_tokens(self) -> int:
+        return self.kv.available_pages() * self.page_size
+
+    @property
+    def rem_total_tokens(self) -> float:
+        return self._available_tokens() - self.rem_total_offset
+
+    @property
+    def cur_rem_tokens(self) -> int:
+        return self._available_tokens() - self.cur_rem_offset
+
+    def _ceil_paged(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def budget_state(self) -> AddResult:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddResult.NO_TOKEN
+        if self.rem_input_tokens <= 0:
+            return AddResult.OTHER
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        return AddResult.CONTINUE
+
+    def _charge(self, prefix_len: int, extend: int, max_new: int) -> None:
+        extend = self._ceil_paged(extend)
+        self.rem_total_offset += extend + max_new + self.page_size
+        self.cur_rem_offset += extend + self.page_size
+        self.rem_input_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
+        self.hit_tokens += prefix_len
+        self.input_tokens += extend
+
+    def _chunk_end(self, req: Request, start: int, budget: int) -> int:
+        """End of a chunk of at most ``budget`` tokens from ``start``, cut at a
+        page boundary when one is in reach."""
+        end = min(req.num_tokens, start + budget)
+        if end < req.num_tokens:
+            aligned = end - end % self.page_size
+            if aligned > start:
+                end = aligned
+        return end
+
+    def _physical_end(self, req: Request) -> int:
+        """Furthest position ``req``'s table can cover with pages allocatable now."""
+        free_pages = max(self.cur_rem_tokens, 0) // self.page_size
+        return (len(req.pages) + free_pages) * self.page_size
+
+    # ---------------------------------------------------------- admission
+    def add_chunked_req(self, req: Request) -> AddResult:
+        """Continue the prefill of the request chunked last step (first in line)."""
+        start = req.kv_len
+        budget = req.num_tokens - start
+        if self.rem_chunk_tokens is not None:
+            budget = min(budget, self.rem_chunk_tokens)
+        # Like SGLang, a chunked request progresses even when the estimate of
+        # future need says no (it already holds pages); only physical memory
+        # can stop it.
+        if self.rem_total_tokens > 0:
+            budget = min(budget, int(self.rem_total_tokens))
+        end = min(self._chunk_end(req, start, budget), self._physical_end(req))
+        if end <= start:
+            return AddResult.NO_TOKEN
+        truncated = end < req.num_tokens
+        self.admitted.append((req, end))
+        self.new_chunked = req if truncated else None
+        max_new = 0 if truncated else min(req.sampling.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        self._charge(0, end - start, max_new)
+        return self.budget_state()
+
+    def add_one_req(self, req: Request) -> AddResult:
+        """Try to admit a waiting request whose cache match is in req.match_*."""
+        prefix = req.match_len
+        extend = req.num_tokens - prefix
+        total = self.admission_need(req)
+        paged_extend = self._ceil_paged(extend)
+        # An idle scheduler admits one request whenever it physically fits:
+        # the estimate of future need must not block the only request.
+        force = self.nothing_running and not self.admitted
+        if total >= self.rem_total_tokens and not force:
+            return AddResult.NO_TOKEN
+        if (
+            self.rem_chunk_tokens is None
+            and self.admitted
+            and paged_extend >= self.rem_input_tokens
+        ):
+            return AddResult.OTHER
+
+        cache = self.kv.cache
+        cache.lock(req.match_node)
+        if total >= self.rem_total_tokens and not force:
+            cache.unlock(req.match_node)
+            return AddResult.NO_TOKEN
+        chunk = self.rem_chunk_tokens
+        # The matched prefix is page aligned, so the table holds prefix / page_size pages.
+        physical_end = prefix + (max(self.cur_rem_tokens, 0) // self.page_size) * self.page_size
+        fits = req.num_tokens <= physical_end
+        if fits and (chunk is None or paged_extend <= chunk):
+            end = req.num_tokens
+            self._charge(prefix, extend, min(req.sampling.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+        elif chunk is None:
+            cache.unlock(req.match_node)
+            return AddResult.NO_TOKEN
+        else:
+            budget = chunk - chunk % self.page_size
+            end = min(self._chunk_end(req, prefix, budget), physical_end)
+            if budget <= 0 or end <= prefix:
+                cache.unlock(req.match_node)
+                return AddResult.OTHER if fits else AddResult.NO_TOKEN
+            self.new_chunked = req
+            self._charge(prefix, end - prefix, 0)
+        self.kv.attach_prefix(req, req.match_pages, req.match_len, req.match_node)
+        self.admitted.append((req, end))
+        return self.budget_state()
+
+    # -------------------------------------------------------- preemption
+    def preempt_to_schedule(
+        self,
+        req: Request,
+        running: list[Request],
+        preempt: Callable[[Request], None],
+    ) -> bool:
+        """Preempt lower-priority running requests to make room for ``req``.
+
+        Candidates are taken lowest priority first (newest first among
+        equals) while their priority is more than the threshold below
+        ``req``'s, until their expected need covers ``req``'s.
+        """
+        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        candidates = sorted(
+            (r for r in running if r not in self.preempted and not r.finished),
+            key=lambda r: (r.priority * -sign, -r.times.queue_entry),
+        )
+        # Admission needs admission_need < rem_total_tokens (strictly).
+        to_remove = self.admission_need(req) - self.rem_total_tokens
+        chosen: list[Request] = []
+        for r in candidates:
+            if (req.priority - r.priority) * -sign <= self.config.priority_preemption_threshold:
+                break
+            chosen.append(r)
+            to_remove -= self.running_need(r)
+            if to_remove < 0:
+                break
+        if not chosen or to_remove >= 0:
+            return False
+        for r in chosen:
+            self.rem_total_offset -= self.running_need(r)
+            preempt(r)
+        self.preempted.extend(chosen)
+        return True

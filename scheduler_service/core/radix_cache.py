@@ -1,0 +1,437 @@
+"""Radix tree from token prefixes to the KV pages that hold them.
+
+Each node owns an edge: ``key`` (tokens, a whole number of pages) and
+``pages`` (one page id per ``page_size`` tokens of ``key``). A path from a
+namespace root spells a cached prefix; its pages, concatenated, are that
+prefix's page table. Requests with different ``extra_key`` live under
+different roots and never share pages.
+
+Locks: ``lock(node)`` pins a node and all its ancestors (a running request
+reads that whole path). Only unlocked leaves can be evicted, least recently
+used first, from a heap that is updated as nodes change (entries are
+invalidated lazily and the heap is compacted when stale ones pile up).
+
+Page accounting, true after every public call::
+
+    evictable_pages == sum(len(n.pages) for unlocked nodes)
+    protected_pages == sum(len(n.pages) for locked nodes)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from scheduler_service.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventLog,
+    chain_page_hashes,
+    namespace_seed,
+)
+from scheduler_service.core.page_pool import PagePool
+
+
+class RadixCacheError(RuntimeError):
+    pass
+
+
+class RadixNode:
+    __slots__ = (
+        "children",
+        "hashes",
+        "heap_seq",
+        "key",
+        "last_access",
+        "lock_ref",
+        "namespace",
+        "pages",
+        "parent",
+    )
+
+    def __init__(
+        self,
+        key: list[int],
+        pages: list[int],
+        parent: RadixNode | None,
+        namespace: str | None,
+    ) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[Any, RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        # Sequence number of this node's live heap entry, -1 if none.
+        self.heap_seq = -1
+        self.hashes: list[int] | None = None
+        self.namespace = namespace
+
+    def __repr__(self) -> str:
+        return f"RadixNode(len={len(self.key)}, lock={self.lock_ref}, kids={len(self.children)})"
+
+
+class MatchResult(NamedTuple):
+    pages: list[int]
+    length: int  # tokens matched, a multiple of page_size
+    node: RadixNode  # deepest node of the match (a root when nothing matched)
+
+
+@dataclass(slots=True)
+class InsertResult:
+    prefix_len: int  # tokens of the key that were cached before this insert
+    dup_pages: list[int]  # caller's pages duplicating cached ones (caller still holds them)
+    node: RadixNode  # node ending at the last inserted token
+    conflict: bool = False  # stopped at the first duplicate (stop_on_conflict)
+
+
+class RadixCache:
+    def __init__(
+        self,
+        page_size: int,
+        pool: PagePool | None = None,
+        enable_events: bool = False,
+        max_events: int = 65536,
+    ) -> None:
+        if pool is not None and pool.page_size != page_size:
+            raise ValueError("the cache and its page pool disagree on page_size")
+        self.page_size = page_size
+        self.pool = pool
+        self.events: EventLog | None = EventLog(max_events) if enable_events else None
+        self._roots: dict[str | None, RadixNode] = {}
+        self._root(None)
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self._clock = 0
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._heap_seq = 0
+        self._num_nodes = 0
+
+    # ------------------------------------------------------------ helpers
+    def _root(self, namespace: str | None) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = RadixNode([], [], None, namespace)
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    def _child_key(self, key: list[int], pos: int) -> Any:
+        if self.page_size == 1:
+            return key[pos]
+        return tuple(key[pos : pos + self.page_size])
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _push(self, node: RadixNode) -> None:
+        """Make `node` (an unlocked leaf) an eviction candidate at its access time."""
+        self._heap_seq += 1
+        node.heap_seq = self._heap_seq
+        heapq.heappush(self._heap, (node.last_access, self._heap_seq, node))
+        if len(self._heap) > 2 * self._num_nodes + 1024:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        self._heap = [e for e in self._heap if e[2].heap_seq == e[1]]
+        heapq.heapify(self._heap)
+
+    def _touch(self, node: RadixNode, now: int) -> None:
+        node.last_access = now
+        if node.lock_ref == 0 and not node.children and node.parent is not None:
+            self._push(node)
+
+    @staticmethod
+    def _common_len(key: list[int], pos: int, edge: list[int], limit: int) -> int:
+        """Length of the common prefix of key[pos:pos+limit] and edge[:limit]."""
+        if limit == len(edge):
+            if key[pos : pos + limit] == edge:
+                return limit
+        elif key[pos : pos + limit] == edge[:limit]:
+            return limit
+        # Narrow down in C-speed slices before the per-token loop.
+        i, step = 0, 64
+        while i + step <= limit and key[pos + i : pos + i + step] == edge[i : i + step]:
+            i += step
+        while i < limit and key[pos + i] == edge[i]:
+            i += 1
+        return i
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut `node`'s edge after `at` tokens; return the new upper node."""
+        page_size = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key) and at % page_size == 0
+        upper = RadixNode(node.key[:at], node.pages[: at // page_size], parent, node.namespace)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        if node.hashes is not None:
+            upper.hashes = node.hashes[: at // page_size]
+            node.hashes = node.hashes[at // page_size :]
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[at:]
+        node.pages = node.pages[at // page_size :]
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        self._num_nodes += 1
+        return upper
+
+    # ------------------------------------------------------------- lookup
+    def match(
+        self,
+        key: list[int],
+        extra_key: str | None = None,
+        limit: int | None = None,
+        touch: bool = True,
+    ) -> MatchResult:
+        """Longest cached page-aligned prefix of key[:limit].
+
+        With ``touch`` (admission), the LRU clock of the path advances and a
+        partially matched edge is split so the result node ends exactly at the
+        match (ready to lock). Without it (policies), the tree is not changed
+        and ``node`` is the deepest node matched in full.
+        """
+        root = self._roots.get(extra_key)
+        n = len(key) if limit is None else min(len(key), limit)
+        page_size = self.page_size
+        n -= n % page_size
+        if root is None or n == 0:
+            return MatchResult([], 0, root or self._roots[None])
+        now = self._tick() if touch else 0
+        node, pos = root, 0
+        pages: list[int] = []
+        while pos < n:
+            child = node.children.get(
+                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+            )
+            if child is None:
+                break
+            edge = child.key
+            m = self._common_len(key, pos, edge, min(len(edge), n - pos))
+            m -= m % page_size
+            if m < len(edge):
+                if m == 0:
+                    break
+                if not touch:
+                    pages.extend(child.pages[: m // page_size])
+                    pos += m
+                    break
+                child = self._split(child, m)
+            pages.extend(child.pages)
+            pos += m
+            node = child
+            if touch:
+                self._touch(node, now)
+        return MatchResult(pages, pos, node)
+
+    # ------------------------------------------------------------- insert
+    def insert(
+        self,
+        key: list[int],
+        pages: list[int],
+        extra_key: str | None = None,
+        stop_on_conflict: bool = False,
+    ) -> InsertResult:
+        """Cache ``key`` (page aligned) whose KV is in ``pages``.
+
+        The cache takes ownership of the caller's pages for the part of the
+        key it did not hold. Where it already held the tokens under other
+        pages, those caller pages are returned in ``dup_pages`` (still the
+        caller's). With ``stop_on_conflict`` the insert stops before taking
+        anything once such a duplicate is found, for a caller that keeps
+        using its own copy.
+        """
+        page_size = self.page_size
+        n = len(key)
+        if n % page_size or len(pages) != n // page_size:
+            raise RadixCacheError(
+                f"insert needs a page-aligned key with one page per {page_size} tokens "
+                f"(got {n} tokens, {len(pages)} pages)"
+            )
+        node = self._root(extra_key)
+        now = self._tick()
+        pos = 0
+        dup: list[int] = []
+        while pos < n:
+            child = node.children.get(
+                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+            )
+            if child is None:
+                leaf = self._add_leaf(node, key[pos:], pages[pos // page_size :], now)
+                return InsertResult(pos, dup, leaf)
+            edge = child.key
+            m = self._common_len(key, pos, edge, min(len(edge), n - pos))
+            m -= m % page_size
+            if m == 0:
+                raise RadixCacheError("a child was filed under a key it does not start with")
+            if m < len(edge):
+                child = self._split(child, m)
+            mine = pages[pos // page_size : (pos + m) // page_size]
+            if mine != child.pages:
+                if stop_on_conflict:
+                    return InsertResult(pos, [], node, conflict=True)
+                dup.extend(p for p, q in zip(mine, child.pages, strict=False) if p != q)
+            pos += m
+            node = child
+            self._touch(node, now)
+        return InsertResult(n, dup, node)
+
+    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], now: int) -> RadixNode:
+        leaf = RadixNode(key, pages, parent, parent.namespace)
+        leaf.last_access = now
+        parent.children[self._child_key(key, 0)] = leaf
+        self._num_nodes += 1
+        self.evictable_pages += len(pages)
+        if self.events is not None:
+            parent_hash = parent.hashes[-1] if parent.hashes else None
+            seed = parent_hash if parent_hash is not None else namespace_seed(parent.namespace)
+            leaf.hashes = chain_page_hashes(seed, key, self.page_size)
+            self.events.append(
+                BlockStored(leaf.hashes, parent_hash, key, self.page_size, parent.namespace)
+            )
+        self._push(leaf)
+        return leaf
+
+    # -------------------------------------------------------------- locks
+    def lock(self, node: RadixNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                n = len(node.pages)
+                self.evictable_pages -= n
+                self.protected_pages += n
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref <= 0:
+                raise RadixCacheError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.pages)
+                self.evictable_pages += n
+                self.protected_pages -= n
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    # ----------------------------------------------------------- eviction
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages (whole leaves, LRU first) if that
+        many are evictable; return how many were freed."""
+        if self.pool is None:
+            raise RadixCacheError("this cache has no page pool to evict into")
+        freed = 0
+        heap = self._heap
+        release = self.pool.release
+        events = self.events
+        while freed < num_pages and heap:
+            _, seq, node = heapq.heappop(heap)
+            if node.heap_seq != seq:
+                continue
+            node.heap_seq = -1
+            parent = node.parent
+            if node.children or node.lock_ref or parent is None:
+                continue
+            release(node.pages)
+            freed += len(node.pages)
+            self.evictable_pages -= len(node.pages)
+            del parent.children[self._child_key(node.key, 0)]
+            node.parent = None
+            self._num_nodes -= 1
+            if events is not None and node.hashes:
+                events.append(BlockRemoved(node.hashes))
+            if not parent.children:
+                if parent.parent is not None:
+                    if parent.lock_ref == 0:
+                        self._push(parent)
+                elif parent.namespace is not None:
+                    del self._roots[parent.namespace]
+        return freed
+
+    def evict_all_unlocked(self) -> int:
+        return self.evict(self.evictable_pages)
+
+    def reset(self) -> None:
+        """Forget everything (the KV contents are gone, e.g. worker loss).
+
+        The page pool is reset by its owner; locks held by requests are void.
+        """
+        self._roots.clear()
+        self._root(None)
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self._heap = []
+        self._num_nodes = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    # ------------------------------------------------------------ queries
+    @property
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def roots(self) -> list[RadixNode]:
+        return list(self._roots.values())
+
+    def take_events(self) -> list:
+        return self.events.take() if self.events is not None else []
+
+    # --------------------------------------------------------- invariants
+    def check_integrity(self, holders: dict[int, int] | None = None) -> None:
+        """Check structure, lock counts, page accounting and the eviction heap.
+
+        Adds one holder per cached page to ``holders`` (page -> count) so the
+        caller can check the page pool against the cache and the requests.
+        """
+        page_size = self.page_size
+        live_seqs = {seq for _, seq, node in self._heap if node.heap_seq == seq}
+        evictable = protected = nodes = 0
+        for namespace, root in self._roots.items():
+            if root.parent is not None or root.key or root.namespace != namespace:
+                raise RadixCacheError(f"malformed root for namespace {namespace!r}")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                child_locks = 0
+                for ck, child in node.children.items():
+                    if child.parent is not node or child.namespace != namespace:
+                        raise RadixCacheError(f"{child!r} is not linked to its parent")
+                    if not child.key or ck != self._child_key(child.key, 0):
+                        raise RadixCacheError(f"{child!r} is filed under the wrong key {ck!r}")
+                    child_locks += child.lock_ref
+                    stack.append(child)
+                if node.parent is None:
+                    continue
+                nodes += 1
+                if len(node.key) % page_size or len(node.pages) != len(node.key) // page_size:
+                    raise RadixCacheError(f"{node!r} has {len(node.pages)} pages for its key")
+                if node.lock_ref < child_locks:
+                    raise RadixCacheError(f"{node!r} holds fewer locks than its children")
+                if node.lock_ref:
+                    protected += len(node.pages)
+                else:
+                    evictable += len(node.pages)
+                    if not node.children and node.heap_seq not in live_seqs:
+                        raise RadixCacheError(f"evictable leaf {node!r} is missing from the heap")
+                if self.events is not None and (
+                    node.hashes is None or len(node.hashes) != len(node.pages)
+                ):
+                    raise RadixCacheError(f"{node!r} has no block hash per page")
+                if holders is not None:
+                    for p in node.pages:
+                        holders[p] = holders.get(p, 0) + 1
+        if (evictable, protected) != (self.evictable_pages, self.protected_pages):
+            raise RadixCacheError(
+                f"page accounting drifted: counted evictable={evictable} protected={protected}, "
+                f"recorded evictable={self.evictable_pages} protected={self.protected_pages}"
+            )
+        if nodes != self._num_nodes:
+            raise RadixCacheError(f"node count drifted: {nodes} != {self._num_nodes}")

@@ -1,0 +1,220 @@
+"""A generation request as the scheduler sees it: tokens, state, and KV holdings.
+
+State machine (every transition goes through ``Request.move_to``)::
+
+    WAITING --admit--> PREFILLING --last chunk--> DECODING --token check--> FINISHED
+       ^                  |  ^ (next chunk)          |
+       |                  v  |                      v
+       +------------ RETRACTED <--- retract / preempt
+
+    and any state --abort--> FINISHED
+
+A retracted request keeps ``output_ids``; it re-prefills prompt + output
+(mostly from the prefix cache) and its output continues unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_service.core.sampling import (
+    NO_LOGPROBS,
+    InvalidRequestError,
+    LogprobOptions,
+    SamplingParams,
+)
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    RETRACTED = "retracted"
+    FINISHED = "finished"
+
+
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
+    RequestState.PREFILLING: frozenset(
+        {RequestState.DECODING, RequestState.RETRACTED, RequestState.FINISHED}
+    ),
+    RequestState.DECODING: frozenset({RequestState.RETRACTED, RequestState.FINISHED}),
+    RequestState.RETRACTED: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
+    RequestState.FINISHED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FinishStop:
+    """Stopped on an EOS / stop token id (int) or a stop string (str)."""
+
+    matched: int | str
+    kind = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishLength:
+    """Reached max_new_tokens (or the context length)."""
+
+    length: int
+    kind = "length"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishAbort:
+    """Aborted by the client, by validation, or by the scheduler (out of memory)."""
+
+    message: str
+    kind = "abort"
+
+
+FinishReason = FinishStop | FinishLength | FinishAbort
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Clock readings (the scheduler's clock) at the request's milestones."""
+
+    arrival: float = 0.0
+    queue_entry: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: LogprobOptions = NO_LOGPROBS
+    priority: int = 0
+    extra_key: str | None = None
+    routing_key: str | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+    # --- KV holdings, owned by the scheduler (see kv_ownership.py) ---
+    # Page table: page i holds positions [i * page_size, (i + 1) * page_size).
+    pages: list[int] = field(default_factory=list)
+    # The first `tree_pages` pages belong to the radix cache and are kept alive
+    # by the lock on `last_node`; the rest are this request's own.
+    tree_pages: int = 0
+    last_node: Any = None
+    # Positions [0, kv_len) have their KV computed or in an in-flight step.
+    kv_len: int = 0
+    # Sampled tokens in steps whose results have not come back (overlap).
+    pending: int = 0
+    # Bumped whenever in-flight results for this request become meaningless
+    # (retraction, preemption, finish); results carry the epoch they were for.
+    epoch: int = 0
+    # Whether the worker currently holds state for this request.
+    on_worker: bool = False
+    # Whether prompt logprobs still have to be computed (cleared after the
+    # first full prefill so a retracted request re-prefills from the cache).
+    prompt_logprobs_pending: bool = False
+    # Next prompt position whose logprob the client has not been sent.
+    prompt_logprobs_sent: int = 0
+
+    # --- statistics ---
+    cached_tokens: int = 0
+    retractions: int = 0
+    preemptions: int = 0
+
+    # --- per-step scratch written by the policy and the prefill adder ---
+    match_pages: list[int] = field(default_factory=list)
+    match_node: Any = None
+    match_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_logprobs_pending = self.logprobs.wants_prompt_logprobs
+        self.prompt_logprobs_sent = max(self.logprobs.logprob_start_len, 0)
+
+    # ---------------------------------------------------------------- state
+    def move_to(self, new: RequestState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransitionError(f"request {self.rid}: {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        self.move_to(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.times.finished = now
+        self.epoch += 1
+        self.pending = 0
+
+    # --------------------------------------------------------------- tokens
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus known output tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def planned_outputs(self) -> int:
+        """Output tokens known or already being sampled by in-flight steps."""
+        return len(self.output_ids) + self.pending
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def max_prefix_len(self) -> int:
+        """How many leading tokens may come from the prefix cache.
+
+        At least one token must be computed to get logits, and prompt
+        positions whose logprobs were asked for must be computed too.
+        """
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs_pending:
+            limit = min(limit, self.logprobs.logprob_start_len)
+        return max(limit, 0)
+
+    def validate(self, vocab_size: int | None = None, context_len: int | None = None) -> None:
+        if not self.prompt_ids:
+            raise InvalidRequestError(f"request {self.rid}: the prompt is empty")
+        if vocab_size is not None:
+            bad = [t for t in self.prompt_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"request {self.rid}: prompt token ids outside the vocabulary "
+                    f"[0, {vocab_size}): {bad[:5]}"
+                )
+        if context_len is not None:
+            total = len(self.prompt_ids) + self.sampling.max_new_tokens
+            if len(self.prompt_ids) >= context_len:
+                raise InvalidRequestError(
+                    f"request {self.rid}: the prompt has {len(self.prompt_ids)} tokens, "
+                    f"the model's context is {context_len}"
+                )
+            if total > context_len:
+                raise InvalidRequestError(
+                    f"request {self.rid}: prompt ({len(self.prompt_ids)} tokens) + max_new_tokens "
+                    f"({self.sampling.max_new_tokens}) = {total} exceeds the context length "
+                    f"{context_len}"
+                )
+        self.sampling.validate(vocab_size)
+        self.logprobs.validate(len(self.prompt_ids))
+
+
+__all__ = [
+    "FinishAbort",
+    "FinishLength",
+    "FinishReason",
+    "FinishStop",
+    "IllegalTransitionError",
+    "Request",
+    "RequestState",
+    "RequestTimes",
+]

@@ -1,0 +1,144 @@
+"""Drives a Scheduler against the SimulatedWorker and checks it as it goes.
+
+Used by the core's unit and property tests: integrity after every step and
+every update, outputs against the simulated worker's oracle at the end, and
+the pool back to "free or cached-unlocked" once everything is done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_service.core import (
+    FinishAbort,
+    FinishLength,
+    FinishStop,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SimulatedWorker,
+)
+from scheduler_service.core.simulated_worker import expected_output
+
+
+@dataclass
+class DriveLog:
+    steps: int = 0
+    plans: int = 0
+    deltas: dict[str, list[int]] = field(default_factory=dict)
+    finished_deltas: dict[str, int] = field(default_factory=dict)
+    plans_by_mode: dict[str, int] = field(default_factory=dict)
+
+
+def make_pair(
+    config: SchedulerConfig, num_pages: int, vocab_size: int, **sched_kwargs
+) -> tuple[Scheduler, SimulatedWorker]:
+    sched = Scheduler(config, num_pages, **sched_kwargs)
+    worker = SimulatedWorker(num_pages, config.page_size, vocab_size)
+    return sched, worker
+
+
+def drive(
+    sched: Scheduler,
+    worker: SimulatedWorker,
+    arrivals: list[tuple[int, Request]],
+    aborts: dict[int, list[str]] | None = None,
+    overlap: bool | int = False,
+    max_steps: int = 50_000,
+    check: bool = True,
+) -> DriveLog:
+    """Run until every request is done and the worker holds nothing.
+
+    ``overlap`` is how many plans may be in flight beyond the one just made
+    (True is 1: plan N+1 is made before result N is applied).
+    """
+    lag = int(overlap)
+    aborts = aborts or {}
+    todo = deque(sorted(arrivals, key=lambda a: a[0]))
+    inflight: deque = deque()
+    log = DriveLog()
+
+    def collect() -> None:
+        for d in sched.drain():
+            if d.req.rid in log.finished_deltas:
+                raise AssertionError(f"{d.req.rid} got a delta after finishing")
+            log.deltas.setdefault(d.req.rid, []).extend(d.new_token_ids)
+            if d.finished:
+                log.finished_deltas[d.req.rid] = 1
+
+    t = 0
+    while True:
+        while todo and todo[0][0] <= t:
+            sched.add_request(todo.popleft()[1])
+        for rid in aborts.get(t, ()):
+            sched.abort(rid, "test abort")
+        collect()
+        plan = sched.step()
+        if check:
+            sched.check_integrity()
+        if plan is not None:
+            log.plans += 1
+            log.plans_by_mode[plan.mode.value] = log.plans_by_mode.get(plan.mode.value, 0) + 1
+            inflight.append(plan)
+        # Without overlap the plan just made runs now; with overlap the one
+        # before it does, so step N+1 was planned before result N arrived.
+        while inflight and (len(inflight) > lag or plan is None):
+            sched.update(worker.execute(inflight.popleft()))
+            if check:
+                sched.check_integrity()
+        collect()
+        t += 1
+        if not todo and not inflight and sched.is_idle():
+            break
+        if t >= max_steps:
+            raise AssertionError(f"not done after {max_steps} steps")
+    log.steps = t
+    return log
+
+
+def stop_ids(req: Request, config: SchedulerConfig) -> frozenset[int]:
+    if req.sampling.ignore_eos:
+        return frozenset()
+    return req.sampling.stop_token_ids | config.eos_token_ids
+
+
+def check_outputs(
+    reqs: list[Request],
+    config: SchedulerConfig,
+    vocab_size: int,
+    log: DriveLog,
+    allow_abort: set[str] = frozenset(),
+) -> None:
+    """Every request's output is the oracle's (a prefix of it if aborted)."""
+    for req in reqs:
+        exp = expected_output(
+            req.prompt_ids,
+            req.sampling.max_new_tokens,
+            vocab_size,
+            stop_ids(req, config),
+            req.sampling.min_new_tokens,
+        )
+        reason = req.finish_reason
+        assert req.finished, f"{req.rid} did not finish"
+        assert log.deltas.get(req.rid, []) == req.output_ids, f"{req.rid}: deltas != output"
+        assert log.finished_deltas.get(req.rid) == 1, f"{req.rid}: no finished delta"
+        if isinstance(reason, FinishAbort):
+            assert req.rid in allow_abort, f"{req.rid} aborted unexpectedly: {reason.message}"
+            assert req.output_ids == exp[: len(req.output_ids)], f"{req.rid}: wrong tokens"
+            continue
+        assert req.output_ids == exp, f"{req.rid}: {req.output_ids} != {exp}"
+        if isinstance(reason, FinishStop):
+            assert reason.matched == exp[-1] and exp[-1] in stop_ids(req, config)
+        else:
+            assert isinstance(reason, FinishLength)
+            assert len(exp) == req.sampling.max_new_tokens
+
+
+def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
+    """Nothing held: every page free or cached-unlocked, worker state empty."""
+    sched.check_integrity()
+    assert sched.cache.protected_pages == 0
+    assert sched.pool.num_free + sched.cache.evictable_pages == sched.pool.num_pages
+    assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
+    assert sched.num_inflight == 0
