@@ -15,6 +15,7 @@ It is the oracle of the scheduler's tests:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_service.core.plan import (
@@ -57,16 +58,18 @@ def expected_output(
     vocab_size: int,
     stop_ids: frozenset[int] = frozenset(),
     min_new_tokens: int = 0,
+    stops: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """What any correct scheduler makes the simulated worker generate for a
-    prompt, stopping after a stop id once more than min_new_tokens exist."""
+    prompt: it stops after a stop id, or once ``stops(output)`` holds (say a
+    stop string showed up), when more than min_new_tokens tokens exist."""
     state = context_state(prompt)
     out: list[int] = []
     while len(out) < max_new_tokens:
         tok = next_token(state, vocab_size)
         out.append(tok)
         state = _absorb(state, tok)
-        if tok in stop_ids and len(out) > min_new_tokens:
+        if len(out) > min_new_tokens and (tok in stop_ids or (stops is not None and stops(out))):
             break
     return out
 

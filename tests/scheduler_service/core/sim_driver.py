@@ -34,6 +34,7 @@ class DriveLog:
 def make_pair(
     config: SchedulerConfig, num_pages: int, vocab_size: int, **sched_kwargs
 ) -> tuple[Scheduler, SimulatedWorker]:
+    sched_kwargs.setdefault("stop_strings", toy_stop_strings)
     sched = Scheduler(config, num_pages, **sched_kwargs)
     worker = SimulatedWorker(num_pages, config.page_size, vocab_size)
     return sched, worker
@@ -97,6 +98,17 @@ def drive(
     return log
 
 
+def toy_text(tokens: list[int]) -> str:
+    """A stand-in detokenizer: token t reads "<t>"."""
+    return "".join(f"<{t}>" for t in tokens)
+
+
+def toy_stop_strings(req: Request) -> str | None:
+    """StopStringChecker over toy_text (whole-text search, fine for tests)."""
+    text = toy_text(req.output_ids)
+    return next((s for s in req.sampling.stop_strs if s in text), None)
+
+
 def stop_ids(req: Request, config: SchedulerConfig) -> frozenset[int]:
     if req.sampling.ignore_eos:
         return frozenset()
@@ -112,12 +124,14 @@ def check_outputs(
 ) -> None:
     """Every request's output is the oracle's (a prefix of it if aborted)."""
     for req in reqs:
+        strs = req.sampling.stop_strs
         exp = expected_output(
             req.prompt_ids,
             req.sampling.max_new_tokens,
             vocab_size,
             stop_ids(req, config),
             req.sampling.min_new_tokens,
+            stops=(lambda out, strs=strs: any(s in toy_text(out) for s in strs)) if strs else None,
         )
         reason = req.finish_reason
         assert req.finished, f"{req.rid} did not finish"
@@ -128,7 +142,9 @@ def check_outputs(
             assert req.output_ids == exp[: len(req.output_ids)], f"{req.rid}: wrong tokens"
             continue
         assert req.output_ids == exp, f"{req.rid}: {req.output_ids} != {exp}"
-        if isinstance(reason, FinishStop):
+        if isinstance(reason, FinishStop) and isinstance(reason.matched, str):
+            assert reason.matched in strs and reason.matched in toy_text(exp)
+        elif isinstance(reason, FinishStop):
             assert reason.matched == exp[-1] and exp[-1] in stop_ids(req, config)
         else:
             assert isinstance(reason, FinishLength)

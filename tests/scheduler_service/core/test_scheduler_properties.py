@@ -66,6 +66,12 @@ def scenarios(draw, pressure: bool = False):
                 min_new_tokens=min_new,
                 ignore_eos=draw(st.sampled_from([False, False, False, True])),
                 stop_token_ids=frozenset(draw(st.lists(st.integers(1, VOCAB - 1), max_size=2))),
+                stop_strs=tuple(
+                    "".join(
+                        f"<{t}>" for t in draw(st.lists(st.integers(0, 7), min_size=1, max_size=2))
+                    )
+                    for _ in range(draw(st.integers(0, 2)))
+                ),
             ),
             priority=draw(st.sampled_from([0, 0, 5, 20, 40])),
             extra_key=draw(st.sampled_from([None, None, None, "a", "b"])),
