@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
@@ -26,15 +26,6 @@ from tests.scheduler_service.core.sim_driver import (
 VOCAB = 40
 EOS = 0
 EXAMPLES = int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120"))
-
-settings.register_profile(
-    "core",
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=os.environ.get("RADIXSERVE_PROPERTY_RANDOM") != "1",
-    print_blob=True,
-)
 
 
 @st.composite
@@ -119,25 +110,25 @@ def run_scenario(scenario, overlap: bool) -> None:
     assert sched.stats.oom_aborts == 0
 
 
-@settings(settings.get_profile("core"))
+@settings(max_examples=EXAMPLES)
 @given(scenarios())
 def test_random_workloads_without_overlap(scenario):
     run_scenario(scenario, overlap=False)
 
 
-@settings(settings.get_profile("core"))
+@settings(max_examples=EXAMPLES)
 @given(scenarios())
 def test_random_workloads_with_overlap(scenario):
     run_scenario(scenario, overlap=True)
 
 
-@settings(settings.get_profile("core"))
+@settings(max_examples=EXAMPLES)
 @given(scenarios(pressure=True))
 def test_memory_pressure_without_overlap(scenario):
     run_scenario(scenario, overlap=False)
 
 
-@settings(settings.get_profile("core"))
+@settings(max_examples=EXAMPLES)
 @given(scenarios(pressure=True))
 def test_memory_pressure_with_overlap(scenario):
     run_scenario(scenario, overlap=True)
