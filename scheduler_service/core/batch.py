@@ -41,13 +41,10 @@ class RunningBatch:
             self._reqs[r.rid] = r
 
     def remove(self, req: Request) -> None:
+        """Take out a request that finished, was retracted or preempted. This is
+        SGLang's filter_batch, done at the moment it happens rather than by a
+        sweep, so the batch never holds a finished request."""
         del self._reqs[req.rid]
-
-    def filter(self) -> None:
-        """Drop finished requests (normally removed as they finish)."""
-        done = [rid for rid, r in self._reqs.items() if r.finished]
-        for rid in done:
-            del self._reqs[rid]
 
     # ------------------------------------------------------------ decode
     def decode_candidates(self) -> list[Request]:

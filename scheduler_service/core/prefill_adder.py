@@ -56,7 +56,6 @@ class PrefillAdder:
         self.new_chunked: Request | None = None
         self.preempted: list[Request] = []
         self.hit_tokens = 0
-        self.input_tokens = 0
 
     # ------------------------------------------------------------ budgets
     def running_need(self, req: Request) -> float:
@@ -100,7 +99,6 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
         self.hit_tokens += prefix_len
-        self.input_tokens += extend
 
     def _chunk_end(self, req: Request, start: int, budget: int) -> int:
         """End of a chunk of at most ``budget`` tokens from ``start``, cut at a
