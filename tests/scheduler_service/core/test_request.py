@@ -67,7 +67,7 @@ def test_max_prefix_len_leaves_a_token_and_prompt_logprob_positions():
     lp = Request(
         "b", list(range(10)), logprobs=LogprobOptions(return_logprob=True, logprob_start_len=4)
     )
-    assert lp.max_prefix_len() == 4
+    assert lp.max_prefix_len() == 3  # token 4 is scored by the logits at position 3
     lp.prompt_logprobs_pending = False
     assert lp.max_prefix_len() == 9
 

@@ -217,13 +217,14 @@ def test_prompt_logprob_positions_are_computed_not_cached():
     plan = sched.step()
     (entry,) = plan.entries
     (join,) = plan.joins
-    assert entry.start_pos == 5 and join.prefix_ids == [1, 2, 3, 4, 5]
-    assert entry.next_token == 10  # the prompt token after this chunk, to score it
+    # Token 5 is scored by the logits at position 4, so 4 tokens come from the cache.
+    assert entry.start_pos == 4 and join.prefix_ids == [1, 2, 3, 4]
+    assert entry.next_token == 9  # the prompt token after this chunk, to score it
     result = worker.execute(plan)
     result.outputs[0].prompt_logprobs = []
     sched.update(result)
     drive(sched, worker, [])
-    assert r.finished and r.cached_tokens == 5
+    assert r.finished and r.cached_tokens == 4
 
 
 def test_prompt_logprobs_reach_the_client_once():

@@ -1,0 +1,235 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FORWARD_MODE_UNSPECIFIED: _ClassVar[ForwardMode]
+    FORWARD_MODE_PREFILL: _ClassVar[ForwardMode]
+    FORWARD_MODE_DECODE: _ClassVar[ForwardMode]
+    FORWARD_MODE_MIXED: _ClassVar[ForwardMode]
+    FORWARD_MODE_IDLE: _ClassVar[ForwardMode]
+FORWARD_MODE_UNSPECIFIED: ForwardMode
+FORWARD_MODE_PREFILL: ForwardMode
+FORWARD_MODE_DECODE: ForwardMode
+FORWARD_MODE_MIXED: ForwardMode
+FORWARD_MODE_IDLE: ForwardMode
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "eos_token_ids", "max_context_len", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_context_len: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: ModelInfo
+    page_size: int
+    num_pages: int
+    tp_rank: int
+    tp_size: int
+    attention_backend: str
+    device: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias_ids", "logit_bias_values", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    min_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class LogprobOptions(_message.Message):
+    __slots__ = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+    RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., top_logprobs_num: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TraceContext(_message.Message):
+    __slots__ = ("traceparent", "tracestate")
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    traceparent: str
+    tracestate: str
+    def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class Join(_message.Message):
+    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    rid: str
+    sampling: SamplingParams
+    logprobs: LogprobOptions
+    prompt_len: int
+    prefix_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: int
+    trace: TraceContext
+    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+
+class Extend(_message.Message):
+    __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    start_pos: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_pages: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    next_token: int
+    def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    EXTENDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    mode: ForwardMode
+    leaves: _containers.RepeatedScalarFieldContainer[int]
+    joins: _containers.RepeatedCompositeFieldContainer[Join]
+    extends: _containers.RepeatedCompositeFieldContainer[Extend]
+    decode_slots: _containers.RepeatedScalarFieldContainer[int]
+    decode_positions: _containers.RepeatedScalarFieldContainer[int]
+    decode_new_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    start: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, slot: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IDS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    error: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_counts: _containers.RepeatedScalarFieldContainer[int]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ids_counts: _containers.RepeatedScalarFieldContainer[int]
+    ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    forward_ms: float
+    idle_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerChunk(_message.Message):
+    __slots__ = ("data", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...

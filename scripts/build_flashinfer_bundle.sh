@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# Build .fi_bundle/: what an offline GPU machine (x86-64, CPython 3.12, torch for
+# CUDA 13, no flashinfer, no network) needs to run worker_service's 'flashinfer'
+# attention backend without compiling anything:
+#
+#   site/flashinfer/            FlashInfer's Python files that get imported (not the
+#                               855 MB wheel: no CUTLASS/CCCL sources, no other kernels)
+#   site/flashinfer/data/aot/   the kernel modules FlashInferAttention loads, built here
+#                               with nvcc for sm_90a; FlashInfer loads
+#                               data/aot/<uri>/<uri>.so before trying to JIT-compile
+#   site/flashinfer/data/csrc/  the few templates FlashInfer reads to name a module
+#   site/tvm_ffi/               apache-tvm-ffi for CPython 3.12 (FlashInfer >= 0.5 binds
+#                               kernels through TVM-FFI, so modules link no torch)
+#   extras/*.whl                pure-Python test dependencies, installed there only
+#                               when missing (scripts/gpu_check.sh)
+#   env.sh                      source it: PYTHONPATH, FLASHINFER_DISABLE_JIT=1, ...
+#
+# Usage: scripts/build_flashinfer_bundle.sh     (about 15 min on 2 cores; reruns reuse
+# the build cache in $FI_BUNDLE_WORK). Knobs: FI_HEAD_DIMS, FI_DTYPES, FI_CUDA_ARCH,
+# FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper, about
+# 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${FI_BUNDLE_DIR:-$ROOT/.fi_bundle}
+WORK=${FI_BUNDLE_WORK:-/tmp/fi_bundle_work}
+PY=${FI_BUNDLE_PYTHON:-$ROOT/.venv/bin/python}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+
+# Pinned versions (FlashInfer's kernels and its TVM-FFI must match at run time).
+FLASHINFER_PYTHON=0.7.2.post1
+TVM_FFI=0.1.15.post2
+CURAND=10.4.0.35 # headers only: CUTLASS's util headers include curand_kernel.h
+BUILD_DEPS=(einops==0.8.2 nvidia-ml-py==13.615.71 tabulate==0.10.0 click==8.5.1)
+EXTRAS=(structlog==26.1.0 gguf==0.19.0 grpcio-health-checking==1.85.1
+  grpcio-reflection==1.85.1 protobuf==7.36.2)
+PY312=(--python-version 3.12 --implementation cp --only-binary=:all:
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+export FI_HEAD_DIMS=${FI_HEAD_DIMS:-"64 128"}
+export FI_DTYPES=${FI_DTYPES:-"bfloat16"}
+export FI_PREFILL_BACKENDS=${FI_PREFILL_BACKENDS:-"fa2"}
+export FLASHINFER_CUDA_ARCH_LIST=${FI_CUDA_ARCH:-9.0a}
+
+pip() { "$PY" -m pip "$@" --disable-pip-version-check -q; }
+
+echo "== downloading pinned wheels into $WORK"
+mkdir -p "$WORK"/{host,deps,w312,stubs}
+pip download --no-deps -d "$WORK/host" "flashinfer-python==$FLASHINFER_PYTHON" \
+  "apache-tvm-ffi==$TVM_FFI" "nvidia-curand==$CURAND"
+pip download --no-deps -d "$WORK/deps" "${BUILD_DEPS[@]}"
+pip download --no-deps "${PY312[@]}" -d "$WORK/w312" "apache-tvm-ffi==$TVM_FFI" "${EXTRAS[@]}"
+
+echo "== build environment (this Python, FlashInfer's full sources)"
+pip install --no-deps --no-index --upgrade --target "$WORK/site" "$WORK"/host/*.whl
+# Import-time needs of flashinfer that the GPU image already has, kept apart so the
+# bundle check below cannot find FlashInfer files outside the bundle.
+pip install --no-deps --no-index --upgrade --target "$WORK/deps_site" "$WORK"/deps/*.whl
+# No libcuda on a GPU-less build machine: link against an empty stub with its
+# soname (the modules end up not needing libcuda at all).
+echo 'void fi_bundle_stub(void) {}' >"$WORK/stubs/stub.c"
+cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$WORK/stubs/libcuda.so" "$WORK/stubs/stub.c"
+
+export PYTHONPATH="$WORK/site:$WORK/deps_site"
+export FLASHINFER_WORKSPACE_BASE="$WORK/ws"
+export FLASHINFER_EXTRA_LDFLAGS="-L$WORK/stubs"
+export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $WORK/site/nvidia/cu13/include"
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export FI_OUT="$OUT" FI_WORK="$WORK"
+
+NEW="$WORK/bundle.new"
+rm -rf "$NEW"
+echo "== compiling modules for sm_${FLASHINFER_CUDA_ARCH_LIST/./} (heads: $FI_HEAD_DIMS)"
+"$PY" - <<'EOF'
+import os, pathlib, shutil, sys, torch
+from flashinfer.jit.attention import modules as m
+from flashinfer.jit.core import build_jit_specs
+
+def specs():
+    # The exact specs FlashInferAttention loads: the decode wrappers use backend="fa2"
+    # (tensor-core decode runs the fa2 prefill module), prefill uses FI_PREFILL_BACKENDS.
+    for dtype in os.environ["FI_DTYPES"].split():
+        dt = getattr(torch, dtype)
+        for hd in map(int, os.environ["FI_HEAD_DIMS"].split()):
+            for swa in (False, True):
+                a = (dt, dt, dt, torch.int32, hd, hd, 0, swa, False)
+                yield m.gen_batch_decode_module(*a)
+                yield m._gen_batch_prefill_primary_module("fa2", *a, False)
+                if "fa3" in os.environ["FI_PREFILL_BACKENDS"].split():
+                    yield m.gen_batch_prefill_module("fa3", *a, False)
+
+out = pathlib.Path(os.environ["FI_WORK"], "bundle.new/site/flashinfer/data/aot")
+todo = list(specs())
+build_jit_specs(todo, verbose=False, skip_prebuilt=False)
+for spec in todo:
+    (out / spec.name).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(spec.jit_library_path, out / spec.name / f"{spec.name}.so")
+    print("  built", spec.name)
+# The Python files a process that uses the backend imports (import + module lookup).
+import flashinfer, flashinfer.prefill, flashinfer.decode  # noqa: E401,F401
+root = pathlib.Path(flashinfer.__file__).parent
+used = {pathlib.Path(f).relative_to(root) for mod in list(sys.modules.values())
+        if (f := getattr(mod, "__file__", None)) and f.startswith(str(root))}
+used |= {p.relative_to(root) for p in root.glob("*.py")} | {
+    p.relative_to(root) for p in (root / "jit").rglob("*.py")}
+pathlib.Path(os.environ["FI_WORK"], "used_files.txt").write_text(
+    "\n".join(sorted(map(str, used))) + "\n")
+EOF
+
+echo "== assembling $OUT"
+FI="$WORK/site/flashinfer"
+mkdir -p "$NEW/site/flashinfer"
+(cd "$FI" && xargs -a "$WORK/used_files.txt" cp --parents -t "$NEW/site/flashinfer")
+mkdir -p "$NEW/site/flashinfer/data/csrc"
+for f in batch_prefill_customize_config.jinja batch_prefill_paged_kernel_inst.jinja \
+  batch_prefill_ragged_kernel_inst.jinja batch_prefill.cu batch_prefill_jit_binding.cu \
+  batch_prefill_paged.cu batch_prefill_paged_jit_binding.cu batch_prefill_paged.cuh \
+  batch_prefill_sm90_customize_config.jinja batch_prefill_paged_sm90_kernel_inst.jinja \
+  batch_prefill_ragged_sm90_kernel_inst.jinja batch_prefill_sm90.cu \
+  batch_prefill_sm90_jit_binding.cu batch_decode_customize_config.jinja \
+  batch_decode_kernel_inst.jinja batch_decode.cu batch_decode_jit_binding.cu; do
+  cp "$FI/data/csrc/$f" "$NEW/site/flashinfer/data/csrc/"
+done
+cp -r "$WORK/site/flashinfer_python-$FLASHINFER_PYTHON.dist-info" "$NEW/site/"
+pip install --no-deps --no-index "${PY312[@]}" --target "$NEW/site" "$WORK"/w312/apache_tvm_ffi-*.whl
+rm -rf "$NEW/site/tvm_ffi/3rdparty" "$NEW/site/tvm_ffi/src" "$NEW/site/bin"
+mkdir -p "$NEW/extras"
+for w in "$WORK"/w312/*.whl; do [[ $w == */apache_tvm_ffi-* ]] || cp "$w" "$NEW/extras/"; done
+cat >"$NEW/env.sh" <<'EOF'
+# Source me: use the bundle's FlashInfer and kernels; never JIT-compile.
+FI_BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export PYTHONPATH="$FI_BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
+export FLASHINFER_DISABLE_JIT=1 # a missing kernel is an error, not a 40-minute build
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_workspace}
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 # torch >= 2.10 has the DLPack C API itself
+EOF
+{
+  echo "flashinfer-python $FLASHINFER_PYTHON, apache-tvm-ffi $TVM_FFI (cp312), arch $FLASHINFER_CUDA_ARCH_LIST"
+  echo "built with: $("$CUDA_HOME/bin/nvcc" --version | tail -1), $("$PY" -V)"
+  (cd "$NEW/site/flashinfer/data/aot" && ls)
+} >"$NEW/MANIFEST.txt"
+rm -rf "$OUT" && mv "$NEW" "$OUT"
+du -sh "$OUT" "$OUT"/site/flashinfer/data/aot "$OUT"/extras
+
+echo "== checking the bundle with $("$PY" -V): this machine has neither 3.12 nor a GPU"
+for so in "$OUT"/site/flashinfer/data/aot/*/*.so; do
+  # Portable across torch builds: no torch/c10 symbols, and only libcudart (loaded by
+  # torch on a CUDA build) beside the C/C++ runtime.
+  if readelf -d "$so" | grep NEEDED | grep -vqE 'libcudart\.so\.13|libstdc\+\+|libgcc_s|libc\.so|libm\.so'; then
+    echo "unexpected dependency in $so" && exit 1
+  fi
+  if nm -D --undefined-only "$so" | grep -qE ' _ZN(2at|3c10|5torch)'; then
+    echo "torch symbols in $so" && exit 1
+  fi
+done
+pip install --no-deps --no-index --upgrade --target "$WORK/tvm_host" "$WORK"/host/apache_tvm_ffi-*.whl
+# This Python's tvm_ffi first (the bundle's is built for 3.12), then the bundle.
+PYTHONPATH="$WORK/tvm_host:$OUT/site:$WORK/deps_site" FI_OUT="$OUT" \
+  LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  FLASHINFER_DISABLE_JIT=1 FLASHINFER_WORKSPACE_BASE="$WORK/check_ws" "$PY" - <<'EOF'
+import os
+
+import torch
+
+import flashinfer
+from flashinfer.decode import get_batch_decode_module
+from flashinfer.jit.attention import modules as m
+from flashinfer.prefill import get_batch_prefill_module
+
+assert flashinfer.__file__.startswith(os.environ["FI_OUT"]), flashinfer.__file__
+n = 0
+for dtype in os.environ["FI_DTYPES"].split():
+    dt = getattr(torch, dtype)
+    for hd in map(int, os.environ["FI_HEAD_DIMS"].split()):
+        for swa in (False, True):
+            a = (dt, dt, dt, torch.int32, hd, hd, 0, swa, False)
+            # The lookups the wrappers' plan() makes; FLASHINFER_DISABLE_JIT=1 turns a
+            # missing prebuilt module into an error instead of a build.
+            for spec in (
+                m.gen_batch_decode_module(*a),
+                m._gen_batch_prefill_primary_module("fa2", *a, False),
+            ):
+                assert spec.is_aot, f"not prebuilt: {spec.name}"
+            dec = get_batch_decode_module(*a)
+            pre = get_batch_prefill_module("fa2", *a, False)
+            assert callable(dec.plan) and callable(dec.run)
+            assert callable(pre.plan) and callable(pre.paged_run)
+            n += 2
+tvm = __import__("tvm_ffi")
+print(f"bundle OK: flashinfer {flashinfer.__version__} from the bundle, {n} prebuilt "
+      f"modules loaded through tvm_ffi {tvm.__version__}")
+EOF

@@ -1,0 +1,242 @@
+"""FlashInfer attention: host-side index building (CPU) and, on a GPU, equality with
+the torch reference (outputs within bf16 tolerance, identical cache contents) and
+CUDA-graph replays equal to eager decode steps.
+
+GPU tests skip without CUDA, and without flashinfer unless
+RADIXSERVE_REQUIRE_FLASHINFER=1 (scripts/gpu_check.sh sets it: there a missing
+flashinfer is a broken bundle, not a reason to skip)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from worker_service.attention.base import AttentionBatch, AttentionSpec, SequenceSlice
+from worker_service.attention.flashinfer_backend import (
+    FlashInferAttention,
+    check_token_order,
+    kv_rows,
+    paged_layout,
+    store_kv,
+)
+from worker_service.attention.torch_backend import TorchAttention
+from worker_service.cuda_graphs import DecodeGraphs, pick_graph_size
+from worker_service.kv_cache import KvCache
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def flashinfer_ok() -> None:
+    if importlib.util.find_spec("flashinfer") is None:
+        if os.environ.get("RADIXSERVE_REQUIRE_FLASHINFER") == "1":
+            pytest.fail("flashinfer is not importable (is .fi_bundle/env.sh sourced?)")
+        pytest.skip("flashinfer is not installed")
+
+
+def make_batch(
+    extends: list[tuple[int, int]],
+    decodes: list[int],
+    page_size: int,
+    num_pages: int,
+    gen: torch.Generator,
+    device: str = "cpu",
+) -> AttentionBatch:
+    """Sequences as (q_len, kv_len) on distinct random pages; page num_pages - 1 stays
+    free (the CUDA-graph scratch page)."""
+    free = torch.randperm(num_pages - 1, generator=gen).tolist()
+    seqs, positions, row = [], [], 0
+    for q_len, kv_len in [*extends, *((1, n) for n in decodes)]:
+        n = -(-kv_len // page_size)
+        assert len(free) >= n, "test batch needs more pages"
+        seqs.append(SequenceSlice(row, q_len, kv_len, free[:n]))
+        free, row = free[n:], row + q_len
+        positions += range(kv_len - q_len, kv_len)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    table = torch.tensor([p for s in seqs for p in s.page_table], dtype=torch.int64)
+    first = np.cumsum([0] + [len(s.page_table) for s in seqs])
+    pages = pos  # no sequences: empty
+    if seqs:
+        q_lens = torch.tensor([s.q_len for s in seqs])
+        seq_of = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        pages = table[torch.from_numpy(first[:-1])[seq_of] + pos // page_size]
+    offsets = pos % page_size
+    return AttentionBatch(
+        seqs, len(extends), *(t.to(device) for t in (pos, pages, offsets)), page_size=page_size
+    )
+
+
+# ---- host side (CPU) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_layout_matches_definition(page_size: int) -> None:
+    gen = torch.Generator().manual_seed(page_size)
+    batch = make_batch([(5, 5), (3, 40)], [1, 16, 17, 33], page_size, 1024 // page_size, gen)
+    lay = paged_layout(batch.seqs, page_size, pad_to=9, pad_page=63)
+    q_lens = [s.q_len for s in batch.seqs] + [1] * 3
+    assert lay.qo_indptr.tolist() == np.cumsum([0, *q_lens]).tolist()
+    for i, s in enumerate(batch.seqs):
+        pages = lay.indices[lay.kv_indptr[i] : lay.kv_indptr[i + 1]].tolist()
+        assert pages == s.page_table
+        assert (len(pages) - 1) * page_size + lay.last_page_len[i] == s.kv_len
+    assert lay.indices[lay.kv_indptr[6] :].tolist() == [63] * 3
+    assert lay.last_page_len[6:].tolist() == [1] * 3
+    assert all(a.dtype == np.int32 for a in vars(lay).values())
+
+
+def test_paged_layout_rejects_bad_sequences() -> None:
+    with pytest.raises(ValueError, match="page_table"):
+        paged_layout([SequenceSlice(0, 1, 20, [3])], 16)
+    with pytest.raises(ValueError, match="q_len"):
+        paged_layout([SequenceSlice(0, 5, 4, [3])], 16)
+
+
+def test_check_token_order() -> None:
+    batch = make_batch([(4, 9)], [3, 5], 4, 16, torch.Generator().manual_seed(0))
+    check_token_order(batch)
+    batch.seqs[1].q_start = 5
+    with pytest.raises(ValueError, match="in order"):
+        check_token_order(batch)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv_matches_kv_cache_write(page_size: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    batch = make_batch([(7, 20)], [3, 30], page_size, 64, gen)
+    a = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
+    b = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
+    k, v = torch.randn(2, batch.num_tokens, 2, 8, generator=gen)
+    a.write(0, batch.write_pages, batch.write_offsets, k, v)
+    rows = kv_rows(batch.write_pages, batch.write_offsets, page_size)
+    store_kv(b.layers[0], torch.stack([rows, rows + page_size]), k, v)
+    assert torch.equal(a.layers[0], b.layers[0])
+
+
+def test_pick_graph_size() -> None:
+    assert pick_graph_size(3, (1, 2, 4, 8)) == 4
+    assert pick_graph_size(8, (1, 2, 4, 8)) == 8
+    assert pick_graph_size(9, (1, 2, 4, 8)) is None
+    assert pick_graph_size(1, ()) is None
+
+
+def spec_for(
+    heads: tuple[int, int, int], page_size: int, window: int | None, dtype: torch.dtype, dev: str
+) -> AttentionSpec:
+    return AttentionSpec(*heads, page_size, window, dtype, torch.device(dev))
+
+
+def test_construction_refuses_cpu_and_fp32() -> None:
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        FlashInferAttention(spec_for((4, 2, 64), 16, None, torch.float32, "cpu"))
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        FlashInferAttention(spec_for((4, 2, 64), 16, None, torch.bfloat16, "cpu"))
+
+
+def test_module_does_not_import_flashinfer() -> None:
+    code = (
+        "import sys, worker_service.attention.flashinfer_backend, worker_service.cuda_graphs\n"
+        "assert 'flashinfer' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- GPU: FlashInfer vs the torch reference ---------------------------------------------
+
+HEADS = [(8, 2, 128), (4, 4, 64), (12, 2, 64)]  # GQA group 4, 1 and 6
+BATCHES = {
+    "mixed": ([(17, 17), (5, 40), (1, 23)], [1, 9, 33, 70]),
+    "extend_only": ([(30, 30), (16, 50)], []),
+    "decode_only": ([], [5, 16, 17, 100, 64]),
+}
+
+
+def random_caches(spec: AttentionSpec, num_pages: int, gen: torch.Generator):
+    """A bf16 cache with random contents and an exact fp32 copy for the reference."""
+    shape = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    fi, ref = KvCache(*shape, spec.dtype, "cuda"), KvCache(*shape, torch.float32, "cuda")
+    for a, b in zip(fi.layers, ref.layers, strict=True):
+        a.copy_(torch.randn(a.shape, generator=gen).to(a.dtype))
+        b.copy_(a.float())
+    return fi, ref
+
+
+def random_qkv(spec: AttentionSpec, tokens: int, gen: torch.Generator):
+    shapes = [(tokens, spec.num_heads, spec.head_dim)] + [
+        (tokens, spec.num_kv_heads, spec.head_dim)
+    ] * 2
+    return [torch.randn(s, generator=gen).to("cuda", spec.dtype) for s in shapes]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.usefixtures("flashinfer_ok")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize("tensor_cores", [None, False, True])
+def test_flashinfer_matches_torch(page_size, heads, window, kind, tensor_cores) -> None:
+    spec = spec_for(heads, page_size, window, torch.bfloat16, "cuda")
+    ref_spec = spec_for(heads, page_size, window, torch.float32, "cuda")
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((page_size, heads, window, kind)).encode()))
+    num_pages = 4096 // page_size
+    batch = make_batch(*BATCHES[kind], page_size, num_pages, gen)
+    fi_kv, ref_kv = random_caches(spec, num_pages, gen)
+    fi = FlashInferAttention(spec, workspace_bytes=64 * 2**20, decode_tensor_cores=tensor_cores)
+    ref = TorchAttention(ref_spec)
+    fi.begin_step(batch)
+    ref.begin_step(batch)
+    for layer in range(2):
+        q, k, v = random_qkv(spec, batch.num_tokens, gen)
+        out = fi.forward(layer, q, k, v, fi_kv)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_kv)
+        assert torch.equal(fi_kv.layers[layer].float(), ref_kv.layers[layer])
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.usefixtures("flashinfer_ok")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS[:2])
+@pytest.mark.parametrize("window", [None, 24])
+def test_graph_decode_equals_eager(page_size, heads, window) -> None:
+    spec = spec_for(heads, page_size, window, torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(7)
+    num_pages = 2048 // page_size
+    scratch = num_pages - 1
+    graph_kv, _ = random_caches(spec, num_pages, gen)
+    eager_kv, _ = random_caches(spec, num_pages, gen)
+    for a, b in zip(graph_kv.layers, eager_kv.layers, strict=True):
+        b.copy_(a)
+    graphed = FlashInferAttention(spec, workspace_bytes=64 * 2**20)
+    graphed.enable_decode_graphs(scratch, -(-200 // page_size), sizes=(1, 2, 4, 8))
+    eager = FlashInferAttention(spec, workspace_bytes=64 * 2**20)
+    bufs = dict(zip("qkv", random_qkv(spec, 8, gen), strict=True))
+
+    def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        outs = [graphed.forward(i, x["q"], x["k"], x["v"], graph_kv) for i in range(2)]
+        return torch.stack(outs, dim=1)
+
+    graphs = DecodeGraphs(graphed, forward, bufs, page_size)
+    graphs.capture()
+    assert set(graphs.graphs) == {1, 2, 4, 8}
+    for decodes in ([40, 3, 17], [1, 2, 3, 4, 5, 6, 7, 150], [64]):
+        batch = make_batch([], decodes, page_size, num_pages, gen, "cuda")
+        q, k, v = random_qkv(spec, len(decodes), gen)
+        out = graphs.replay(batch, {"q": q, "k": k, "v": v})
+        assert out is not None
+        eager.begin_step(batch)
+        expected = torch.stack([eager.forward(i, q, k, v, eager_kv) for i in range(2)], 1)
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        for a, b in zip(graph_kv.layers, eager_kv.layers, strict=True):
+            assert torch.equal(a[:scratch], b[:scratch])
+    assert graphs.replay(make_batch([], [1] * 9, page_size, num_pages, gen), {}) is None

@@ -1,0 +1,300 @@
+"""Sampler tests: greedy, seeded draws against the filtered distribution, seed
+independence from the batch, logit processing, logprobs.
+
+Statistical bound: for each (config, token) the empirical frequency of N draws
+must lie within Bernstein's bound of the reference probability p:
+P(|f - p| >= t) <= 2 exp(-N t^2 / (2 p (1 - p) + 2 t / 3)), solved for t at
+delta = 1e-9 per check. With ~100 checks the union bound puts the chance of a
+false failure below 1e-7, if the seeded hash behaves like independent
+uniforms. The seeds are fixed, so each run is deterministic anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from worker_service import logit_processors, sampling_filters
+from worker_service.logit_processors import process_logits
+from worker_service.logprobs import logprob_tensors, token_logprobs
+from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampler import Sampler, SampleRow
+from worker_service.sampling_filters import seeded_uniform, splitmix64
+
+CPU = torch.device("cpu")
+NO_LP = LogprobSpec()
+
+
+def row(spec: SamplingSpec, prompt=(), output=(), eos=(), lp: LogprobSpec = NO_LP) -> SampleRow:
+    return SampleRow(spec, lp, prompt, output, tuple(eos))
+
+
+def reference(logits, spec: SamplingSpec, slack: float = 0.0) -> np.ndarray:
+    """Filtered, renormalised distribution in float64, written loop-free but independently.
+
+    slack > 0 loosens the top-p and min-p thresholds (a superset of the kept
+    set); slack == 0 asserts that no threshold is within 1e-4 of a knife edge.
+    """
+    x = np.asarray(logits, dtype=np.float64) / spec.temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    sp = p[order]
+    k = spec.top_k if 0 < spec.top_k <= len(p) else len(p)
+    keep = np.arange(len(p)) < k
+    if spec.top_p < 1.0:
+        before = np.concatenate([[0.0], np.cumsum(sp)[:-1]]) / sp[:k].sum()
+        keep &= before < spec.top_p + slack
+        assert slack or np.abs(before[:k] - spec.top_p).min() > 1e-4
+    keep &= sp >= (spec.min_p - slack) * sp[0]
+    assert slack or spec.min_p == 0 or np.abs(sp / sp[0] - spec.min_p).min() > 1e-4
+    keep[0] = True
+    q = np.zeros_like(p)
+    q[order[keep]] = sp[keep]
+    return q / q.sum()
+
+
+def bernstein_halfwidth(n: int, p: float, delta: float = 1e-9) -> float:
+    big_l = math.log(2 / delta)
+    a = 2 * big_l / 3
+    return (a + math.sqrt(a * a + 8 * n * big_l * p * (1 - p))) / (2 * n)
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 2.0, 2.0]])
+    rows = [row(SamplingSpec(temperature=0.0)) for _ in range(3)]
+    assert Sampler(4, CPU).sample(logits, rows).token_ids == [1, 0, 2]
+    # top_k == 1 is greedy whatever the temperature; also inside a mixed batch.
+    rows = [row(SamplingSpec(top_k=1)), row(SamplingSpec(seed=3)), row(SamplingSpec(top_k=1))]
+    out = Sampler(4, CPU).sample(logits, rows)
+    assert out.token_ids[0] == 1 and out.token_ids[2] == 2
+    big = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    rows = [row(SamplingSpec(temperature=0.0)) for _ in range(64)]
+    assert Sampler(1000, CPU).sample(big, rows).token_ids == big.argmax(-1).tolist()
+
+
+def test_greedy_fast_path_skips_processing_and_drawing(monkeypatch):
+    def boom(*_a, **_k):
+        raise AssertionError("fast path should not get here")
+
+    monkeypatch.setattr(logit_processors, "process_logits", boom)
+    monkeypatch.setattr(sampling_filters, "draw", boom)
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
+    rows = [row(SamplingSpec(temperature=0.0), lp=LogprobSpec(return_logprob=True))] * 8
+    out = Sampler(50, CPU).sample(logits, rows)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1).max(-1).values
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref)
+
+
+PROBS = [0.30, 0.20, 0.15, 0.12, 0.08, 0.06, 0.04, 0.03, 0.015, 0.005]
+PERM = [3, 7, 0, 9, 5, 1, 8, 2, 6, 4]  # token PERM[r] has the r-th largest probability
+LOGITS = np.zeros(10)
+LOGITS[PERM] = np.log(PROBS) + 1.7
+CONFIGS = {
+    "plain": SamplingSpec(),
+    "temperature_low": SamplingSpec(temperature=0.7),
+    "temperature_high": SamplingSpec(temperature=1.5),
+    "top_k": SamplingSpec(top_k=3),
+    "top_p": SamplingSpec(top_p=0.8),
+    "min_p": SamplingSpec(min_p=0.25),
+    "combo": SamplingSpec(temperature=0.8, top_k=6, top_p=0.9, min_p=0.1),
+    "combo_hot": SamplingSpec(temperature=1.3, top_p=0.6, min_p=0.05),
+}
+N_DRAWS = 40_000
+
+
+def check_frequencies(tokens: list[int], expected: np.ndarray) -> None:
+    counts = np.bincount(np.asarray(tokens), minlength=len(expected))
+    n = len(tokens)
+    for tok, p in enumerate(expected):
+        if p == 0:
+            assert counts[tok] == 0, f"token {tok} is filtered out but was drawn"
+        else:
+            t = bernstein_halfwidth(n, p)
+            assert abs(counts[tok] / n - p) < t, (tok, counts[tok] / n, p, t)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_seeded_frequencies_match_filtered_distribution(name):
+    spec = CONFIGS[name]
+    rows = [row(dataclasses.replace(spec, seed=s)) for s in range(N_DRAWS)]
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(N_DRAWS, -1)
+    out = Sampler(10, CPU).sample(logits, rows)
+    check_frequencies(out.token_ids, reference(LOGITS, spec))
+
+
+def test_one_seed_over_many_steps_and_unseeded_rows_follow_distribution():
+    spec = CONFIGS["combo"]
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(N_DRAWS, -1)
+    # One seed, N consecutive output positions (range() is a cheap Sequence).
+    rows = [row(dataclasses.replace(spec, seed=99), output=range(i)) for i in range(N_DRAWS)]
+    check_frequencies(Sampler(10, CPU).sample(logits, rows).token_ids, reference(LOGITS, spec))
+    rows = [row(spec)] * N_DRAWS
+    check_frequencies(
+        Sampler(10, CPU, seed=5).sample(logits, rows).token_ids, reference(LOGITS, spec)
+    )
+
+
+def test_tokens_outside_the_filtered_set_never_appear():
+    gen = torch.Generator().manual_seed(2)
+    rng = np.random.default_rng(3)
+    rows, logit_rows, allowed = [], [], []
+    for _ in range(40):
+        logits = (torch.randn(64, generator=gen) * rng.uniform(0.5, 4)).tolist()
+        spec = SamplingSpec(
+            temperature=float(rng.uniform(0.2, 2.0)),
+            top_k=int(rng.choice([-1, 1, 2, 5, 20, 100])),
+            top_p=float(rng.choice([1.0, 0.95, 0.5, 0.1, 0.0])),
+            min_p=float(rng.choice([0.0, 0.05, 0.3, 1.0])),
+        )
+        ok = reference(logits, spec, slack=1e-4) > 0
+        for s in range(300):
+            rows.append(row(dataclasses.replace(spec, seed=s)))
+            logit_rows.append(logits)
+            allowed.append(ok)
+    out = Sampler(64, CPU).sample(torch.tensor(logit_rows), rows)
+    assert all(ok[t] for ok, t in zip(allowed, out.token_ids, strict=True))
+
+
+def test_splitmix64_matches_reference_vector():
+    # Outputs 1 and 2 of SplitMix64 from state 0 (the reference C implementation).
+    assert splitmix64(0, 1) == 0xE220A8397B1DCDAF
+    assert splitmix64(0, 2) == 0x6E789E6AA1B965F4
+    us = [seeded_uniform(s, k) for s in (-5, 0, 1, 2**70) for k in range(50)]
+    assert all(0.0 <= u < 1.0 and float(np.float32(u)) == u for u in us)
+
+
+def test_same_seed_same_token_whatever_the_batch():
+    gen = torch.Generator().manual_seed(4)
+    target_logits = torch.randn(1000, generator=gen) * 0.3
+    target = row(SamplingSpec(temperature=0.9, top_p=0.95, seed=1234), output=[5] * 7)
+    others = [
+        row(SamplingSpec(temperature=0.0)),
+        row(SamplingSpec(seed=1234), output=[1, 2]),
+        row(SamplingSpec(top_k=50, frequency_penalty=0.5), output=[3, 3]),
+        row(SamplingSpec()),
+    ]
+    other_logits = torch.randn(len(others), 1000, generator=gen)
+    tokens = []
+    for pos, sampler_seed in [(0, 1), (2, 2), (4, 3)]:
+        torch.manual_seed(sampler_seed)  # the global RNG must not matter either
+        rows = others[:pos] + [target] + others[pos:]
+        logits = torch.cat([other_logits[:pos], target_logits[None], other_logits[pos:]])
+        tokens.append(Sampler(1000, CPU, seed=sampler_seed).sample(logits, rows).token_ids[pos])
+    tokens.append(Sampler(1000, CPU).sample(target_logits[None], [target]).token_ids[0])
+    assert len(set(tokens)) == 1
+
+    flat = target_logits[None].expand(200, -1)
+    by_seed = [row(SamplingSpec(seed=s), output=[5] * 7) for s in range(200)]
+    by_step = [row(SamplingSpec(seed=1234), output=[5] * k) for k in range(200)]
+    assert len(set(Sampler(1000, CPU).sample(flat, by_seed).token_ids)) > 120
+    assert len(set(Sampler(1000, CPU).sample(flat, by_step).token_ids)) > 120
+
+
+def processed(values, spec: SamplingSpec, **kw) -> list[float]:
+    return process_logits(torch.tensor([values]), [row(spec, **kw)])[0].tolist()
+
+
+def test_logit_bias_adds_and_ignores_out_of_range_ids():
+    spec = SamplingSpec(logit_bias=((0, 5.0), (3, -1.5), (99, 1.0), (0, 1.0)))
+    assert processed([1.0, 2.0, 3.0, 4.0], spec) == [7.0, 2.0, 3.0, 2.5]
+
+
+def test_repetition_penalty_over_prompt_and_output():
+    spec = SamplingSpec(repetition_penalty=2.0)
+    got = processed([2.0, -1.0, -2.0, 3.0, 0.5], spec, prompt=(0,), output=(2, 2))
+    assert got == [1.0, -1.0, -4.0, 3.0, 0.5]
+
+
+def test_frequency_and_presence_count_output_only():
+    spec = SamplingSpec(frequency_penalty=0.5, presence_penalty=0.25)
+    got = processed([0.0] * 5, spec, prompt=(4, 4), output=(1, 1, 3))
+    assert got == [0.0, -1.25, 0.0, -0.75, 0.0]
+
+
+def test_processing_order_bias_then_repetition_then_frequency():
+    spec = SamplingSpec(logit_bias=((0, 2.0),), repetition_penalty=2.0, frequency_penalty=1.0)
+    # token 0: (-1 + 2) / 2 = 0.5, no output occurrence; token 1: 4 / 2 - 1 = 1.
+    assert processed([-1.0, 4.0], spec, prompt=(0,), output=(1,)) == [0.5, 1.0]
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids_until_reached():
+    spec = SamplingSpec(min_new_tokens=3, stop_token_ids=(2,), ignore_eos=True)
+    got = processed([1.0] * 6, spec, output=(0, 1), eos=(5, 77))
+    assert got == [1.0, 1.0, -math.inf, 1.0, 1.0, -math.inf]
+    logits = torch.ones(1, 6)
+    assert process_logits(logits, [row(spec, output=(0, 1, 0), eos=(5,))]) is logits
+
+
+def test_processing_is_per_row_and_leaves_input_alone():
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 30, generator=gen)
+    before = logits.clone()
+    rows = [
+        row(SamplingSpec(repetition_penalty=1.3), prompt=(1, 2), output=(3,)),
+        row(SamplingSpec()),
+        row(SamplingSpec(presence_penalty=0.7, logit_bias=((4, 1.0),)), output=(9, 9)),
+        row(SamplingSpec(min_new_tokens=1), eos=(0,)),
+    ]
+    batch = process_logits(logits, rows)
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(batch[i], process_logits(logits[i : i + 1], [r])[0])
+    torch.testing.assert_close(batch[1], logits[1], rtol=0, atol=0)
+
+
+def test_logprobs_come_from_raw_logits():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 40, generator=gen) * 2
+    lp_spec = LogprobSpec(return_logprob=True, top_logprobs_num=4, token_ids_logprob=(0, 5, 39))
+    rows = [
+        row(
+            SamplingSpec(temperature=0.5, repetition_penalty=1.5, seed=1), (1, 2), (3,), lp=lp_spec
+        ),
+        row(SamplingSpec(temperature=0.0, logit_bias=((7, 50.0),))),
+        row(SamplingSpec(top_k=3, seed=2), lp=LogprobSpec(top_logprobs_num=2)),
+    ]
+    out = Sampler(40, CPU).sample(logits, rows)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids[1] == 7
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+    vals, ids = ref.topk(4, dim=-1)
+    assert out.top_ids == [ids[0].tolist(), [], ids[2, :2].tolist()]
+    assert out.top_logprobs[0] == pytest.approx(vals[0].tolist(), abs=1e-5)
+    assert out.top_logprobs[0] == sorted(out.top_logprobs[0], reverse=True)
+    assert out.ids_logprobs[0] == pytest.approx(ref[0, [0, 5, 39]].tolist(), abs=1e-5)
+    assert out.ids_logprobs[1:] == [[], []]
+
+
+def test_token_logprobs_for_prompts():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(10, 25, generator=gen)
+    ref = torch.log_softmax(logits, dim=-1)
+    ids = torch.randint(0, 25, (10,), generator=gen)
+    res = token_logprobs(logits, ids, 3, (0, 4, 25), chunk_rows=3)
+    assert res.logprobs == pytest.approx(ref.gather(1, ids[:, None])[:, 0].tolist(), abs=1e-6)
+    vals, top = ref.topk(3, dim=-1)
+    assert res.top_ids == top.tolist()
+    assert np.allclose(res.top_logprobs, vals.tolist(), atol=1e-6)
+    assert np.allclose(np.asarray(res.ids_logprobs)[:, :2], ref[:, [0, 4]].numpy(), atol=1e-6)
+    assert all(math.isnan(r[2]) for r in res.ids_logprobs)  # 25 is outside the vocabulary
+    bare = token_logprobs(logits, ids)
+    assert bare.top_ids == [[]] * 10 and bare.ids_logprobs == [[]] * 10
+    # The tensor form takes per-row id lists padded with -1.
+    two = logprob_tensors(logits, torch.tensor([[0, 4, -1]] * 10)).logprobs
+    torch.testing.assert_close(two[:, :2], ref[:, [0, 4]])
+    assert torch.isnan(two[:, 2]).all()
+
+
+def test_padded_vocab_columns_are_ignored():
+    logits = torch.cat([torch.zeros(2, 8), torch.full((2, 2), 100.0)], dim=1)
+    rows = [row(SamplingSpec(temperature=0.0)), row(SamplingSpec(seed=1))]
+    out = Sampler(8, CPU).sample(logits, rows)
+    assert all(t < 8 for t in out.token_ids)
+    assert out.logprobs == pytest.approx([-math.log(8)] * 2, abs=1e-6)

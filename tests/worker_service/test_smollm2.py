@@ -1,0 +1,91 @@
+"""The default model, SmolLM2-135M-Instruct from its GGUF, against transformers
+loading the same file: greedy tokens and logprobs, and the tokenizer the
+worker serves over gRPC."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc
+from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.test_models_vs_hf import hf_greedy
+from worker_service.config import WorkerConfig
+from worker_service.engine import build_worker
+from worker_service.server import serve
+from worker_service.weights import default_model_path
+
+STEPS = 32
+QUESTIONS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works, step by step.",
+    "Describe the city of Paris to someone who has never been there.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # compare a fixed number of tokens
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    return build_worker(WorkerConfig(model="default", page_size=16, num_pages=256))
+
+
+def chat(tok, question: str) -> list[int]:
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    return list(ids)
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(hf, worker):
+    tok, model = hf
+    prompts = [chat(tok, q) for q in QUESTIONS]
+    reqs = [
+        DriverRequest(prompts[0], STEPS, arrive=0),
+        DriverRequest(prompts[1], STEPS, arrive=2, share_from=0),  # shared system prompt
+        DriverRequest(prompts[2], STEPS, arrive=5, share_from=0),
+    ]
+    PlanDriver(worker.executor, 16, chunk=24).run(reqs)
+    for r in reqs:
+        tokens, logprobs = hf_greedy(model, r.prompt, STEPS)
+        assert r.outputs == tokens, (tok.decode(r.outputs), tok.decode(tokens))
+        assert max(abs(a - b) for a, b in zip(r.logprob_values, logprobs, strict=True)) < 1e-4
+    assert "Paris" in tok.decode(reqs[2].outputs)
+
+
+def test_tokenizer_served_over_grpc_matches_the_gguf_tokenizer(hf, worker, tmp_path):
+    tok, _ = hf
+    server, port = serve(worker)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        chunks = list(worker_pb2_grpc.WorkerStub(channel).GetTokenizer(pb.GetTokenizerRequest()))
+        channel.close()
+    finally:
+        server.stop(0)
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    zipfile.ZipFile(io.BytesIO(data)).extractall(tmp_path)
+    served = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["Hello, world!", "naïve café 日本語 🤖", "def f(x):\n    return x ** 2"]:
+        assert served.encode(text) == tok.encode(text)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert served.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert served.eos_token_id == 2

@@ -1,0 +1,36 @@
+"""``radixserve-worker``: serve a model to a scheduler over gRPC."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import structlog
+
+from worker_service.config import load_config
+from worker_service.engine import build_worker
+from worker_service.logging_setup import configure_logging
+from worker_service.server import serve
+
+logger = structlog.get_logger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config(argv)
+    configure_logging(cfg.log_level)
+    worker = build_worker(cfg)
+    server, port = serve(worker)
+    print(f"radixserve-worker listening on {cfg.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    logger.info("shutting down")
+    server.stop(grace=2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The attention backend interface.
+
+Per step the runner builds one ``AttentionBatch`` (the flat token batch's
+layout: which tokens belong to which request, where each writes its KV and
+which pages each reads) and calls ``begin_step`` once; every layer then calls
+``forward``, which writes the layer's new keys and values into the cache and
+returns the attention output for every token of the batch.
+
+Token order in the flat batch: extend (prefill) sequences first, then decode
+sequences, each sequence's tokens contiguous and in position order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.kv_cache import KvCache
+
+
+@dataclass
+class SequenceSlice:
+    q_start: int  # first row of this sequence in the flat batch
+    q_len: int  # tokens computed this step
+    kv_len: int  # positions [0, kv_len) are valid once this step has written
+    page_table: list[int]  # pages covering positions [0, kv_len)
+
+
+@dataclass
+class AttentionBatch:
+    seqs: list[SequenceSlice]
+    num_extends: int  # seqs[:num_extends] are extends, the rest decodes (q_len 1)
+    positions: torch.Tensor  # (T,) int64, position of each token
+    write_pages: torch.Tensor  # (T,) int64, page receiving each token's KV
+    write_offsets: torch.Tensor  # (T,) int64, slot within that page
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend needs to know about the model (per tensor-parallel rank)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+class AttentionBackend(ABC):
+    name: str = "base"
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def begin_step(self, batch: AttentionBatch) -> None:
+        """Prepare for this step's layers (index tensors, kernel plans)."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+    ) -> torch.Tensor:
+        """q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim). Writes k, v
+        into the cache, returns (T, heads, head_dim)."""

@@ -1,0 +1,108 @@
+"""The worker's settings: command-line flags, with RADIXSERVE_WORKER_* environment
+variables as defaults, read once at start into one frozen object."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "RADIXSERVE_WORKER_"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = "default"  # a HF directory, a .gguf file, "default" or "simulated"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (written to --port-file / printed)
+    port_file: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA, torch on CPU
+    page_size: int = 16
+    kv_memory: str = "auto"  # bytes for the KV cache, e.g. 2GiB; auto: see engine.py
+    num_pages: int | None = None  # overrides kv_memory
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_addr: str | None = None
+    simulated_step_ms: float = 0.0
+    simulated_vocab: int = 32000
+    max_message_mb: int = 64
+    log_level: str = "info"
+
+
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    def env_default(name: str, default: object) -> object:
+        return env.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(
+        prog="radixserve-worker",
+        description="radixserve model worker: runs plans from the scheduler on a model.",
+    )
+    add = p.add_argument
+    add(
+        "--model",
+        default=env_default("model", d.model),
+        help="HF model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or 'simulated'",
+    )
+    add("--host", default=env_default("host", d.host))
+    add("--port", type=int, default=env_default("port", d.port))
+    add(
+        "--port-file",
+        default=env_default("port-file", d.port_file),
+        help="write the bound port here once serving (useful with --port 0)",
+    )
+    add("--device", default=env_default("device", d.device), help="cpu, cuda or cuda:N")
+    add(
+        "--dtype",
+        default=env_default("dtype", d.dtype),
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    add(
+        "--attention-backend",
+        default=env_default("attention-backend", d.attention_backend),
+        choices=["auto", "torch", "flashinfer"],
+    )
+    add("--page-size", type=int, default=env_default("page-size", d.page_size))
+    add(
+        "--kv-memory",
+        default=env_default("kv-memory", d.kv_memory),
+        help="memory for the KV cache, e.g. 512MiB or 8GiB (auto: 1GiB on CPU, "
+        "90%% of the free GPU memory after the weights)",
+    )
+    add(
+        "--num-pages",
+        type=int,
+        default=env_default("num-pages", d.num_pages),
+        help="KV pages to allocate (overrides --kv-memory)",
+    )
+    add("--tp-size", type=int, default=env_default("tp-size", d.tp_size))
+    add("--tp-rank", type=int, default=env_default("tp-rank", d.tp_rank))
+    add(
+        "--dist-addr",
+        default=env_default("dist-addr", d.dist_addr),
+        help="HOST:PORT of the tensor-parallel rendezvous (rank 0's address)",
+    )
+    add(
+        "--simulated-step-ms",
+        type=float,
+        default=env_default("simulated-step-ms", d.simulated_step_ms),
+    )
+    add("--simulated-vocab", type=int, default=env_default("simulated-vocab", d.simulated_vocab))
+    add("--max-message-mb", type=int, default=env_default("max-message-mb", d.max_message_mb))
+    add("--log-level", default=env_default("log-level", d.log_level))
+    return p
+
+
+def load_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    args = _parser(os.environ if env is None else env).parse_args(argv)
+    cfg = WorkerConfig(**{k: v for k, v in vars(args).items()})
+    if cfg.page_size < 1:
+        raise SystemExit("--page-size must be >= 1")
+    if cfg.tp_size < 1 or not 0 <= cfg.tp_rank < cfg.tp_size:
+        raise SystemExit(f"--tp-rank must be in [0, --tp-size) (got {cfg.tp_rank}, {cfg.tp_size})")
+    return cfg

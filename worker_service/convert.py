@@ -1,0 +1,112 @@
+"""Protocol messages <-> the worker's dataclasses: the one module that knows both."""
+
+from __future__ import annotations
+
+from protos import worker_pb2 as pb
+from worker_service.plan import (
+    ExtendSpec,
+    JoinSpec,
+    LogprobSpec,
+    Mode,
+    Plan,
+    Result,
+    SamplingSpec,
+)
+
+_MODES = {
+    pb.FORWARD_MODE_PREFILL: Mode.PREFILL,
+    pb.FORWARD_MODE_DECODE: Mode.DECODE,
+    pb.FORWARD_MODE_MIXED: Mode.MIXED,
+    pb.FORWARD_MODE_IDLE: Mode.IDLE,
+    pb.FORWARD_MODE_UNSPECIFIED: Mode.IDLE,
+}
+
+
+def sampling_from_proto(m: pb.SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        min_p=m.min_p,
+        frequency_penalty=m.frequency_penalty,
+        presence_penalty=m.presence_penalty,
+        repetition_penalty=m.repetition_penalty,
+        min_new_tokens=m.min_new_tokens,
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logit_bias=tuple(zip(m.logit_bias_ids, m.logit_bias_values, strict=True)),
+        seed=m.seed if m.HasField("seed") else None,
+    )
+
+
+def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobSpec:
+    return LogprobSpec(
+        return_logprob=m.return_logprob,
+        logprob_start_len=m.logprob_start_len,
+        top_logprobs_num=m.top_logprobs_num,
+        token_ids_logprob=tuple(m.token_ids_logprob),
+    )
+
+
+def plan_from_proto(m: pb.StepPlan) -> Plan:
+    return Plan(
+        step_id=m.step_id,
+        mode=_MODES.get(m.mode, Mode.IDLE),
+        leaves=list(m.leaves),
+        joins=[
+            JoinSpec(
+                slot=j.slot,
+                rid=j.rid,
+                sampling=sampling_from_proto(j.sampling),
+                logprobs=logprobs_from_proto(j.logprobs),
+                prompt_len=j.prompt_len,
+                prefix_ids=list(j.prefix_ids),
+                num_output_tokens=j.num_output_tokens,
+                traceparent=j.trace.traceparent,
+                tracestate=j.trace.tracestate,
+            )
+            for j in m.joins
+        ],
+        extends=[
+            ExtendSpec(
+                slot=e.slot,
+                start_pos=e.start_pos,
+                input_ids=list(e.input_ids),
+                new_pages=list(e.new_pages),
+                sample=e.sample,
+                next_token=e.next_token if e.HasField("next_token") else None,
+            )
+            for e in m.extends
+        ],
+        decode_slots=list(m.decode_slots),
+        decode_positions=list(m.decode_positions),
+        decode_new_pages=list(m.decode_new_pages),
+    )
+
+
+def result_to_proto(r: Result) -> pb.StepResult:
+    return pb.StepResult(
+        step_id=r.step_id,
+        error=r.error,
+        slots=r.slots,
+        token_ids=r.token_ids,
+        logprobs=r.logprobs,
+        top_counts=r.top_counts,
+        top_ids=r.top_ids,
+        top_logprobs=r.top_logprobs,
+        ids_counts=r.ids_counts,
+        ids_logprobs=r.ids_logprobs,
+        prompt_logprobs=[
+            pb.PromptLogprobs(
+                slot=p.slot,
+                start=p.start,
+                logprobs=p.logprobs,
+                top_ids=p.top_ids,
+                top_logprobs=p.top_logprobs,
+                ids_logprobs=p.ids_logprobs,
+            )
+            for p in r.prompt_logprobs
+        ],
+        forward_ms=r.forward_ms,
+        idle_ms=r.idle_ms,
+    )

@@ -1,0 +1,158 @@
+"""Builds a worker from its config: model, KV cache, attention, sampler, executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from worker_service.attention.base import AttentionBackend, AttentionSpec
+from worker_service.attention.torch_backend import TorchAttention
+from worker_service.config import WorkerConfig
+from worker_service.distributed import TensorParallel, init_tensor_parallel
+from worker_service.executor import Executor
+from worker_service.kv_cache import KvCache, parse_bytes
+from worker_service.model_compute import ModelCompute
+from worker_service.models.config import ModelConfig
+from worker_service.models.registry import build_model
+from worker_service.sampler import Sampler
+from worker_service.simulated import SimulatedCompute
+from worker_service.weights import ModelSource, open_model
+
+logger = structlog.get_logger(__name__)
+
+CPU_KV_MEMORY = 1 << 30
+GPU_KV_FRACTION = 0.9
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Worker:
+    config: WorkerConfig
+    executor: Executor
+    model_name: str
+    model_config: ModelConfig | None  # None for the simulated model
+    num_pages: int
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str
+    tp: TensorParallel
+    source: ModelSource | None
+    vocab_size: int
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        if self.source is None:
+            raise LookupError("the simulated model has no tokenizer")
+        return self.source.tokenizer_files()
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def build_worker(cfg: WorkerConfig) -> Worker:
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA device")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tp = init_tensor_parallel(cfg.tp_rank, cfg.tp_size, cfg.dist_addr, device)
+    if cfg.model == "simulated":
+        num_pages = cfg.num_pages or 65536
+        compute = SimulatedCompute(cfg.simulated_step_ms / 1e3, cfg.simulated_vocab)
+        executor = Executor(compute, num_pages, cfg.page_size, cfg.simulated_vocab)
+        return Worker(
+            cfg,
+            executor,
+            "simulated",
+            None,
+            num_pages,
+            device,
+            dtype,
+            "simulated",
+            tp,
+            None,
+            cfg.simulated_vocab,
+        )
+
+    source = open_model(None if cfg.model == "default" else cfg.model)
+    mcfg = source.config
+    logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
+    model = build_model(mcfg, tp, dtype, device)
+    model.load_weights(source.tensors(dtype))
+    num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
+    kv = KvCache(
+        mcfg.num_layers,
+        num_pages,
+        cfg.page_size,
+        model.num_local_kv_heads,
+        mcfg.head_dim,
+        dtype,
+        device,
+    )
+    spec = AttentionSpec(
+        num_heads=mcfg.num_heads // tp.size,
+        num_kv_heads=model.num_local_kv_heads,
+        head_dim=mcfg.head_dim,
+        page_size=cfg.page_size,
+        sliding_window=mcfg.sliding_window,
+        dtype=dtype,
+        device=device,
+    )
+    attn = _attention(cfg.attention_backend, spec, device)
+    compute = ModelCompute(model, attn, kv, Sampler(mcfg.vocab_size, device), tp, device)
+    executor = Executor(compute, num_pages, cfg.page_size, mcfg.vocab_size)
+    logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
+    return Worker(
+        cfg,
+        executor,
+        str(source.path),
+        mcfg,
+        num_pages,
+        device,
+        dtype,
+        attn.name,
+        tp,
+        source,
+        mcfg.vocab_size,
+    )
+
+
+def _attention(name: str, spec: AttentionSpec, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention(spec)
+    from worker_service.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(spec)
+
+
+def _num_pages(
+    cfg: WorkerConfig,
+    mcfg: ModelConfig,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    if cfg.num_pages:
+        return cfg.num_pages
+    if cfg.kv_memory != "auto":
+        budget = parse_bytes(cfg.kv_memory)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_KV_FRACTION)
+    else:
+        budget = CPU_KV_MEMORY
+    pages = KvCache.pages_for_budget(
+        budget, mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads // tp.size, mcfg.head_dim, dtype
+    )
+    if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
+        pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
+    if pages < 1:
+        raise SystemExit(f"--kv-memory {cfg.kv_memory} holds not even one page of KV cache")
+    return pages

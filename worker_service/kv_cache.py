@@ -1,0 +1,94 @@
+"""The physical KV pages: per layer one tensor of shape
+``(num_pages, 2, page_size, num_kv_heads, head_dim)`` (FlashInfer's NHD
+paged layout: index 0 holds keys, 1 values).
+
+Position p of a request lives at ``[table[p // page_size], :, p % page_size]``.
+The scheduler owns which page holds what; this class only stores and reads.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
+_UNITS["GIB"] = 2**30
+
+
+def parse_bytes(text: str | int) -> int:
+    """'1GiB', '512MiB', '2GB' or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class KvCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError("the KV cache needs at least one page")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        self.layers = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+    @classmethod
+    def pages_for_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        per_page = cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        return budget_bytes // per_page
+
+    def write(
+        self,
+        layer: int,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store k, v (T, kv_heads, head_dim) of T positions at (pages[i], offsets[i])."""
+        cache = self.layers[layer]
+        cache[pages, 0, offsets] = k.to(cache.dtype)
+        cache[pages, 1, offsets] = v.to(cache.dtype)
+
+    def read(
+        self, layer: int, page_table: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (kv_len, kv_heads, head_dim) of positions [0, kv_len)."""
+        pages = self.layers[layer][page_table]  # (n, 2, page_size, H, D)
+        k = pages[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        v = pages[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        return k, v

@@ -1,0 +1,165 @@
+"""One step of the real model: flat batch -> forward -> logits -> tokens.
+
+Only the rows that need logits reach the LM head: the last token of every
+sampling request, and the prompt positions whose logprobs were asked for
+(the logits at position p score the prompt token at p + 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
+from worker_service.distributed import TensorParallel
+from worker_service.executor import ComputeOutput, SeqWork
+from worker_service.kv_cache import KvCache
+from worker_service.models.llama import LlamaForCausalLM
+from worker_service.plan import PromptLogprobOut
+from worker_service.sampler import Sampler, SampleRow, token_logprobs
+
+
+@dataclass(slots=True)
+class _PromptSpan:
+    work: SeqWork
+    start: int  # first prompt position reported
+    end: int  # exclusive
+    row: int  # first logits row (position max(start, 1) - 1) in the logits batch
+
+
+class ModelCompute:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn: AttentionBackend,
+        kv: KvCache,
+        sampler: Sampler,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.kv = kv
+        self.sampler = sampler
+        self.tp = tp
+        self.device = device
+        self.page_size = kv.page_size
+        self.eos_token_ids = tuple(model.config.eos_token_ids)
+
+    def run(self, work: list[SeqWork], num_extends: int) -> ComputeOutput:
+        device = self.device
+        batch, input_ids = self._batch(work, num_extends)
+        self.attn.begin_step(batch)
+        hidden = self.model(input_ids, batch.positions, self.attn, self.kv)
+
+        sample_rows = [
+            s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
+        ]
+        spans, prompt_rows = self._prompt_spans(work, batch.seqs, len(sample_rows))
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=device)
+        logits = self.model.logits(hidden[rows]) if len(rows) else None
+
+        out = ComputeOutput()
+        if sample_rows:
+            out = self._sample(logits[: len(sample_rows)], [w for w in work if w.sample])
+        for span in spans:
+            out.prompt_logprobs.append(self._prompt_logprobs(span, logits))
+        return out
+
+    # ------------------------------------------------------------- batch
+    def _batch(self, work: list[SeqWork], num_extends: int) -> tuple[AttentionBatch, torch.Tensor]:
+        device, page_size = self.device, self.page_size
+        seqs: list[SequenceSlice] = []
+        flat: list[int] = []
+        positions, pages, offsets = [], [], []
+        for w in work:
+            n = len(w.inputs)
+            kv_len = w.start + n
+            table = w.state.pages[: -(-kv_len // page_size)]
+            seqs.append(SequenceSlice(len(flat), n, kv_len, table))
+            flat.extend(w.inputs)
+            pos = torch.arange(w.start, kv_len, dtype=torch.long)
+            positions.append(pos)
+            pages.append(torch.tensor(table, dtype=torch.long)[pos // page_size])
+            offsets.append(pos % page_size)
+        batch = AttentionBatch(
+            seqs=seqs,
+            num_extends=num_extends,
+            positions=torch.cat(positions).to(device),
+            write_pages=torch.cat(pages).to(device),
+            write_offsets=torch.cat(offsets).to(device),
+            page_size=page_size,
+        )
+        return batch, torch.tensor(flat, dtype=torch.long, device=device)
+
+    def _prompt_spans(
+        self, work: list[SeqWork], seqs: list[SequenceSlice], first_row: int
+    ) -> tuple[list[_PromptSpan], list[int]]:
+        """Which prompt positions this step scores, and the hidden rows they need."""
+        spans: list[_PromptSpan] = []
+        rows: list[int] = []
+        for w, s in zip(work, seqs, strict=True):
+            state = w.state
+            if not state.wants_prompt_logprobs or w.start >= state.prompt_len:
+                continue
+            end_known = w.start + len(w.inputs)  # positions < end_known are in this chunk
+            if w.next_token is not None:
+                end_known += 1  # and the next prompt token is given
+            start = max(state.logprobs.logprob_start_len, w.start + 1 if w.start else 0)
+            end = min(end_known, state.prompt_len)
+            if end <= start:
+                continue
+            scored = range(max(start, 1), end)  # position 0 has no logprob
+            spans.append(_PromptSpan(w, start, end, first_row + len(rows)))
+            rows.extend(s.q_start + (p - 1 - w.start) for p in scored)
+        return spans, rows
+
+    # ------------------------------------------------------------- sample
+    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> ComputeOutput:
+        n = len(work)
+        if self.tp.rank == 0:
+            rows = [
+                SampleRow(
+                    sampling=w.state.sampling,
+                    logprobs=w.state.logprobs,
+                    prompt_ids=w.state.tokens[: w.state.prompt_len],
+                    output_ids=w.state.tokens[w.state.prompt_len :],
+                    eos_token_ids=self.eos_token_ids,
+                )
+                for w in work
+            ]
+            s = self.sampler.sample(logits, rows)
+            out = ComputeOutput(s.token_ids, s.logprobs, s.top_ids, s.top_logprobs, s.ids_logprobs)
+        else:
+            out = ComputeOutput([0] * n, [0.0] * n, [[]] * n, [[]] * n, [[]] * n)
+        if self.tp.enabled:
+            tokens = torch.tensor(out.token_ids, dtype=torch.long, device=self.device)
+            out.token_ids = self.tp.broadcast_from_first(tokens).tolist()
+        return out
+
+    def _prompt_logprobs(self, span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobOut:
+        w, state = span.work, span.work.state
+        lp = state.logprobs
+        first = max(span.start, 1)
+        n = span.end - first
+        targets = [
+            state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
+            for p in range(first, span.end)
+        ]
+        rows = logits[span.row : span.row + n]
+        scored = token_logprobs(
+            rows,
+            torch.tensor(targets, dtype=torch.long, device=rows.device),
+            lp.top_logprobs_num,
+            lp.token_ids_logprob,
+        )
+        head = [math.nan] if span.start == 0 else []
+        out = PromptLogprobOut(w.slot, span.start, head + scored.logprobs)
+        if lp.top_logprobs_num:
+            out.top_ids = [i for ids in scored.top_ids for i in ids]
+            out.top_logprobs = [x for lps in scored.top_logprobs for x in lps]
+        if lp.token_ids_logprob:
+            out.ids_logprobs = [x for lps in scored.ids_logprobs for x in lps]
+        return out

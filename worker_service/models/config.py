@@ -1,0 +1,139 @@
+"""The shape of a Llama-family model, read from a Hugging Face config or GGUF.
+
+One dataclass covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2: they
+differ in flags (qkv bias, qk-norm, tied embeddings, RoPE scaling, sliding
+window), not in code paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# What each architecture implies beyond its config fields.
+ARCHITECTURE_TRAITS: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # None | "linear" | "llama3" | "yarn"; see models/rope.py
+    scaling_type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    # llama.cpp stores Llama 3.1 scaling as one divisor per frequency (GGUF).
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"{self.num_heads} attention heads do not group into {self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face ``config.json`` (transformers 4 or 5 spelling)."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURE_TRAITS), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures {archs} are not supported; radixserve serves "
+                f"{sorted(ARCHITECTURE_TRAITS)}"
+            )
+        traits = ARCHITECTURE_TRAITS[arch]
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=rope_from_hf(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=traits.get("qkv_bias", cfg.get("attention_bias", False)),
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=traits.get("qk_norm", False),
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """transformers 5 writes ``rope_parameters``; older configs ``rope_theta``
+    and ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return RopeConfig(theta=theta)
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported")
+    return RopeConfig(
+        theta=theta,
+        scaling_type=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        attention_factor=params.get("attention_factor"),
+    )

@@ -1,0 +1,136 @@
+"""Tensor-parallel building blocks: each rank holds a shard of every matrix.
+
+- column parallel (q/k/v, gate/up): a shard of the output features, no
+  communication; q, k, v (and gate, up) are fused into one matmul;
+- row parallel (o_proj, down_proj): a shard of the input features, then an
+  all-reduce of the partial sums;
+- vocabulary parallel embedding and LM head: a shard of the vocabulary rows.
+
+Weights arrive whole (as in the checkpoint) through ``load`` and each layer
+keeps its own rows or columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.distributed import TensorParallel
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param((dim,), dtype, device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.weight.data.copy_(tensor)
+
+
+class FusedColumnLinear(nn.Module):
+    """Several column-parallel projections of one input in one matmul
+    (``parts``: name -> output features of the whole model)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.offsets: dict[str, tuple[int, int, int]] = {}  # name -> (start, local size, full)
+        start = 0
+        for name, full in parts.items():
+            local = full // tp.size
+            tp.shard(full, name)
+            self.offsets[name] = (start, local, full)
+            start += local
+        self.sizes = [size for _, size, _ in self.offsets.values()]
+        self.weight = _param((start, in_features), dtype, device)
+        self.bias = _param((start,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, part: str, kind: str, tensor: torch.Tensor) -> None:
+        start, local, _ = self.offsets[part]
+        lo = self.tp.rank * local
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {part} bias the model config does not expect")
+        target.data[start : start + local].copy_(tensor[lo : lo + local])
+
+
+class RowLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.lo, self.hi = tp.shard(in_features, "row-parallel input features")
+        self.weight = _param((out_features, self.hi - self.lo), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+    def load(self, kind: str, tensor: torch.Tensor) -> None:
+        if kind == "weight":
+            self.weight.data.copy_(tensor[:, self.lo : self.hi])
+        elif self.bias is not None:
+            self.bias.data.copy_(tensor)
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding rows [lo, hi) of the (padded) vocabulary; also the LM head
+    when embeddings are tied."""
+
+    def __init__(
+        self, vocab: int, dim: int, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab = vocab
+        padded = -(-vocab // tp.size) * tp.size
+        self.lo, self.hi = tp.shard(padded, "vocabulary")
+        self.weight = _param((self.hi - self.lo, dim), dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.lo) & (ids < self.hi)
+        local = torch.where(inside, ids - self.lo, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary float32 logits (gathered across ranks)."""
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last_dim(local)[..., : self.vocab]
+
+    def load(self, tensor: torch.Tensor) -> None:
+        rows = tensor[self.lo : min(self.hi, self.vocab)]
+        self.weight.data.zero_()
+        self.weight.data[: rows.shape[0]].copy_(rows)

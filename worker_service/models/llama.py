@@ -1,0 +1,203 @@
+"""The Llama family in one implementation: Llama 2/3, Mistral, Qwen2/2.5
+(qkv bias), Qwen3 (qk-norm), SmolLM2 (tied embeddings); GQA, SwiGLU, RoPE
+with scaling.
+
+The forward runs over a flat batch of tokens from many requests (no padding):
+every token carries its position, and attention goes through the backend,
+which reads and writes the paged KV cache. Only the rows that need logits
+(the last token of each sampling request, prompt-logprob positions) reach
+the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.attention.base import AttentionBackend
+from worker_service.distributed import TensorParallel
+from worker_service.kv_cache import KvCache
+from worker_service.models.config import ModelConfig
+from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding
+from worker_service.models.rope import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        parts = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
+        self.qkv_proj = FusedColumnLinear(cfg.hidden_size, parts, cfg.qkv_bias, tp, dtype, device)
+        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, False, tp, dtype, device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        kv: KvCache,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = attn.forward(layer, q, k, v, kv)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        self.gate_up_proj = FusedColumnLinear(
+            cfg.hidden_size, parts, cfg.mlp_bias, tp, dtype, device
+        )
+        self.down_proj = RowLinear(
+            cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        device = torch.device(device)
+        tp.shard(cfg.num_heads, "attention heads")
+        tp.shard(cfg.num_kv_heads, "KV heads")
+        self.config = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        )
+        self.rope = RotaryEmbedding(cfg, device)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.config.num_kv_heads // self.tp.size
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv: KvCache,
+    ) -> torch.Tensor:
+        """Final hidden states (T, hidden) of a flat token batch."""
+        h = self.embed_tokens(input_ids)
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(residual)
+            residual = residual + layer.self_attn(i, positions, x, self.rope, attn, kv)
+            x = layer.post_attention_layernorm(residual)
+            residual = residual + layer.mlp(x)
+        return self.norm(residual)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    # ------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; every parameter must be covered exactly once."""
+        missing = {n for n, _ in self.named_parameters()}
+        for name, tensor in weights:
+            for target in self._targets(name):
+                missing.discard(target)
+            self._load_one(name, tensor)
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
+            )
+
+    @staticmethod
+    def _targets(name: str) -> list[str]:
+        name = name.removeprefix("model.")
+        for part, fused in (
+            ("q_proj", "qkv_proj"),
+            ("k_proj", "qkv_proj"),
+            ("v_proj", "qkv_proj"),
+            ("gate_proj", "gate_up_proj"),
+            ("up_proj", "gate_up_proj"),
+        ):
+            if f".{part}." in name:
+                return [name.replace(part, fused)]
+        return [name]
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "embed_tokens":
+            self.embed_tokens.load(tensor)
+        elif parts[0] == "lm_head":
+            if not self.config.tie_word_embeddings:
+                self.lm_head.load(tensor)
+        elif parts[0] == "norm":
+            self.norm.load(parts[1], tensor)
+        elif parts[0] == "layers":
+            layer = self.layers[int(parts[1])]
+            module, sub, kind = parts[2], parts[3], parts[-1]
+            if module in ("input_layernorm", "post_attention_layernorm"):
+                getattr(layer, module).load(kind, tensor)
+            elif sub in ("q_proj", "k_proj", "v_proj"):
+                layer.self_attn.qkv_proj.load(sub, kind, tensor)
+            elif sub == "o_proj":
+                layer.self_attn.o_proj.load(kind, tensor)
+            elif sub in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:
+                getattr(layer.self_attn, sub).load(kind, tensor)
+            elif sub in ("gate_proj", "up_proj"):
+                layer.mlp.gate_up_proj.load(sub, kind, tensor)
+            elif sub == "down_proj":
+                layer.mlp.down_proj.load(kind, tensor)
+            elif "rotary_emb" not in name:
+                raise ValueError(f"unexpected weight {name!r}")
+        else:
+            raise ValueError(f"unexpected weight {name!r}")

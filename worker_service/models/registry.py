@@ -1,0 +1,25 @@
+"""Model classes by the ``architectures`` name in the model's config."""
+
+from __future__ import annotations
+
+import torch
+
+from worker_service.distributed import TensorParallel
+from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(
+    config: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    cls = MODELS.get(config.architecture)
+    if cls is None:
+        raise UnsupportedModelError(f"no model class for {config.architecture}")
+    return cls(config, tp, dtype, device)

@@ -1,0 +1,110 @@
+"""Rotary position embeddings with the scalings of the Llama family.
+
+Frequencies follow the Hugging Face definitions (the weights are in HF
+layout, rotate-half convention): default, linear (positions / factor),
+llama3 (low frequencies scaled by 1/factor, high ones kept, a smooth ramp
+between), yarn (NTK-by-parts interpolation plus an attention factor that
+scales cos and sin), and llama.cpp's per-frequency factors from GGUF files.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker_service.models.config import ModelConfig, RopeConfig
+
+
+def inverse_frequencies(
+    rope: RopeConfig, dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq (dim/2,), attention scaling applied to cos and sin)."""
+    # float32 arithmetic throughout, as transformers does, so the tables agree
+    # to the last bit with the reference implementation.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    scale = 1.0
+    kind = rope.scaling_type
+    if kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, rope)
+    elif kind == "yarn":
+        inv_freq, scale = _yarn(rope, dim, max_positions)
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv_freq, scale
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_ctx = rope.original_max_position_embeddings or 8192
+    low_wavelen = old_ctx / rope.low_freq_factor
+    high_wavelen = old_ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    base, factor = rope.theta, rope.factor
+    original = rope.original_max_position_embeddings or max_positions
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # share of extrapolation (high-frequency dims keep theirs)
+    inv_freq = interpolation * (1 - keep) + extrapolation * keep
+    scale = rope.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, float(scale)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        inv_freq, self.scale = inverse_frequencies(
+            config.rope, config.head_dim, config.max_position_embeddings
+        )
+        self.inv_freq = inv_freq
+        self.device = device
+        self._cos = self._sin = torch.empty(0)
+        self._build(max(config.max_position_embeddings, 1))
+
+    def _build(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = (emb.cos() * self.scale).to(self.device)
+        self._sin = (emb.sin() * self.scale).to(self.device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (T, H, D), k: (T, H_kv, D), rotated at their positions."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        cos = self._cos[positions].unsqueeze(1)
+        sin = self._sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,51 @@
+"""What the worker remembers about each request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker_service.plan import JoinSpec, LogprobSpec, SamplingSpec
+
+
+@dataclass(slots=True)
+class SlotState:
+    rid: str
+    sampling: SamplingSpec
+    logprobs: LogprobSpec
+    prompt_len: int
+    # The whole sequence as far as the worker knows it: cached prefix, inputs
+    # computed, and the last sampled token (whose KV is not computed yet).
+    tokens: list[int]
+    # Positions [0, kv_len) have their KV in the pages.
+    kv_len: int
+    pages: list[int] = field(default_factory=list)
+    traceparent: str = ""
+    tracestate: str = ""
+
+    @classmethod
+    def from_join(cls, join: JoinSpec) -> SlotState:
+        tokens = list(join.prefix_ids)
+        return cls(
+            rid=join.rid,
+            sampling=join.sampling,
+            logprobs=join.logprobs,
+            prompt_len=join.prompt_len,
+            tokens=tokens,
+            kv_len=len(tokens),
+            traceparent=join.traceparent,
+            tracestate=join.tracestate,
+        )
+
+    @property
+    def has_sampled_token(self) -> bool:
+        """The last token was sampled and still has to be computed (decode)."""
+        return len(self.tokens) == self.kv_len + 1
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        lp = self.logprobs
+        return lp.return_logprob and 0 <= lp.logprob_start_len < self.prompt_len

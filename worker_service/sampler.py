@@ -1,0 +1,170 @@
+"""The worker's sampler: one call per step turns the last-position logits of every
+sampling request into its next token, plus the logprobs it asked for.
+
+Pipeline, batched over the rows (one row per request that samples this step):
+
+1. logprobs come from the RAW logits (see logprobs.py);
+2. a copy of the logits gets bias, penalties and min-new masking
+   (logit_processors.py);
+3. greedy rows (temperature < 1e-6 or top_k == 1) take the argmax (ties: the
+   lowest id, as ``torch.argmax`` returns the first maximum);
+4. the other rows are filtered and drawn by inverse CDF (sampling_filters.py)
+   with one uniform per row: from (seed, len(output_ids)) for seeded rows, from
+   the sampler's own generator otherwise.
+
+When every row is greedy, needs no processing and asks for no logprobs beyond
+the chosen token's, the step is one argmax and one logsumexp over the raw
+logits: no copy, no softmax, no sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_service import logit_processors, sampling_filters
+from worker_service.logprobs import TokenLogprobs, logprob_tensors, token_logprobs
+from worker_service.plan import LogprobSpec, SamplingSpec
+
+# token_logprobs (prompt logprobs) is re-exported: callers import it with the sampler.
+__all__ = ["SampleOutput", "SampleRow", "Sampler", "TokenLogprobs", "token_logprobs"]
+
+
+@dataclass
+class SampleRow:
+    """One request that samples this step."""
+
+    sampling: SamplingSpec
+    logprobs: LogprobSpec
+    prompt_ids: Sequence[int]  # the prompt (repetition penalty)
+    output_ids: Sequence[int]  # generated so far (penalties, min_new_tokens, seeded draws)
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids
+
+
+@dataclass
+class SampleOutput:
+    """Per row, in the order of the rows given to ``Sampler.sample``.
+
+    ``logprobs`` always holds the chosen token's raw logprob (it costs one
+    logsumexp); ``top_*`` hold ``top_logprobs_num`` entries and ``ids_logprobs``
+    one entry per ``token_ids_logprob`` id (NaN for an id outside the
+    vocabulary), empty lists for rows that did not ask.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    ids_logprobs: list[list[float]] = field(default_factory=list)
+
+
+def _is_plain_greedy(row: SampleRow) -> bool:
+    lp = row.logprobs
+    return (
+        row.sampling.is_greedy
+        and not logit_processors.needs_processing(row)
+        and lp.top_logprobs_num <= 0
+        and not lp.token_ids_logprob
+    )
+
+
+class Sampler:
+    """Stateless between steps except for the generator used by unseeded rows."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None) -> None:
+        """``seed`` seeds the generator for unseeded rows (tests); None draws fresh entropy."""
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # A private CPU generator: never torch's global RNG (which model code or
+        # other requests may consume), and its draws are device independent.
+        self._generator = torch.Generator(device="cpu")
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """Next token and logprobs for each row.
+
+        logits: (B, V') on the sampler's device, V' >= vocab_size; columns past
+        vocab_size (a padded embedding) are ignored, also for logprobs.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        if not rows:
+            return SampleOutput()
+        raw = logits[:, : self.vocab_size].float()
+
+        if all(_is_plain_greedy(r) for r in rows):
+            chosen = raw.argmax(dim=-1)
+        else:
+            chosen = self._choose(raw, rows)
+        return self._with_logprobs(raw, chosen, rows)
+
+    def _choose(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Process the logits, then argmax the greedy rows and draw the others."""
+        processed = logit_processors.process_logits(raw, rows)
+        greedy = [i for i, r in enumerate(rows) if r.sampling.is_greedy]
+        drawn = [i for i, r in enumerate(rows) if not r.sampling.is_greedy]
+        if not drawn:
+            return processed.argmax(dim=-1)
+        dev = raw.device
+        chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.long, device=dev)
+            chosen[g] = processed.index_select(0, g).argmax(dim=-1)
+        d = torch.tensor(drawn, dtype=torch.long, device=dev)
+        specs = [rows[i].sampling for i in drawn]
+        chosen[d] = sampling_filters.draw(
+            processed.index_select(0, d),
+            temperature=torch.tensor([s.temperature for s in specs], device=dev),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev),
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=dev),
+            u=self._uniforms([rows[i] for i in drawn]).to(dev),
+        )
+        return chosen
+
+    def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
+        """(S,) float32 on the CPU: one u in [0, 1) per drawn row."""
+        unseeded = [r for r in rows if r.sampling.seed is None]
+        fresh = iter(torch.rand(len(unseeded), generator=self._generator).tolist())
+        u = [
+            next(fresh)
+            if r.sampling.seed is None
+            else sampling_filters.seeded_uniform(r.sampling.seed, len(r.output_ids))
+            for r in rows
+        ]
+        return torch.tensor(u, dtype=torch.float32)
+
+    def _with_logprobs(
+        self, raw: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow]
+    ) -> SampleOutput:
+        """Chosen, top-n and requested-id logprobs from the raw logits, in one pass."""
+        # Column 0 is the chosen token, then each row's requested ids padded
+        # with -1 (which logprob_tensors turns into NaN, then we slice it off).
+        width = max(len(r.logprobs.token_ids_logprob) for r in rows)
+        ids = torch.full((len(rows), 1 + width), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            req = r.logprobs.token_ids_logprob
+            if req:
+                ids[i, 1 : 1 + len(req)] = torch.tensor(req, dtype=torch.long)
+        ids = ids.to(raw.device)
+        ids[:, 0] = chosen
+        top_n = max(max(r.logprobs.top_logprobs_num for r in rows), 0)
+        lp = logprob_tensors(raw, ids, top_n=top_n)
+
+        lp_rows = lp.logprobs.tolist()
+        top_ids = lp.top_ids.tolist()
+        top_lps = lp.top_logprobs.tolist()
+        out = SampleOutput(token_ids=chosen.tolist(), logprobs=[row[0] for row in lp_rows])
+        for i, r in enumerate(rows):
+            n = max(r.logprobs.top_logprobs_num, 0)
+            out.top_ids.append(top_ids[i][:n])
+            out.top_logprobs.append(top_lps[i][:n])
+            out.ids_logprobs.append(lp_rows[i][1 : 1 + len(r.logprobs.token_ids_logprob)])
+        return out

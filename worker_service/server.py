@@ -1,0 +1,53 @@
+"""The worker's gRPC server: Worker service, grpc.health.v1 and reflection."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import worker_pb2, worker_pb2_grpc
+from worker_service.api import WorkerServicer
+from worker_service.engine import Worker
+
+logger = structlog.get_logger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def serve(worker: Worker) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the port it bound."""
+    cfg = worker.config
+    limit = cfg.max_message_mb << 20
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise SystemExit(f"cannot bind {cfg.host}:{cfg.port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if cfg.port_file:
+        Path(cfg.port_file).write_text(str(port))
+    logger.info("worker serving", host=cfg.host, port=port, rank=worker.tp.rank)
+    return server, port

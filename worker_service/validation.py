@@ -1,0 +1,97 @@
+"""Checks a plan against the worker's state before anything of it is applied.
+
+A bad plan is answered with an error naming the first problem, and leaves the
+worker's state as it was; it never crashes the worker and never produces a
+silently wrong answer.
+"""
+
+from __future__ import annotations
+
+from worker_service.plan import Plan
+from worker_service.request_state import SlotState
+
+
+class PlanError(ValueError):
+    pass
+
+
+def validate_plan(
+    plan: Plan, slots: dict[int, SlotState], num_pages: int, page_size: int, vocab_size: int
+) -> None:
+    held = set(slots)
+    for slot in plan.leaves:
+        if slot not in held:
+            raise PlanError(f"leave of slot {slot}, which the worker does not hold")
+        held.discard(slot)
+    joined: dict[int, int] = {}  # slot -> kv_len at join
+    for j in plan.joins:
+        if j.slot in held:
+            raise PlanError(f"join of slot {j.slot} ({j.rid}), which the worker already holds")
+        _check_tokens(j.prefix_ids, vocab_size, f"join of {j.rid}: prefix")
+        if j.prompt_len < 1:
+            raise PlanError(f"join of {j.rid}: prompt_len must be >= 1")
+        held.add(j.slot)
+        joined[j.slot] = len(j.prefix_ids)
+    seen: set[int] = set()
+
+    def state_of(slot: int, what: str) -> tuple[int, int, bool]:
+        """(kv_len, table length, has a sampled token) of a slot in this plan."""
+        if slot not in held:
+            raise PlanError(f"{what} for slot {slot}, which the worker does not hold")
+        if slot in seen:
+            raise PlanError(f"slot {slot} is scheduled twice in one step")
+        seen.add(slot)
+        if slot in joined:
+            return joined[slot], 0, False
+        s = slots[slot]
+        return s.kv_len, len(s.pages), s.has_sampled_token
+
+    for e in plan.extends:
+        kv_len, n_pages, sampled = state_of(e.slot, "extend")
+        if sampled:
+            raise PlanError(f"extend of slot {e.slot}, which has a sampled token to decode")
+        if e.start_pos != kv_len:
+            raise PlanError(
+                f"extend of slot {e.slot} starts at {e.start_pos}, its KV ends at {kv_len}"
+            )
+        if not e.input_ids:
+            raise PlanError(f"extend of slot {e.slot} has no input tokens")
+        _check_tokens(e.input_ids, vocab_size, f"extend of slot {e.slot}")
+        if e.next_token is not None:
+            _check_tokens([e.next_token], vocab_size, f"extend of slot {e.slot}: next_token")
+        _check_pages(e.new_pages, num_pages, f"extend of slot {e.slot}")
+        _check_coverage(
+            e.slot, e.start_pos + len(e.input_ids), n_pages + len(e.new_pages), page_size
+        )
+    if not len(plan.decode_slots) == len(plan.decode_positions) == len(plan.decode_new_pages):
+        raise PlanError("decode arrays have different lengths")
+    for slot, pos, new_page in zip(
+        plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
+    ):
+        kv_len, n_pages, sampled = state_of(slot, "decode")
+        if not sampled:
+            raise PlanError(f"decode of slot {slot}, which has no sampled token")
+        if pos != kv_len:
+            raise PlanError(f"decode of slot {slot} at position {pos}, its KV ends at {kv_len}")
+        if new_page:
+            _check_pages([new_page - 1], num_pages, f"decode of slot {slot}")
+        _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
+
+
+def _check_tokens(ids: list[int], vocab_size: int, what: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = [t for t in ids if not 0 <= t < vocab_size][:5]
+        raise PlanError(f"{what}: token ids outside the vocabulary [0, {vocab_size}): {bad}")
+
+
+def _check_pages(pages: list[int], num_pages: int, what: str) -> None:
+    if pages and (min(pages) < 0 or max(pages) >= num_pages):
+        bad = [p for p in pages if not 0 <= p < num_pages][:5]
+        raise PlanError(f"{what}: page ids outside the pool [0, {num_pages}): {bad}")
+
+
+def _check_coverage(slot: int, kv_len: int, n_pages: int, page_size: int) -> None:
+    if n_pages * page_size < kv_len:
+        raise PlanError(
+            f"slot {slot} would hold positions up to {kv_len - 1} in {n_pages} pages of {page_size}"
+        )

@@ -1,0 +1,110 @@
+"""GGUF files: metadata -> ModelConfig, quantized tensors -> HF float tensors.
+
+The reader memory-maps the file, so opening costs a metadata parse (~2 s for
+the default model, mostly its token list) and each tensor is dequantized only
+when ``tensors()`` reaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import structlog
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.weights import gguf_names
+from worker_service.weights.gguf_config import GgufMetadata, gguf_model_config
+from worker_service.weights.tokenizer_files import gguf_tokenizer_files
+
+logger = structlog.get_logger(__name__)
+
+# Dequantization is gguf's (numpy, bit-exact with llama.cpp and with what
+# transformers loads). These are covered by our tests; the other block types
+# gguf registers are accepted too, as they go through the same code.
+TESTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_1})
+
+
+def dequantizable_types() -> frozenset[QType]:
+    # gguf keeps its block codecs in a private registry; fall back to the
+    # tested set should a future release rename it.
+    registry = getattr(gguf.quants, "_type_traits", None) or {}
+    return TESTED_TYPES | {QType.F32, QType.F16} | frozenset(registry)
+
+
+class GgufWeights:
+    """The tensors and tokenizer of one .gguf file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(path)
+        except (ValueError, OSError) as err:
+            raise UnsupportedModelError(f"{path} is not a readable GGUF file: {err}") from err
+        self.meta = GgufMetadata(self._reader, str(path))
+        self._arch = self.meta.get("general.architecture")
+        self._check_tensors()
+        tensors = {t.name: t for t in self._reader.tensors}
+        freqs = tensors.get(gguf_names.ROPE_FREQS)
+        freq_factors = None if freqs is None else _dequantize(freqs)
+        embedding = tensors.get("token_embd.weight")
+        vocab_rows = 0 if embedding is None else int(embedding.shape[-1])
+        self.config: ModelConfig = gguf_model_config(self.meta, tensors, vocab_rows, freq_factors)
+
+    def _check_tensors(self) -> None:
+        """Refuse a file we cannot load fully before anything is dequantized."""
+        allowed = dequantizable_types()
+        tensors = self._reader.tensors
+        bad_types = [(t.tensor_type.name, t.name) for t in tensors if t.tensor_type not in allowed]
+        if bad_types:
+            kinds = sorted({kind for kind, _ in bad_types})
+            raise UnsupportedModelError(
+                f"{self.path.name}: tensors stored as {kinds} (e.g. {bad_types[0][1]}) cannot be "
+                f"dequantized; supported types: {sorted(t.name for t in allowed)}"
+            )
+        unknown = [
+            t.name
+            for t in tensors
+            if t.name != gguf_names.ROPE_FREQS and gguf_names.hf_name(t.name) is None
+        ]
+        if unknown:
+            raise UnsupportedModelError(
+                f"{self.path.name}: {len(unknown)} tensors have no Hugging Face counterpart "
+                f"in radixserve's Llama-family model, e.g. {unknown[:3]}"
+            )
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        permuted = self._arch in gguf_names.PERMUTED_ARCHITECTURES
+        cfg = self.config
+        for tensor in self._reader.tensors:
+            if tensor.name == gguf_names.ROPE_FREQS:
+                continue  # folded into config.rope.freq_factors
+            name = gguf_names.hf_name(tensor.name)
+            assert name is not None  # _check_tensors refused the others
+            array = _dequantize(tensor)
+            heads = gguf_names.rotary_heads(tensor.name, cfg.num_heads, cfg.num_kv_heads)
+            if permuted and heads is not None:
+                array = gguf_names.unpermute_rotary_rows(array, heads)
+            yield name, _to_torch(array).to(dtype)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return gguf_tokenizer_files(self.path, self.meta, self.config)
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """float32 in HF (numpy) order: ggml lists dimensions innermost first."""
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return values.reshape(shape)
+
+
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    # F32 tensors come back as read-only views of the memory map; copy those so
+    # the caller owns writable memory and the map can be closed.
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, copy=True, order="C")
+    return torch.from_numpy(array)

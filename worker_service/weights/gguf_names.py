@@ -1,0 +1,101 @@
+"""GGUF tensor names and layouts -> Hugging Face names and layouts.
+
+llama.cpp renames every tensor (``blk.3.attn_q.weight`` for
+``model.layers.3.self_attn.q_proj.weight``), stores shapes innermost first
+(ggml order), and, for the ``llama`` architecture only, reorders the rows of
+the Q and K projections to suit its rotary kernel. This module undoes all
+three, so a GGUF file yields exactly the tensors of the HF checkpoint it was
+converted from (up to quantization).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+# Tensors outside the decoder blocks.
+GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# Tensors inside block N: ``blk.N.<key>`` -> ``model.layers.N.<value>``.
+BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Not a weight: llama.cpp's per-frequency RoPE divisors (Llama 3.1 scaling).
+ROPE_FREQS = "rope_freqs.weight"
+
+# llama.cpp picks the rotary kernel by architecture: "normal" RoPE (rotating
+# adjacent pairs x[2i], x[2i+1]) for llama, "neox" RoPE (rotating x[i] with
+# x[i + d/2], what HF's rotate_half does) for qwen2/qwen3. Its converter
+# permutes Q/K rows only for the architectures that use the normal kernel.
+PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None when it has no counterpart."""
+    if match := _BLOCK_RE.fullmatch(gguf_name):
+        layer, key, kind = match.groups()
+        target = BLOCK_NAMES.get(key)
+        return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+    if match := _GLOBAL_RE.fullmatch(gguf_name):
+        key, kind = match.groups()
+        target = GLOBAL_NAMES.get(key)
+        return None if target is None else f"{target}.{kind}"
+    return None
+
+
+def rotary_heads(gguf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """How many heads a permuted tensor's rows split into (Q: query heads,
+    K: KV heads), or None when the tensor was not permuted."""
+    key = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if key == "attn_q":
+        return num_heads
+    if key == "attn_k":
+        return num_kv_heads
+    return None
+
+
+def unpermute_rotary_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (weights [out, in] or biases [out]).
+
+    Within each head of ``d = head_dim`` rows, HF keeps the two rotary halves
+    apart and llama.cpp interleaves them, pairing row i with row i + d/2::
+
+        HF (rotate_half):  h0 h1 ... h(d/2-1) | g0 g1 ... g(d/2-1)
+        llama.cpp:         h0 g0 h1 g1 ... h(d/2-1) g(d/2-1)
+
+    The converter did ``reshape(heads, 2, d/2, ...).swapaxes(1, 2)``; viewing
+    the rows as (heads, d/2, 2) and swapping back restores (heads, 2, d/2).
+    """
+    out_rows = rows.shape[0]
+    if out_rows % (2 * num_heads):
+        raise ValueError(f"{out_rows} rows do not split into {num_heads} heads of rotary pairs")
+    half = out_rows // num_heads // 2
+    grouped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def permute_rotary_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (the inverse of the above); for tests
+    and for writing GGUF files that llama.cpp reads correctly."""
+    half = rows.shape[0] // num_heads // 2
+    grouped = rows.reshape(num_heads, 2, half, *rows.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(rows.shape)

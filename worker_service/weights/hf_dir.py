@@ -1,0 +1,97 @@
+"""Hugging Face model directories: config.json + *.safetensors (+ tokenizer).
+
+Checkpoints are either one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``; both are read one tensor at a time through
+safetensors' memory map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.weights.tokenizer_files import hf_tokenizer_files
+
+logger = structlog.get_logger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class HfDirectory:
+    """The tensors and tokenizer of one Hugging Face model directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"no config.json in {directory}: a Hugging Face model directory needs config.json "
+                "and *.safetensors (for a GGUF model, pass the .gguf file itself)"
+            )
+        raw = _read_json(config_file)
+        try:
+            config = ModelConfig.from_hf(raw)
+        except KeyError as err:
+            raise UnsupportedModelError(f"{config_file} lacks the field {err}") from err
+        self.config = _with_generation_eos(config, directory / "generation_config.json")
+        self.shards = _shard_files(directory)
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        tied = self.config.tie_word_embeddings
+        for shard in self.shards:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    # Older checkpoints save the tied head and RoPE buffers too;
+                    # neither is a weight the model loads.
+                    if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    yield name, f.get_tensor(name).to(dtype)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return hf_tokenizer_files(self.directory)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {err}") from err
+
+
+def _with_generation_eos(config: ModelConfig, generation_file: Path) -> ModelConfig:
+    """Chat models often list their end-of-turn token only in
+    generation_config.json; stop on those too (config.json's first stays first)."""
+    if not generation_file.is_file():
+        return config
+    eos = _read_json(generation_file).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = list(config.eos_token_ids)
+    merged += [int(e) for e in extra if int(e) not in merged]
+    return dataclasses.replace(config, eos_token_ids=tuple(merged))
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+        # dict.fromkeys keeps the index's order and drops repeats.
+        shards = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(s.name) for s in shards if not s.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {directory}: {missing}")
+        return shards
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(
+            f"no *.safetensors (nor {INDEX_FILE}) in {directory}; radixserve reads safetensors "
+            "checkpoints only (convert pytorch_model.bin with transformers' save_pretrained)"
+        )
+    return shards
