@@ -3,19 +3,21 @@
 # CUDA 13, no flashinfer, no network) needs to run worker_service's 'flashinfer'
 # attention backend without compiling anything:
 #
-#   site/flashinfer/            FlashInfer's Python files that get imported (not the
-#                               855 MB wheel: no CUTLASS/CCCL sources, no other kernels)
+#   flashinfer_py.tar.xz        FlashInfer's Python files (78 MB, 8 MB packed), unpacked
+#                               by env.sh into $FI_SITE (/tmp/fi_site), whose
+#                               flashinfer/data links back here; not the wheel's data/
+#                               (CUTLASS/CCCL sources, kernels for other GPUs)
 #   site/flashinfer/data/aot/   the kernel modules FlashInferAttention loads, built here
 #                               with nvcc for sm_90a; FlashInfer loads
 #                               data/aot/<uri>/<uri>.so before trying to JIT-compile
 #   site/flashinfer/data/csrc/  the few templates FlashInfer reads to name a module
 #   site/tvm_ffi/               apache-tvm-ffi for CPython 3.12 (FlashInfer >= 0.5 binds
 #                               kernels through TVM-FFI, so modules link no torch)
-#   extras/*.whl                pure-Python test dependencies, installed there only
-#                               when missing (scripts/gpu_check.sh)
+#   extras/*.whl                test dependencies, installed there only when missing
+#                               or too old (scripts/gpu_check.sh)
 #   env.sh                      source it: PYTHONPATH, FLASHINFER_DISABLE_JIT=1, ...
 #
-# Usage: scripts/build_flashinfer_bundle.sh     (about 15 min on 2 cores; reruns reuse
+# Usage: scripts/build_flashinfer_bundle.sh     (about 10 min on 2 cores; reruns reuse
 # the build cache in $FI_BUNDLE_WORK). Knobs: FI_HEAD_DIMS, FI_DTYPES, FI_CUDA_ARCH,
 # FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper, about
 # 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
@@ -32,7 +34,9 @@ FLASHINFER_PYTHON=0.7.2.post1
 TVM_FFI=0.1.15.post2
 CURAND=10.4.0.35 # headers only: CUTLASS's util headers include curand_kernel.h
 BUILD_DEPS=(einops==0.8.2 nvidia-ml-py==13.615.71 tabulate==0.10.0 click==8.5.1)
-EXTRAS=(structlog==26.1.0 gguf==0.19.0 grpcio-health-checking==1.85.1
+# Test dependencies the GPU image may lack or have too old (the generated gRPC stubs
+# need grpcio >= 1.85.1, protobuf >= 7.35.1); gpu_check.sh installs only those.
+EXTRAS=(structlog==26.1.0 gguf==0.19.0 grpcio==1.85.3 grpcio-health-checking==1.85.1
   grpcio-reflection==1.85.1 protobuf==7.36.2)
 PY312=(--python-version 3.12 --implementation cp --only-binary=:all:
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
@@ -53,7 +57,11 @@ pip download --no-deps -d "$WORK/deps" "${BUILD_DEPS[@]}"
 pip download --no-deps "${PY312[@]}" -d "$WORK/w312" "apache-tvm-ffi==$TVM_FFI" "${EXTRAS[@]}"
 
 echo "== build environment (this Python, FlashInfer's full sources)"
-pip install --no-deps --no-index --upgrade --target "$WORK/site" "$WORK"/host/*.whl
+# Reinstalling would renew the headers' mtimes and make ninja rebuild every module.
+if [[ ! -d $WORK/site/flashinfer_python-$FLASHINFER_PYTHON.dist-info ]]; then
+  rm -rf "$WORK/site"
+  pip install --no-deps --no-index --target "$WORK/site" "$WORK"/host/*.whl
+fi
 # Import-time needs of flashinfer that the GPU image already has, kept apart so the
 # bundle check below cannot find FlashInfer files outside the bundle.
 pip install --no-deps --no-index --upgrade --target "$WORK/deps_site" "$WORK"/deps/*.whl
@@ -73,7 +81,7 @@ NEW="$WORK/bundle.new"
 rm -rf "$NEW"
 echo "== compiling modules for sm_${FLASHINFER_CUDA_ARCH_LIST/./} (heads: $FI_HEAD_DIMS)"
 "$PY" - <<'EOF'
-import os, pathlib, shutil, sys, torch
+import os, pathlib, shutil, torch
 from flashinfer.jit.attention import modules as m
 from flashinfer.jit.core import build_jit_specs
 
@@ -97,21 +105,16 @@ for spec in todo:
     (out / spec.name).mkdir(parents=True, exist_ok=True)
     shutil.copy2(spec.jit_library_path, out / spec.name / f"{spec.name}.so")
     print("  built", spec.name)
-# The Python files a process that uses the backend imports (import + module lookup).
-import flashinfer, flashinfer.prefill, flashinfer.decode  # noqa: E401,F401
-root = pathlib.Path(flashinfer.__file__).parent
-used = {pathlib.Path(f).relative_to(root) for mod in list(sys.modules.values())
-        if (f := getattr(mod, "__file__", None)) and f.startswith(str(root))}
-used |= {p.relative_to(root) for p in root.glob("*.py")} | {
-    p.relative_to(root) for p in (root / "jit").rglob("*.py")}
-pathlib.Path(os.environ["FI_WORK"], "used_files.txt").write_text(
-    "\n".join(sorted(map(str, used))) + "\n")
 EOF
 
 echo "== assembling $OUT"
 FI="$WORK/site/flashinfer"
-mkdir -p "$NEW/site/flashinfer"
-(cd "$FI" && xargs -a "$WORK/used_files.txt" cp --parents -t "$NEW/site/flashinfer")
+# Every Python file, not just those imported here: on the GPU machine optional
+# packages (triton, cuda-python) can make FlashInfer import more of itself.
+(cd "$WORK/site" && find flashinfer -path flashinfer/data -prune -o -type f ! -name '*.pyc' \
+  -print | LC_ALL=C sort >"$WORK/py_files.txt")
+tar -C "$WORK/site" -c --owner=0 --group=0 --numeric-owner --mtime=@0 -T "$WORK/py_files.txt" |
+  xz -T0 -6 >"$NEW/flashinfer_py.tar.xz"
 mkdir -p "$NEW/site/flashinfer/data/csrc"
 for f in batch_prefill_customize_config.jinja batch_prefill_paged_kernel_inst.jinja \
   batch_prefill_ragged_kernel_inst.jinja batch_prefill.cu batch_prefill_jit_binding.cu \
@@ -123,14 +126,29 @@ for f in batch_prefill_customize_config.jinja batch_prefill_paged_kernel_inst.ji
   cp "$FI/data/csrc/$f" "$NEW/site/flashinfer/data/csrc/"
 done
 cp -r "$WORK/site/flashinfer_python-$FLASHINFER_PYTHON.dist-info" "$NEW/site/"
-pip install --no-deps --no-index "${PY312[@]}" --target "$NEW/site" "$WORK"/w312/apache_tvm_ffi-*.whl
-rm -rf "$NEW/site/tvm_ffi/3rdparty" "$NEW/site/tvm_ffi/src" "$NEW/site/bin"
+pip install --no-deps --no-index --no-compile "${PY312[@]}" --target "$NEW/site" \
+  "$WORK"/w312/apache_tvm_ffi-*.whl
+# Sources and headers serve compiling against TVM-FFI only, which the bundle never does.
+rm -rf "$NEW"/site/tvm_ffi/{3rdparty,src,include,cython} "$NEW/site/bin"
 mkdir -p "$NEW/extras"
 for w in "$WORK"/w312/*.whl; do [[ $w == */apache_tvm_ffi-* ]] || cp "$w" "$NEW/extras/"; done
 cat >"$NEW/env.sh" <<'EOF'
 # Source me: use the bundle's FlashInfer and kernels; never JIT-compile.
 FI_BUNDLE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-export PYTHONPATH="$FI_BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
+# Unpacked outside the bundle so the carried tree stays small; data/ (the kernels)
+# is linked, FlashInfer finds it next to its __init__.py.
+FI_SITE=${FI_SITE:-/tmp/fi_site}
+stamp=$(cksum <"$FI_BUNDLE/flashinfer_py.tar.xz")
+if [[ $(cat "$FI_SITE/.stamp" 2>/dev/null) != "$stamp" ]]; then
+  if [[ -e $FI_SITE && ! -f $FI_SITE/.stamp ]]; then
+    echo "FI_SITE=$FI_SITE exists and was not made by env.sh" >&2 && return 1
+  fi
+  rm -rf "$FI_SITE" && mkdir -p "$FI_SITE"
+  tar -C "$FI_SITE" -xJf "$FI_BUNDLE/flashinfer_py.tar.xz"
+  ln -s "$FI_BUNDLE/site/flashinfer/data" "$FI_SITE/flashinfer/data"
+  echo "$stamp" >"$FI_SITE/.stamp"
+fi
+export PYTHONPATH="$FI_SITE:$FI_BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_DISABLE_JIT=1 # a missing kernel is an error, not a 40-minute build
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_workspace}
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 # torch >= 2.10 has the DLPack C API itself
@@ -141,7 +159,8 @@ EOF
   (cd "$NEW/site/flashinfer/data/aot" && ls)
 } >"$NEW/MANIFEST.txt"
 rm -rf "$OUT" && mv "$NEW" "$OUT"
-du -sh "$OUT" "$OUT"/site/flashinfer/data/aot "$OUT"/extras
+for part in "$OUT" "$OUT"/site/flashinfer/data/aot "$OUT"/site/tvm_ffi "$OUT"/extras \
+  "$OUT"/flashinfer_py.tar.xz; do du -sh "$part"; done
 
 echo "== checking the bundle with $("$PY" -V): this machine has neither 3.12 nor a GPU"
 for so in "$OUT"/site/flashinfer/data/aot/*/*.so; do
@@ -155,11 +174,17 @@ for so in "$OUT"/site/flashinfer/data/aot/*/*.so; do
   fi
 done
 pip install --no-deps --no-index --upgrade --target "$WORK/tvm_host" "$WORK"/host/apache_tvm_ffi-*.whl
+export FI_SITE="$WORK/fi_site" PYTHONDONTWRITEBYTECODE=1
+# shellcheck source=/dev/null
+source "$OUT/env.sh" # unpacks the Python files, as on the GPU machine
 # This Python's tvm_ffi first (the bundle's is built for 3.12), then the bundle.
-PYTHONPATH="$WORK/tvm_host:$OUT/site:$WORK/deps_site" FI_OUT="$OUT" \
+PYTHONPATH="$WORK/tvm_host:$FI_SITE:$OUT/site:$WORK/deps_site" FI_OUT="$FI_SITE" \
+  FI_BUNDLE_REAL="$(realpath "$OUT")" \
   LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   FLASHINFER_DISABLE_JIT=1 FLASHINFER_WORKSPACE_BASE="$WORK/check_ws" "$PY" - <<'EOF'
 import os
+import pathlib
+import sys
 
 import torch
 
@@ -182,12 +207,23 @@ for dtype in os.environ["FI_DTYPES"].split():
                 m._gen_batch_prefill_primary_module("fa2", *a, False),
             ):
                 assert spec.is_aot, f"not prebuilt: {spec.name}"
+                assert os.path.realpath(spec.aot_path).startswith(os.environ["FI_BUNDLE_REAL"])
             dec = get_batch_decode_module(*a)
             pre = get_batch_prefill_module("fa2", *a, False)
             assert callable(dec.plan) and callable(dec.run)
             assert callable(pre.plan) and callable(pre.paged_run)
             n += 2
 tvm = __import__("tvm_ffi")
+# This check ran this Python's tvm_ffi; the bundle's (3.12) copy must hold every file
+# of it that got imported (the build pruned sources and headers from it).
+bundle_tvm = pathlib.Path(os.environ["FI_BUNDLE_REAL"], "site/tvm_ffi")
+host_tvm = pathlib.Path(tvm.__file__).parent
+for mod in list(sys.modules.values()):
+    f = getattr(mod, "__file__", None) or ""
+    if f.startswith(str(host_tvm)) and f.endswith(".py"):
+        rel = pathlib.Path(f).relative_to(host_tvm)
+        assert (bundle_tvm / rel).exists(), f"pruned but imported: tvm_ffi/{rel}"
+assert list(bundle_tvm.glob("core.cpython-312-*.so")), "no CPython 3.12 tvm_ffi core"
 print(f"bundle OK: flashinfer {flashinfer.__version__} from the bundle, {n} prebuilt "
       f"modules loaded through tvm_ffi {tvm.__version__}")
 EOF

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the GPU machine runs only the gpu tests and may lack it
+    settings = None
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "explore",
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile(os.environ.get("RADIXSERVE_HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    for name, extra in (("ci", {"derandomize": True}), ("explore", {})):
+        settings.register_profile(
+            name,
+            deadline=None,
+            print_blob=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            **extra,
+        )
+    settings.load_profile(os.environ.get("RADIXSERVE_HYPOTHESIS_PROFILE", "ci"))

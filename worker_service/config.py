@@ -29,6 +29,8 @@ class WorkerConfig:
     simulated_step_ms: float = 0.0
     simulated_vocab: int = 32000
     max_message_mb: int = 64
+    threads: int = 0  # torch intra-op threads on CPU; 0: torch's default (all cores)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA + flashinfer)
     log_level: str = "info"
 
 
@@ -92,6 +94,20 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--simulated-vocab", type=int, default=env_default("simulated-vocab", d.simulated_vocab))
     add("--max-message-mb", type=int, default=env_default("max-message-mb", d.max_message_mb))
+    add(
+        "--threads",
+        type=int,
+        default=env_default("threads", d.threads),
+        help="CPU threads for torch (0: all cores); leave a core to a scheduler on the "
+        "same machine, a busy core makes every small op of a multi-threaded worker wait",
+    )
+    add(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        default=str(env_default("cuda-graphs", "1")).lower() not in ("0", "false", "no"),
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     add("--log-level", default=env_default("log-level", d.log_level))
     return p
 

@@ -60,6 +60,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     tp = init_tensor_parallel(cfg.tp_rank, cfg.tp_size, cfg.dist_addr, device)
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
@@ -83,11 +85,16 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     mcfg = source.config
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     model = build_model(mcfg, tp, dtype, device)
-    model.load_weights(source.tensors(dtype))
+    if source.kind == "random":
+        model.init_random_weights(seed=0)
+    else:
+        model.load_weights(source.tensors(dtype))
     num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
+    # One page more than the scheduler is told about: decode CUDA graphs pad
+    # their batch with rows that write and read only this scratch page.
     kv = KvCache(
         mcfg.num_layers,
-        num_pages,
+        num_pages + 1,
         cfg.page_size,
         model.num_local_kv_heads,
         mcfg.head_dim,
@@ -105,7 +112,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     )
     attn = _attention(cfg.attention_backend, spec, device)
     compute = ModelCompute(model, attn, kv, Sampler(mcfg.vocab_size, device), tp, device)
-    executor = Executor(compute, num_pages, cfg.page_size, mcfg.vocab_size)
+    max_context = model.rope.max_positions
+    if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
+        attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        compute.capture_decode_graphs()
+    executor = Executor(compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context)
     logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
     return Worker(
         cfg,

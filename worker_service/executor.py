@@ -49,11 +49,19 @@ class Compute(Protocol):
 
 
 class Executor:
-    def __init__(self, compute: Compute, num_pages: int, page_size: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        compute: Compute,
+        num_pages: int,
+        page_size: int,
+        vocab_size: int,
+        max_context: int = 1 << 30,
+    ) -> None:
         self.compute = compute
         self.num_pages = num_pages
         self.page_size = page_size
         self.vocab_size = vocab_size
+        self.max_context = max_context  # positions the model can rotate
         self.slots: dict[int, SlotState] = {}
 
     def reset(self) -> None:
@@ -63,7 +71,9 @@ class Executor:
     def execute(self, plan: Plan) -> Result:
         t0 = time.perf_counter()
         try:
-            validate_plan(plan, self.slots, self.num_pages, self.page_size, self.vocab_size)
+            validate_plan(
+                plan, self.slots, self.num_pages, self.page_size, self.vocab_size, self.max_context
+            )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
             return Result(plan.step_id, error=f"step {plan.step_id}: {e}")

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def min_new_mask_ids(row: SampleRow) -> tuple[int, ...]:
     """Ids to forbid this step because the request has not yet produced min_new_tokens."""
-    if len(row.output_ids) >= row.sampling.min_new_tokens:
+    if row.output_count >= row.sampling.min_new_tokens:
         return ()
     return tuple(row.eos_token_ids) + tuple(row.sampling.stop_token_ids)
 

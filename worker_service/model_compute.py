@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
+from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.distributed import TensorParallel
 from worker_service.executor import ComputeOutput, SeqWork
 from worker_service.kv_cache import KvCache
@@ -47,10 +48,31 @@ class ModelCompute:
         self.device = device
         self.page_size = kv.page_size
         self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self) -> None:
+        """Capture decode forwards (model + LM head) in CUDA graphs, one per batch
+        size the attention backend offers; decode-only steps then replay them."""
+        largest = max(self.attn.graph_sizes)
+        buffers = {
+            "ids": torch.zeros(largest, dtype=torch.long, device=self.device),
+            "positions": torch.zeros(largest, dtype=torch.long, device=self.device),
+        }
+
+        def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            hidden = self.model(inputs["ids"], inputs["positions"], self.attn, self.kv)
+            return self.model.logits(hidden)
+
+        self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
+        self.graphs.capture()
 
     def run(self, work: list[SeqWork], num_extends: int) -> ComputeOutput:
         device = self.device
         batch, input_ids = self._batch(work, num_extends)
+        if self.graphs is not None and num_extends == 0:
+            logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
+            if logits is not None:  # every row of a decode step samples
+                return self._sample(logits, work)
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, self.attn, self.kv)
 
@@ -120,16 +142,7 @@ class ModelCompute:
     def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> ComputeOutput:
         n = len(work)
         if self.tp.rank == 0:
-            rows = [
-                SampleRow(
-                    sampling=w.state.sampling,
-                    logprobs=w.state.logprobs,
-                    prompt_ids=w.state.tokens[: w.state.prompt_len],
-                    output_ids=w.state.tokens[w.state.prompt_len :],
-                    eos_token_ids=self.eos_token_ids,
-                )
-                for w in work
-            ]
+            rows = [self._sample_row(w) for w in work]
             s = self.sampler.sample(logits, rows)
             out = ComputeOutput(s.token_ids, s.logprobs, s.top_ids, s.top_logprobs, s.ids_logprobs)
         else:
@@ -138,6 +151,19 @@ class ModelCompute:
             tokens = torch.tensor(out.token_ids, dtype=torch.long, device=self.device)
             out.token_ids = self.tp.broadcast_from_first(tokens).tolist()
         return out
+
+    def _sample_row(self, w: SeqWork) -> SampleRow:
+        """The token lists are copied only for rows whose penalties read them."""
+        state, sp = w.state, w.state.sampling
+        tokens, n_prompt = state.tokens, state.prompt_len
+        return SampleRow(
+            sampling=sp,
+            logprobs=state.logprobs,
+            prompt_ids=tokens[:n_prompt] if sp.repetition_penalty != 1.0 else (),
+            output_ids=tokens[n_prompt:] if sp.has_penalties else (),
+            eos_token_ids=self.eos_token_ids,
+            num_outputs=len(tokens) - n_prompt,
+        )
 
     def _prompt_logprobs(self, span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobOut:
         w, state = span.work, span.work.state

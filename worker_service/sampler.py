@@ -9,7 +9,7 @@ Pipeline, batched over the rows (one row per request that samples this step):
 3. greedy rows (temperature < 1e-6 or top_k == 1) take the argmax (ties: the
    lowest id, as ``torch.argmax`` returns the first maximum);
 4. the other rows are filtered and drawn by inverse CDF (sampling_filters.py)
-   with one uniform per row: from (seed, len(output_ids)) for seeded rows, from
+   with one uniform per row: from (seed, outputs so far) for seeded rows, from
    the sampler's own generator otherwise.
 
 When every row is greedy, needs no processing and asks for no logprobs beyond
@@ -39,8 +39,16 @@ class SampleRow:
     sampling: SamplingSpec
     logprobs: LogprobSpec
     prompt_ids: Sequence[int]  # the prompt (repetition penalty)
-    output_ids: Sequence[int]  # generated so far (penalties, min_new_tokens, seeded draws)
+    output_ids: Sequence[int]  # generated so far (penalties)
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids
+    # How many tokens were generated so far (min_new_tokens, seeded draws);
+    # None: len(output_ids). Lets a caller skip building the id lists of rows
+    # without penalties.
+    num_outputs: int | None = None
+
+    @property
+    def output_count(self) -> int:
+        return len(self.output_ids) if self.num_outputs is None else self.num_outputs
 
 
 @dataclass
@@ -136,7 +144,7 @@ class Sampler:
         u = [
             next(fresh)
             if r.sampling.seed is None
-            else sampling_filters.seeded_uniform(r.sampling.seed, len(r.output_ids))
+            else sampling_filters.seeded_uniform(r.sampling.seed, r.output_count)
             for r in rows
         ]
         return torch.tensor(u, dtype=torch.float32)

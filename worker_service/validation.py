@@ -16,7 +16,12 @@ class PlanError(ValueError):
 
 
 def validate_plan(
-    plan: Plan, slots: dict[int, SlotState], num_pages: int, page_size: int, vocab_size: int
+    plan: Plan,
+    slots: dict[int, SlotState],
+    num_pages: int,
+    page_size: int,
+    vocab_size: int,
+    max_context: int,
 ) -> None:
     held = set(slots)
     for slot in plan.leaves:
@@ -60,9 +65,9 @@ def validate_plan(
         if e.next_token is not None:
             _check_tokens([e.next_token], vocab_size, f"extend of slot {e.slot}: next_token")
         _check_pages(e.new_pages, num_pages, f"extend of slot {e.slot}")
-        _check_coverage(
-            e.slot, e.start_pos + len(e.input_ids), n_pages + len(e.new_pages), page_size
-        )
+        end = e.start_pos + len(e.input_ids)
+        _check_context(e.slot, end, max_context)
+        _check_coverage(e.slot, end, n_pages + len(e.new_pages), page_size)
     if not len(plan.decode_slots) == len(plan.decode_positions) == len(plan.decode_new_pages):
         raise PlanError("decode arrays have different lengths")
     for slot, pos, new_page in zip(
@@ -75,6 +80,7 @@ def validate_plan(
             raise PlanError(f"decode of slot {slot} at position {pos}, its KV ends at {kv_len}")
         if new_page:
             _check_pages([new_page - 1], num_pages, f"decode of slot {slot}")
+        _check_context(slot, pos + 1, max_context)
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
 
 
@@ -88,6 +94,14 @@ def _check_pages(pages: list[int], num_pages: int, what: str) -> None:
     if pages and (min(pages) < 0 or max(pages) >= num_pages):
         bad = [p for p in pages if not 0 <= p < num_pages][:5]
         raise PlanError(f"{what}: page ids outside the pool [0, {num_pages}): {bad}")
+
+
+def _check_context(slot: int, kv_len: int, max_context: int) -> None:
+    if kv_len > max_context:
+        raise PlanError(
+            f"slot {slot} would reach position {kv_len - 1}, past the model's context "
+            f"({max_context} positions)"
+        )
 
 
 def _check_coverage(slot: int, kv_len: int, n_pages: int, page_size: int) -> None:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,7 +146,7 @@ def test_module_does_not_import_flashinfer() -> None:
         "import sys, worker_service.attention.flashinfer_backend, worker_service.cuda_graphs\n"
         "assert 'flashinfer' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 # ---- GPU: FlashInfer vs the torch reference ---------------------------------------------

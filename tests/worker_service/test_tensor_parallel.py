@@ -22,7 +22,7 @@ def free_port() -> int:
 def test_two_gloo_ranks_match_one_rank_and_hf(tmp_path):
     hf = tiny_model("llama3-rope-scaling", tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12], [250, 3], list(range(40, 70))]
-    common = ("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64")
+    common = ("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1")
     dist = f"127.0.0.1:{free_port()}"
     tp = ("--tp-size", "2", "--dist-addr", dist)
     ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]

@@ -145,6 +145,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     # ------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Draw every parameter in place on its device (benchmarks without
+        weights): norms 1, the rest N(0, 0.02)."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; every parameter must be covered exactly once."""
         missing = {n for n, _ in self.named_parameters()}

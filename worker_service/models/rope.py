@@ -92,12 +92,16 @@ class RotaryEmbedding(torch.nn.Module):
         self._cos = (emb.cos() * self.scale).to(self.device)
         self._sin = (emb.sin() * self.scale).to(self.device)
 
+    @property
+    def max_positions(self) -> int:
+        return int(self._cos.shape[0])
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, H, D), k: (T, H_kv, D), rotated at their positions."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
+        """q: (T, H, D), k: (T, H_kv, D), rotated at their positions, which must be
+        below ``max_positions`` (plans are validated against it: no host sync here,
+        so the decode forward can be captured in a CUDA graph)."""
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -40,7 +40,7 @@ class WeightFiles(Protocol):
 @dataclass
 class ModelSource:
     path: Path  # the directory or the .gguf file
-    kind: str  # "hf" or "gguf"
+    kind: str  # "hf", "gguf" or "random" (weights drawn in place, for benchmarks)
     config: ModelConfig
     files: WeightFiles = field(repr=False, compare=False)
     _tokenizer: dict[str, bytes] | None = field(default=None, init=False, repr=False, compare=False)
@@ -67,11 +67,16 @@ class ModelSource:
 
 def open_model(path: str | Path | None) -> ModelSource:
     """A HF directory (config.json + *.safetensors, possibly sharded), a .gguf
-    file, or None / "default" for the default model (SmolLM2-135M-Instruct)."""
+    file, None / "default" for the default model (SmolLM2-135M-Instruct), or
+    "random:<shape>" for a known shape with random weights (benchmarks)."""
     # Imported here so that importing this package stays light.
     from worker_service.weights.gguf_file import GgufWeights
     from worker_service.weights.hf_dir import HfDirectory
+    from worker_service.weights.random_shapes import PREFIX, RandomShape
 
+    if str(path).startswith(PREFIX):
+        files = RandomShape(str(path)[len(PREFIX) :])
+        return ModelSource(path=Path(str(path)), kind="random", config=files.config, files=files)
     if path is None or str(path) == "default":
         resolved = default_model_path()
     else:
