@@ -1,0 +1,123 @@
+"""``radixserve-client``: generate text or chat from the command line.
+
+    radixserve-client generate "The capital of France is" --stream --max-new-tokens 32
+    radixserve-client chat "What is the capital of France?"
+    radixserve-client chat                      # interactive; empty line or Ctrl-D ends
+
+Sampling defaults to greedy (temperature 0) so answers are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from clients.client import RadixClient
+
+DEFAULT_SERVER = os.environ.get("RADIXSERVE_SERVER", "127.0.0.1:30000")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "stop": args.stop or [],
+        "n": args.n,
+    }
+
+
+def _print_stream(events, out=sys.stdout) -> str:
+    text = ""
+    for event in events:
+        out.write(event.text)
+        out.flush()
+        text += event.text
+        if event.finish_reason is not None and event.finish_reason != "stop":
+            out.write(f"  [{event.finish_reason}]")
+    out.write("\n")
+    return text
+
+
+def _generate(client: RadixClient, args: argparse.Namespace) -> None:
+    if args.stream and args.n == 1:
+        _print_stream(client.stream(args.prompt, **_sampling(args)))
+        return
+    result = client.generate(args.prompt, **_sampling(args))
+    for choice in result.choices:
+        prefix = f"[{choice.index}] " if len(result.choices) > 1 else ""
+        print(f"{prefix}{choice.text}")
+        if args.verbose:
+            print(
+                f"  finish={choice.finish_reason} prompt={choice.prompt_tokens} "
+                f"completion={choice.completion_tokens} cached={choice.cached_tokens}",
+                file=sys.stderr,
+            )
+
+
+def _chat(client: RadixClient, args: argparse.Namespace) -> None:
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = args.message is None
+    while True:
+        if interactive:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                print()
+                return
+            if not line:
+                return
+            print("model> ", end="", flush=True)
+        else:
+            line = args.message
+        messages.append({"role": "user", "content": line})
+        reply = _print_stream(client.chat(messages, stream=True, **_sampling(args)))
+        messages.append({"role": "assistant", "content": reply})
+        if not interactive:
+            return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="radixserve-client", description=__doc__.split("\n")[0])
+    p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT of the scheduler")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--verbose", "-v", action="store_true")
+    c = sub.add_parser("chat", help="chat through the model's chat template")
+    c.add_argument("message", nargs="?", help="one message (omit for an interactive chat)")
+    c.add_argument("--system", default=None)
+    for sp in (g, c):
+        sp.add_argument("--max-new-tokens", type=int, default=256)
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--top-p", type=float, default=1.0)
+        sp.add_argument("--top-k", type=int, default=-1)
+        sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
+        sp.add_argument("--n", type=int, default=1)
+    args = p.parse_args(argv)
+    client = RadixClient(args.server)
+    try:
+        if args.command == "generate":
+            _generate(client, args)
+        else:
+            _chat(client, args)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

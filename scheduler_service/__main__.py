@@ -1,0 +1,22 @@
+"""``radixserve-scheduler``: the public API in front of a worker group."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from scheduler_service.config import load_config
+from scheduler_service.logging_setup import configure_logging
+from scheduler_service.server import serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config(argv)
+    configure_logging(config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

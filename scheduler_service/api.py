@@ -1,0 +1,158 @@
+"""The public API: sglang.grpc.scheduler.SglangScheduler (smg-grpc-proto's stubs).
+
+Thin: requests are converted in convert/public.py, responses built in
+convert/responses.py, execution happens in the core process behind the Hub.
+RPCs radixserve does not implement answer UNIMPLEMENTED with a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from scheduler_service import ipc
+from scheduler_service.api_admin import AdminMixin
+from scheduler_service.convert.public import GenerateCall, generate_call
+from scheduler_service.convert.responses import SampleState, chunk, complete
+from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.hub import Call, CoreUnavailable, Hub
+from scheduler_service.model_info import ModelContext
+
+logger = structlog.get_logger(__name__)
+
+
+class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
+    def __init__(self, hub: Hub, model: ModelContext) -> None:
+        self.hub = hub
+        self.model = model
+        self.started = time.time()
+        self.shutting_down = False
+
+    # ------------------------------------------------------------ Generate
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            g = generate_call(
+                request, self.model.limits, self.model.encode, self.model.has_tokenizer
+            )
+            call = self.hub.submit(g.requests, share_prompt=len(g.requests) > 1)
+        except (InvalidRequestError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker can serve: {e}")
+        try:
+            async for response in self._responses(g, call, context):
+                yield response
+        except asyncio.CancelledError:
+            self.hub.abort(call.rids, "client disconnected")
+            raise
+        finally:
+            self.hub.forget(call)
+
+    async def _responses(
+        self, g: GenerateCall, call: Call, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        start = g.logprobs.logprob_start_len if g.logprobs.return_logprob else -1
+        samples = {
+            r.rid: SampleState(r.rid, i, r.prompt_ids, start) for i, r in enumerate(g.requests)
+        }
+        open_samples = set(samples)
+        with_lp = g.logprobs.return_logprob
+        while open_samples:
+            items = [await call.queue.get()]
+            while not call.queue.empty():  # a slow reader gets fewer, bigger chunks
+                items.append(call.queue.get_nowait())
+            new: dict[str, tuple[list[int], list]] = {}
+            for item in items:
+                if isinstance(item, CoreUnavailable):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker can serve: {item}")
+                if isinstance(item, ipc.Rejected):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+                tokens, lps = samples[item.rid].add(item)
+                have = new.setdefault(item.rid, ([], []))
+                have[0].extend(tokens)
+                have[1].extend(lps)
+            for rid, (tokens, lps) in new.items():
+                s = samples[rid]
+                if g.stream:
+                    if tokens or s.finish is not None:
+                        yield chunk(s, g.rid, tokens, lps, with_lp)
+                    if s.finish is not None:
+                        yield complete(s, g.rid, tokens, lps, with_lp, s.index)
+                elif s.finish is not None:
+                    yield complete(s, g.rid, s.output_ids, s.logprobs, with_lp, s.index)
+                if s.finish is not None:
+                    open_samples.discard(rid)
+
+    # --------------------------------------------------------------- Abort
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        call = self.hub.find(request.request_id)
+        if call is not None:
+            self.hub.abort(call.rids, request.reason or "aborted by the client")
+        # Like SGLang: success whether or not the id was known.
+        return pb.AbortResponse(success=True, message=f"Request {request.request_id} aborted")
+
+    # --------------------------------------------------------- HealthCheck
+    async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
+        if self.shutting_down:
+            return pb.HealthCheckResponse(healthy=False, message="Server is shutting down")
+        if self.hub.failed:
+            return pb.HealthCheckResponse(healthy=False, message=self.hub.failed)
+        probe = pb.GenerateRequest(
+            request_id=f"HEALTH_CHECK_{time.time_ns()}",
+            tokenized=pb.TokenizedInput(input_ids=[0]),
+            sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=1),
+            logprob_start_len=-1,
+        )
+        try:
+            g = generate_call(probe, self.model.limits, self.model.encode, False)
+            call = self.hub.submit(g.requests, share_prompt=False)
+        except (CoreUnavailable, ValueError) as e:
+            return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")
+        try:
+            while True:
+                item = await asyncio.wait_for(call.queue.get(), self.model.health_timeout_s)
+                if isinstance(item, ipc.DeltaOut) and (item.token_ids or item.finish):
+                    return pb.HealthCheckResponse(healthy=True, message="Health check passed")
+                if not isinstance(item, ipc.DeltaOut):
+                    return pb.HealthCheckResponse(
+                        healthy=False, message="Health check probe failed"
+                    )
+        except TimeoutError:
+            self.hub.abort(call.rids, "health check timed out")
+            return pb.HealthCheckResponse(
+                healthy=False,
+                message=f"Health check timeout after {self.model.health_timeout_s:g}s",
+            )
+        finally:
+            self.hub.forget(call)
+
+    # ------------------------------------------------------- unimplemented
+    async def _unimplemented(self, name: str, context) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"radixserve does not implement {name}")
+
+    async def Embed(self, request, context):
+        await self._unimplemented("Embed (it serves generation models only)", context)
+
+    async def StartProfile(self, request, context) -> cpb.ProfileResponse:
+        await self._unimplemented("StartProfile", context)
+
+    async def StopProfile(self, request, context) -> cpb.ProfileResponse:
+        await self._unimplemented("StopProfile", context)
+
+    async def LoadLoRAAdapter(self, request, context):
+        await self._unimplemented("LoRA adapters (LoadLoRAAdapter)", context)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        await self._unimplemented("LoRA adapters (UnloadLoRAAdapter)", context)
+
+    async def ListLoadedLoRAAdapters(self, request, context):
+        await self._unimplemented("LoRA adapters (ListLoadedLoRAAdapters)", context)

@@ -1,0 +1,176 @@
+"""The public API's information and admin RPCs: GetModelInfo, GetServerInfo,
+GetLoads, FlushCache, GetTokenizer, SubscribeKvEvents."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from scheduler_service.hub import CoreUnavailable
+
+VERSION = "radixserve-0.1.0"
+TOKENIZER_CHUNK = 64 << 10
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+def _struct(values: dict) -> Struct:
+    s = Struct()
+    s.update(
+        {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()}
+    )
+    return s
+
+
+class AdminMixin:
+    """Mixed into SchedulerServicer (needs self.hub, self.model, self.started,
+    self.throughput, self.kv_events)."""
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        m, r = self.model, self.model.ready
+        eos = list(r.eos_token_ids)
+        return pb.GetModelInfoResponse(
+            model_path=r.model_name,
+            tokenizer_path=m.tokenizer_dir,
+            is_generation=True,
+            served_model_name=m.served_model_name,
+            max_context_length=m.limits.context_len,
+            vocab_size=r.vocab_size,
+            supports_vision=False,
+            model_type=r.architecture.removesuffix("ForCausalLM").lower(),
+            eos_token_ids=eos,
+            pad_token_id=eos[0] if eos else 0,
+            max_req_input_len=m.limits.context_len - 1,
+            architectures=[r.architecture],
+        )
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        r, cfg = self.model.ready, self.hub.config
+        args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        args.pop("scheduler")
+        args |= cfg.scheduler
+        args |= {
+            "model_path": r.model_name,
+            "served_model_name": self.model.served_model_name,
+            "tp_size": r.tp_size,
+            "dp_size": 1,
+            "page_size": r.page_size,
+            "grammar_backend": "none",
+        }
+        start = Timestamp(seconds=int(self.started))
+        load = self.hub.load
+        return pb.GetServerInfoResponse(
+            server_args=_struct(args),
+            scheduler_info=_struct(
+                {
+                    "num_pages": r.num_pages,
+                    "page_size": r.page_size,
+                    "max_total_num_tokens": r.num_pages * r.page_size,
+                    "worker_steps": load.steps if load else 0,
+                    "worker_busy_ms": load.worker_busy_ms if load else 0.0,
+                    "worker_idle_ms": load.worker_idle_ms if load else 0.0,
+                    "core_cpu_s": load.core_cpu_s if load else 0.0,
+                }
+            ),
+            active_requests=self.hub.active_requests,
+            is_paused=False,
+            last_receive_timestamp=time.time(),
+            uptime_seconds=time.time() - self.started,
+            sglang_version=VERSION,
+            server_type="grpc",
+            start_time=start,
+            max_total_num_tokens=r.num_pages * r.page_size,
+        )
+
+    async def GetLoads(self, request, context) -> pb.GetLoadsResponse:
+        include = set(request.include) or {"all"}
+        bad = sorted(include - set(LOAD_SECTIONS))
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Invalid include sections: {bad}. Valid options: {list(LOAD_SECTIONS)}",
+            )
+        load, r = self.hub.load, self.model.ready
+        total = r.num_pages * r.page_size
+        running = load.running if load else 0
+        waiting = load.waiting if load else 0
+        used = load.used_tokens if load else 0
+        max_running = load.max_running_requests if load else 0
+        s = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            num_total_reqs=running + waiting,
+            num_used_tokens=used,
+            max_total_num_tokens=total,
+            token_usage=round(used / max(total, 1), 4),
+            gen_throughput=round(self.throughput.rate(), 2),
+            cache_hit_rate=round(load.cache_hit_rate, 4) if load else 0.0,
+            utilization=round(running / max(max_running, 1), 4),
+            max_running_requests=max_running,
+        )
+        every = "all" in include
+        if every or "memory" in include:
+            s.memory.token_capacity = total
+        if every or "queues" in include:
+            s.queues.waiting = waiting
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=VERSION,
+            dp_rank_count=1,
+            loads=[s],
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=running,
+                total_waiting_reqs=waiting,
+                total_reqs=running + waiting,
+                avg_token_usage=s.token_usage,
+                avg_throughput=s.gen_throughput,
+                avg_utilization=s.utilization,
+            ),
+        )
+
+    async def FlushCache(self, request, context) -> cpb.FlushCacheResponse:
+        """timeout_s 0: flush now (refused while requests are in flight);
+        otherwise wait up to timeout_s for the scheduler to go idle."""
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        try:
+            while True:
+                result = await self.hub.flush()
+                if result.success or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+        except CoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        message = "Cache flushed successfully" if result.success else result.message
+        return cpb.FlushCacheResponse(success=result.success, message=message)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        data = self.model.ready.tokenizer_zip
+        if not data:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer to serve"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), TOKENIZER_CHUNK):
+            last = start + TOKENIZER_CHUNK >= len(data)
+            yield cpb.GetTokenizerChunk(
+                data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
+            )
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
+        if request.start_sequence_number:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                "KV event replay cursors are per subscription; resubscribe with zero and rebuild",
+            )
+        async for batch in self.kv_events.subscribe():
+            yield batch

@@ -1,0 +1,174 @@
+"""The scheduler service's settings: command-line flags, with RADIXSERVE_*
+environment variables as defaults, read once at start into one frozen object."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler_service.core.config import POLICIES, SchedulerConfig
+
+ENV_PREFIX = "RADIXSERVE_"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    workers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    port_file: str | None = None
+    metrics_port: int | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # a local tokenizer directory (default: from the worker)
+    overlap: bool = True
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_logit_bias: int = 1024
+    max_top_logprobs: int = 64
+    max_message_mb: int = 64
+    log_level: str = "info"
+    scheduler: dict = field(default_factory=dict)  # overrides of SchedulerConfig fields
+
+    def scheduler_config(self, **from_worker: object) -> SchedulerConfig:
+        return SchedulerConfig(**{**self.scheduler, **from_worker})
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Flags of the scheduling core (shared by radixserve-scheduler and radixserve serve)."""
+
+    def default(name: str, value: object) -> object:
+        return env.get(ENV_PREFIX + name.upper().replace("-", "_"), value)
+
+    d = SchedulerConfig()
+    add = p.add_argument
+    add("--schedule-policy", choices=POLICIES, default=default("schedule-policy", "lpm"))
+    add(
+        "--max-running-requests",
+        type=int,
+        default=default("max-running-requests", d.max_running_requests),
+    )
+    add(
+        "--max-prefill-tokens",
+        type=int,
+        default=default("max-prefill-tokens", d.max_prefill_tokens),
+    )
+    add(
+        "--chunked-prefill-size",
+        type=int,
+        default=default("chunked-prefill-size", d.chunked_prefill_size),
+        help="most prompt tokens prefilled per step; -1 disables chunking",
+    )
+    add(
+        "--enable-mixed-chunk",
+        action="store_true",
+        default=default("enable-mixed-chunk", "") not in ("", "0", "false"),
+    )
+    add(
+        "--enable-priority-scheduling",
+        action="store_true",
+        default=default("enable-priority-scheduling", "") not in ("", "0", "false"),
+    )
+    add("--schedule-low-priority-values-first", action="store_true", default=False)
+    add(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        default=default(
+            "priority-scheduling-preemption-threshold", d.priority_preemption_threshold
+        ),
+    )
+    add(
+        "--schedule-conservativeness",
+        type=float,
+        default=default("schedule-conservativeness", d.schedule_conservativeness),
+    )
+
+
+def scheduler_overrides(args: argparse.Namespace) -> dict:
+    chunk = args.chunked_prefill_size
+    return {
+        "schedule_policy": args.schedule_policy,
+        "max_running_requests": args.max_running_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "chunked_prefill_size": None if chunk is None or chunk <= 0 else chunk,
+        "enable_mixed_chunk": args.enable_mixed_chunk,
+        "enable_priority_scheduling": args.enable_priority_scheduling,
+        "schedule_low_priority_values_first": args.schedule_low_priority_values_first,
+        "priority_preemption_threshold": args.priority_scheduling_preemption_threshold,
+        "schedule_conservativeness": args.schedule_conservativeness,
+    }
+
+
+def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    def default(name: str, value: object) -> object:
+        return env.get(ENV_PREFIX + name.upper().replace("-", "_"), value)
+
+    d = ServiceConfig()
+    add = p.add_argument
+    add("--host", default=default("host", d.host))
+    add("--port", type=int, default=default("port", d.port), help="public gRPC port (0: any)")
+    add(
+        "--port-file",
+        default=default("port-file", None),
+        help="write the bound public port here once serving",
+    )
+    add(
+        "--metrics-port",
+        type=int,
+        default=default("metrics-port", None),
+        help="serve Prometheus metrics on this port",
+    )
+    add("--served-model-name", default=default("served-model-name", None))
+    add(
+        "--tokenizer",
+        default=default("tokenizer", None),
+        help="local tokenizer directory (default: fetched from the worker)",
+    )
+    add(
+        "--disable-overlap",
+        action="store_true",
+        default=default("disable-overlap", "") not in ("", "0", "false"),
+        help="wait for each step's result before planning the next",
+    )
+    add("--max-n", type=int, default=default("max-n", d.max_n))
+    add("--log-level", default=default("log-level", d.log_level))
+    add_scheduler_flags(p, env)
+
+
+def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceConfig:
+    return ServiceConfig(
+        workers=tuple(workers),
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        metrics_port=args.metrics_port,
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer,
+        overlap=not args.disable_overlap,
+        max_n=args.max_n,
+        log_level=args.log_level,
+        scheduler=scheduler_overrides(args),
+    )
+
+
+def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="radixserve-scheduler",
+        description="radixserve scheduler: the public gRPC API in front of a worker group.",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=None,
+        metavar="grpc://HOST:PORT",
+        help="a worker rank (repeat for each tensor-parallel rank)",
+    )
+    add_service_flags(p, env)
+    args = p.parse_args(argv)
+    workers = args.worker or [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w]
+    if not workers:
+        p.error("give the worker group with --worker grpc://HOST:PORT (one per rank)")
+    return service_config(args, workers)

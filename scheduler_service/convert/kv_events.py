@@ -1,0 +1,47 @@
+"""Radix-cache events -> smg.grpc.common KV event messages."""
+
+from __future__ import annotations
+
+from smg_grpc_proto.generated import common_pb2 as cpb
+
+from scheduler_service import ipc
+from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+
+def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
+    m = cpb.KvCacheEvent(event_id=event_id)
+    if isinstance(e, BlockStored):
+        stored = m.stored
+        bs = e.block_size
+        for i, h in enumerate(e.block_hashes):
+            stored.blocks.add(
+                block_hash=h, token_ids=e.token_ids[i * bs : (i + 1) * bs], block_size=bs
+            )
+        if e.parent_block_hash is not None:
+            stored.parent_block_hash = e.parent_block_hash
+        stored.tier = cpb.KV_CACHE_TIER_DEVICE
+        stored.locality = cpb.KV_CACHE_LOCALITY_LOCAL
+        if e.extra_key is not None:
+            stored.cache_salt = e.extra_key
+    elif isinstance(e, BlockRemoved):
+        m.removed.block_hashes.extend(e.block_hashes)
+        m.removed.tier = cpb.KV_CACHE_TIER_DEVICE
+        m.removed.locality = cpb.KV_CACHE_LOCALITY_LOCAL
+    elif isinstance(e, AllBlocksCleared):
+        m.cleared.SetInParent()
+    return m
+
+
+def engine_load(load: ipc.Load, sample: int, throughput: float, load_only: bool) -> cpb.EngineLoad:
+    return cpb.EngineLoad(
+        running_requests=load.running,
+        waiting_requests=load.waiting,
+        token_usage=round(load.used_tokens / max(load.total_tokens, 1), 4),
+        gen_throughput=round(throughput, 2),
+        max_running_requests=load.max_running_requests,
+        sample=sample,
+        load_only=load_only,
+        cache_hit_rate=round(load.cache_hit_rate, 4),
+        num_used_tokens=load.used_tokens,
+        max_total_num_tokens=load.total_tokens,
+    )

@@ -1,0 +1,163 @@
+"""The public API (sglang.grpc.scheduler) <-> the scheduler's dataclasses.
+
+Field semantics follow SGLang's gRPC servicer, where proto3 zero values are
+not the defaults: temperature 0 is greedy; top_p 0, top_k 0 and
+repetition_penalty 0 mean "unset" (1.0, -1, 1.0); an unset max_new_tokens
+means "until the context is full"; logprob_start_len 0 asks for the whole
+prompt's logprobs (the gateway sends -1 for outputs only). Booleans are
+taken as sent (the gateway sends skip_special_tokens and
+spaces_between_special_tokens explicitly).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    context_len: int
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_logit_bias: int = 1024
+    max_top_logprobs: int = 64
+    max_token_ids_logprob: int = 1024
+
+
+@dataclass
+class GenerateCall:
+    rid: str
+    stream: bool
+    requests: list[Request]  # one per sample (n > 1: rid-0, rid-1, ...)
+    prompt_len: int
+    logprobs: LogprobOptions
+
+
+def _finite(name: str, value: float) -> float:
+    if math.isnan(value) or math.isinf(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def sampling_from_proto(
+    m: pb.SamplingParams, prompt_len: int, limits: Limits, stop_strs_ok: bool
+) -> SamplingParams:
+    temperature = _finite("temperature", m.temperature)
+    if temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
+    top_p = _finite("top_p", m.top_p)
+    if not 0.0 <= top_p <= 1.0:
+        raise InvalidRequestError(f"top_p must be in [0, 1] (0 means unset), got {top_p}")
+    for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        _finite(name, getattr(m, name))
+    room = limits.context_len - prompt_len
+    max_new = m.max_new_tokens if m.HasField("max_new_tokens") else max(room, 0)
+    stops = tuple(m.stop)
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            f"at most {limits.max_stop_strings} stop strings, got {len(stops)}"
+        )
+    if any(len(s) > limits.max_stop_string_len for s in stops):
+        raise InvalidRequestError(
+            f"stop strings must be at most {limits.max_stop_string_len} characters"
+        )
+    if stops and not stop_strs_ok:
+        raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
+    if len(m.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequestError(
+            f"logit_bias may name at most {limits.max_logit_bias} tokens, got {len(m.logit_bias)}"
+        )
+    bias: list[tuple[int, float]] = []
+    for key, value in m.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys are token ids, got {key!r}") from None
+        bias.append((token, _finite(f"logit_bias[{key}]", value)))
+    if m.WhichOneof("constraint"):
+        raise InvalidRequestError(
+            f"constrained decoding ({m.WhichOneof('constraint')}) is not supported by radixserve"
+        )
+    seed = None
+    if m.HasField("custom_params") and "seed" in m.custom_params.fields:
+        seed = int(m.custom_params.fields["seed"].number_value)
+    return SamplingParams(
+        max_new_tokens=max_new,
+        min_new_tokens=m.min_new_tokens,
+        temperature=temperature,
+        top_p=top_p or 1.0,
+        top_k=m.top_k or -1,
+        min_p=m.min_p,
+        frequency_penalty=m.frequency_penalty,
+        presence_penalty=m.presence_penalty,
+        repetition_penalty=m.repetition_penalty or 1.0,
+        stop_strs=stops,
+        stop_token_ids=frozenset(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        skip_special_tokens=m.skip_special_tokens,
+        spaces_between_special_tokens=m.spaces_between_special_tokens,
+        no_stop_trim=m.no_stop_trim,
+        logit_bias=tuple(sorted(bias)),
+        seed=seed,
+    )
+
+
+def generate_call(
+    m: pb.GenerateRequest, limits: Limits, encode, has_tokenizer: bool
+) -> GenerateCall:
+    """Validate and convert; ``encode(text) -> ids`` tokenizes original_text."""
+    if m.return_hidden_states:
+        raise InvalidRequestError("hidden states are not returned by radixserve")
+    if m.HasField("mm_inputs") and m.mm_inputs.ByteSize():
+        raise InvalidRequestError("multimodal inputs are not supported by radixserve")
+    if m.input_embeds:
+        raise InvalidRequestError("input embeddings are not supported; send token ids")
+    ids = list(m.tokenized.input_ids)
+    if not ids and m.tokenized.original_text:
+        if not has_tokenizer:
+            raise InvalidRequestError("original_text needs a tokenizer, and this model has none")
+        ids = encode(m.tokenized.original_text)
+    if not ids:
+        raise InvalidRequestError("the input is empty: give tokenized.input_ids or original_text")
+    bad = [t for t in ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"input token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
+        )
+    if len(ids) >= limits.context_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens, the model's context is {limits.context_len}"
+        )
+    sp = sampling_from_proto(m.sampling_params, len(ids), limits, has_tokenizer)
+    n = max(m.sampling_params.n, 1)
+    if n > limits.max_n:
+        raise InvalidRequestError(f"n must be at most {limits.max_n}, got {n}")
+    if m.top_logprobs_num < 0 or m.top_logprobs_num > limits.max_top_logprobs:
+        raise InvalidRequestError(
+            f"top_logprobs_num must be in [0, {limits.max_top_logprobs}], got {m.top_logprobs_num}"
+        )
+    if len(m.token_ids_logprob) > limits.max_token_ids_logprob:
+        raise InvalidRequestError(
+            f"token_ids_logprob may name at most {limits.max_token_ids_logprob} tokens"
+        )
+    lp = LogprobOptions(
+        return_logprob=m.return_logprob,
+        logprob_start_len=m.logprob_start_len if m.return_logprob else -1,
+        top_logprobs_num=m.top_logprobs_num,
+        token_ids_logprob=tuple(m.token_ids_logprob),
+    )
+    rid = m.request_id or uuid.uuid4().hex
+    rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    requests = [Request(r, list(ids), sp, lp, extra_key=m.lora_id or None) for r in rids]
+    for r in requests:
+        r.validate(limits.vocab_size, limits.context_len)
+    return GenerateCall(rid, m.stream, requests, len(ids), lp)

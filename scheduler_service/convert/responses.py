@@ -1,0 +1,119 @@
+"""Core outputs -> GenerateResponse messages, as SGLang's servicer shapes them.
+
+Streaming: a chunk per batch of new tokens (token deltas, cumulative counts,
+incremental output logprobs, the prompt's logprobs in the first chunk), and
+at the end the last chunk followed by a GenerateComplete that repeats it.
+Not streaming: one GenerateComplete per sample with every token and the
+cumulative logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from scheduler_service import ipc
+from scheduler_service.core.plan import TokenLogprobs
+
+
+@dataclass
+class SampleState:
+    """What the API process accumulates for one sample of a Generate call."""
+
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    logprob_start: int  # -1: no prompt logprobs
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+    cached_tokens: int = 0
+    finish: ipc.Finish | None = None
+
+    def add(self, d: ipc.DeltaOut) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Take a delta in; return its tokens and their logprobs."""
+        self.output_ids.extend(d.token_ids)
+        lps = d.logprobs or []
+        self.logprobs.extend(lps)
+        if d.prompt_logprobs:
+            for i, lp in enumerate(d.prompt_logprobs):
+                self.prompt_logprobs[d.prompt_logprobs_start + i] = lp
+        self.cached_tokens = d.cached_tokens
+        if d.finish is not None:
+            self.finish = d.finish
+        return d.token_ids, lps
+
+
+def output_logprobs(tokens: list[int], lps: list[TokenLogprobs | None]) -> pb.OutputLogProbs:
+    m = pb.OutputLogProbs()
+    for token, lp in zip(tokens, lps, strict=False):
+        if lp is None:
+            continue
+        m.token_logprobs.append(lp.logprob if lp.logprob is not None else float("nan"))
+        m.token_ids.append(token)
+        if lp.top_ids is not None:
+            m.top_logprobs.add(values=lp.top_logprobs, token_ids=lp.top_ids)
+        if lp.ids is not None:
+            m.token_ids_logprobs.add(values=lp.ids_logprobs, token_ids=lp.ids)
+    return m
+
+
+def input_logprobs(s: SampleState) -> pb.InputLogProbs:
+    m = pb.InputLogProbs()
+    for pos in range(s.logprob_start, len(s.prompt_ids)):
+        lp = s.prompt_logprobs.get(pos)
+        entry = m.token_logprobs.add()
+        if lp is not None and lp.logprob is not None:
+            entry.value = lp.logprob
+        m.token_ids.append(s.prompt_ids[pos])
+        if lp is not None and lp.top_ids is not None:
+            m.top_logprobs.add(values=lp.top_logprobs, token_ids=lp.top_ids)
+    return m
+
+
+def _wants_input(s: SampleState) -> bool:
+    return s.logprob_start >= 0 and not s.prompt_logprobs_sent
+
+
+def chunk(
+    s: SampleState, rid: str, tokens: list[int], lps: list, with_logprobs: bool
+) -> pb.GenerateResponse:
+    c = pb.GenerateStreamChunk(
+        token_ids=tokens,
+        prompt_tokens=len(s.prompt_ids),
+        completion_tokens=len(s.output_ids),
+        cached_tokens=s.cached_tokens,
+        index=s.index,
+    )
+    if with_logprobs:
+        c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
+    if _wants_input(s) and tokens:
+        c.input_logprobs.CopyFrom(input_logprobs(s))
+        s.prompt_logprobs_sent = True
+    return pb.GenerateResponse(request_id=rid, chunk=c)
+
+
+def complete(
+    s: SampleState, rid: str, tokens: list[int], lps: list, with_logprobs: bool, index: int
+) -> pb.GenerateResponse:
+    f = s.finish or ipc.Finish("abort")
+    c = pb.GenerateComplete(
+        output_ids=tokens,
+        finish_reason=f.kind,
+        prompt_tokens=len(s.prompt_ids),
+        completion_tokens=len(s.output_ids),
+        cached_tokens=s.cached_tokens,
+        index=index,
+    )
+    if f.matched_token is not None:
+        c.matched_token_id = f.matched_token
+    elif f.matched_str is not None:
+        c.matched_stop_str = f.matched_str
+    if with_logprobs:
+        c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
+    if _wants_input(s):
+        c.input_logprobs.CopyFrom(input_logprobs(s))
+        s.prompt_logprobs_sent = True
+    return pb.GenerateResponse(request_id=rid, complete=c)

@@ -1,0 +1,210 @@
+"""Core step plans -> radixserve.worker.v1 messages, and results back.
+
+Requests are named by small integer slots on the wire. A slot freed by a
+leave can be reused by a join of the same plan (the worker applies leaves
+first), so results are decoded against the plan they answer (by position),
+never against the current slot map.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from protos import worker_pb2 as pb
+from scheduler_service.core.plan import (
+    ForwardMode,
+    JoinRequest,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from scheduler_service.core.sampling import LogprobOptions, SamplingParams
+
+_MODES = {
+    ForwardMode.PREFILL: pb.FORWARD_MODE_PREFILL,
+    ForwardMode.DECODE: pb.FORWARD_MODE_DECODE,
+    ForwardMode.MIXED: pb.FORWARD_MODE_MIXED,
+    ForwardMode.IDLE: pb.FORWARD_MODE_IDLE,
+}
+
+
+class WorkerProtocolError(RuntimeError):
+    """A worker answered something that does not fit the plan it was sent."""
+
+
+@dataclass(slots=True)
+class _Sent:
+    step_id: int
+    sampled: list[str]  # rids of the sampling entries, in result order
+    extend_slots: dict[int, str]  # slot -> rid for the plan's extends (prompt logprobs)
+
+
+def sampling_to_proto(sp: SamplingParams, m: pb.SamplingParams) -> None:
+    m.temperature = sp.temperature
+    m.top_p = sp.top_p
+    m.top_k = sp.top_k
+    m.min_p = sp.min_p
+    m.frequency_penalty = sp.frequency_penalty
+    m.presence_penalty = sp.presence_penalty
+    m.repetition_penalty = sp.repetition_penalty
+    m.min_new_tokens = sp.min_new_tokens
+    m.stop_token_ids.extend(sorted(sp.stop_token_ids))
+    m.ignore_eos = sp.ignore_eos
+    for token, bias in sp.logit_bias:
+        m.logit_bias_ids.append(token)
+        m.logit_bias_values.append(bias)
+    if sp.seed is not None:
+        m.seed = sp.seed
+
+
+def logprobs_to_proto(lp: LogprobOptions, m: pb.LogprobOptions) -> None:
+    m.return_logprob = lp.return_logprob
+    m.logprob_start_len = lp.logprob_start_len
+    m.top_logprobs_num = lp.top_logprobs_num
+    m.token_ids_logprob.extend(lp.token_ids_logprob)
+
+
+class WorkerCodec:
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._sent: dict[int, _Sent] = {}
+        # rids whose outputs need logprob payloads (chosen, top-k, token ids)
+        self._wants_logprobs: dict[str, LogprobOptions] = {}
+        self.traces: dict[str, tuple[str, str]] = {}  # rid -> (traceparent, tracestate)
+
+    def reset(self) -> None:
+        """Forget every slot (a new Execute stream starts from no state)."""
+        self.__init__()
+
+    def _take_slot(self, rid: str) -> int:
+        slot = heapq.heappop(self._free) if self._free else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        self._slots[rid] = slot
+        return slot
+
+    def encode(self, plan: StepPlan) -> pb.StepPlan:
+        msg = pb.StepPlan(step_id=plan.step_id, mode=_MODES[plan.mode])
+        slots = self._slots
+        for rid in plan.leaves:
+            slot = slots.pop(rid)
+            heapq.heappush(self._free, slot)
+            msg.leaves.append(slot)
+            self._wants_logprobs.pop(rid, None)
+        for join in plan.joins:
+            self._join(join, msg.joins.add())
+        sampled: list[str] = []
+        extend_slots: dict[int, str] = {}
+        for e in plan.entries:
+            if e.input_ids is not None:
+                slot = slots[e.rid]
+                ext = msg.extends.add(
+                    slot=slot,
+                    start_pos=e.start_pos,
+                    input_ids=e.input_ids,
+                    new_pages=e.new_pages,
+                    sample=e.sample,
+                )
+                if e.next_token is not None:
+                    ext.next_token = e.next_token
+                extend_slots[slot] = e.rid
+                if e.sample:
+                    sampled.append(e.rid)
+        decodes = [e for e in plan.entries if e.input_ids is None]
+        if decodes:
+            msg.decode_slots.extend([slots[e.rid] for e in decodes])
+            msg.decode_positions.extend([e.start_pos for e in decodes])
+            msg.decode_new_pages.extend([e.new_pages[0] + 1 if e.new_pages else 0 for e in decodes])
+            sampled.extend(e.rid for e in decodes)
+        self._sent[plan.step_id] = _Sent(plan.step_id, sampled, extend_slots)
+        return msg
+
+    def _join(self, join: JoinRequest, m: pb.Join) -> None:
+        m.slot = self._take_slot(join.rid)
+        m.rid = join.rid
+        sampling_to_proto(join.sampling, m.sampling)
+        logprobs_to_proto(join.logprobs, m.logprobs)
+        m.prompt_len = join.prompt_len
+        m.prefix_ids.extend(join.prefix_ids)
+        m.num_output_tokens = join.num_output_tokens
+        if join.rid in self.traces:
+            m.trace.traceparent, m.trace.tracestate = self.traces[join.rid]
+        lp = join.logprobs
+        if lp.return_logprob:
+            self._wants_logprobs[join.rid] = lp
+        else:
+            self._wants_logprobs.pop(join.rid, None)
+
+    def decode(self, msg: pb.StepResult) -> StepResult:
+        sent = self._sent.pop(msg.step_id, None)
+        if sent is None:
+            raise WorkerProtocolError(f"result for step {msg.step_id}, which was not sent")
+        if msg.error:
+            raise WorkerProtocolError(f"the worker refused step {msg.step_id}: {msg.error}")
+        if len(msg.token_ids) != len(sent.sampled):
+            raise WorkerProtocolError(
+                f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sent.sampled)} entries"
+            )
+        outputs: list[RequestOutput] = []
+        wants = self._wants_logprobs
+        top_at = ids_at = 0
+        tops, idss = msg.top_counts, msg.ids_counts
+        for i, (rid, token) in enumerate(zip(sent.sampled, msg.token_ids, strict=True)):
+            lp = None
+            n_top = tops[i] if tops else 0
+            n_ids = idss[i] if idss else 0
+            if rid in wants:
+                lp = TokenLogprobs(logprob=msg.logprobs[i])
+                if n_top:
+                    lp.top_ids = list(msg.top_ids[top_at : top_at + n_top])
+                    lp.top_logprobs = list(msg.top_logprobs[top_at : top_at + n_top])
+                if n_ids:
+                    lp.ids = list(wants[rid].token_ids_logprob)
+                    lp.ids_logprobs = list(msg.ids_logprobs[ids_at : ids_at + n_ids])
+            top_at += n_top
+            ids_at += n_ids
+            outputs.append(RequestOutput(rid, token, lp))
+        for p in msg.prompt_logprobs:
+            rid = sent.extend_slots.get(p.slot)
+            if rid is None:
+                raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
+            outputs.append(self._prompt_output(rid, p))
+        return StepResult(msg.step_id, _merge_by_rid(outputs), msg.forward_ms, msg.idle_ms)
+
+    def _prompt_output(self, rid: str, p: pb.PromptLogprobs) -> RequestOutput:
+        opts = self._wants_logprobs.get(rid, LogprobOptions())
+        n_top, n_ids = opts.top_logprobs_num, len(opts.token_ids_logprob)
+        entries: list[TokenLogprobs] = []
+        scored = 0  # positions with a logprob (all but position 0)
+        for value in p.logprobs:
+            if math.isnan(value):
+                entries.append(TokenLogprobs())
+                continue
+            e = TokenLogprobs(logprob=value)
+            if n_top:
+                e.top_ids = list(p.top_ids[scored * n_top : (scored + 1) * n_top])
+                e.top_logprobs = list(p.top_logprobs[scored * n_top : (scored + 1) * n_top])
+            if n_ids:
+                e.ids = list(opts.token_ids_logprob)
+                e.ids_logprobs = list(p.ids_logprobs[scored * n_ids : (scored + 1) * n_ids])
+            scored += 1
+            entries.append(e)
+        return RequestOutput(rid, None, prompt_logprobs=entries, prompt_logprobs_start=p.start)
+
+
+def _merge_by_rid(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request: a final chunk's prompt logprobs ride with its token."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        have = merged.get(out.rid)
+        if have is None:
+            merged[out.rid] = out
+        elif out.prompt_logprobs is not None:
+            have.prompt_logprobs = out.prompt_logprobs
+            have.prompt_logprobs_start = out.prompt_logprobs_start
+    return list(merged.values())

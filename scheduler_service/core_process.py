@@ -1,0 +1,90 @@
+"""The core process: connects to the worker group, builds the Scheduler and
+runs the Engine loop; talks to the API process over a pipe."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import structlog
+from google.protobuf.json_format import MessageToDict
+from tokenizers import Tokenizer
+
+from scheduler_service import ipc
+from scheduler_service.config import ServiceConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine import Engine
+from scheduler_service.logging_setup import configure_logging
+from scheduler_service.stop_strings import StopStringMatcher
+from scheduler_service.workers import WorkerError, WorkerGroup
+
+logger = structlog.get_logger(__name__)
+
+
+def zip_directory(path: Path) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for f in sorted(path.iterdir()):
+            if f.is_file():
+                zf.write(f, f.name)
+    return buf.getvalue()
+
+
+def load_tokenizer(archive: bytes) -> Tokenizer | None:
+    if not archive:
+        return None
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        return Tokenizer.from_str(zf.read("tokenizer.json").decode())
+
+
+def core_main(conn: Connection, config: ServiceConfig) -> None:
+    """Entry point of the core process (spawned by the API process)."""
+    configure_logging(config.log_level)
+    group = WorkerGroup(list(config.workers), config.max_message_mb)
+    try:
+        info = group.connect()
+        if config.tokenizer:
+            archive = zip_directory(Path(config.tokenizer))
+        else:
+            try:
+                archive = group.tokenizer_archive()
+            except Exception as e:  # e.g. the simulated model has none
+                logger.warning("the worker serves no tokenizer", error=str(e))
+                archive = b""
+    except WorkerError as e:
+        conn.send(ipc.Failed(str(e)))
+        return
+    tokenizer = load_tokenizer(archive)
+    model = info.model
+    sched = Scheduler(
+        config.scheduler_config(
+            page_size=info.page_size,
+            vocab_size=model.vocab_size,
+            eos_token_ids=frozenset(model.eos_token_ids),
+            context_len=model.max_context_len or None,
+            enable_kv_events=True,
+        ),
+        info.num_pages,
+        stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
+    )
+    conn.send(
+        ipc.Ready(
+            model_name=model.name,
+            architecture=model.architecture,
+            vocab_size=model.vocab_size,
+            eos_token_ids=list(model.eos_token_ids),
+            max_context_len=model.max_context_len,
+            page_size=info.page_size,
+            num_pages=info.num_pages,
+            tp_size=info.tp_size,
+            tokenizer_zip=archive,
+            worker_info=json.loads(json.dumps(MessageToDict(info))),
+        )
+    )
+    try:
+        Engine(sched, group, conn, overlap=config.overlap).run()
+    finally:
+        group.close()

@@ -1,0 +1,199 @@
+"""The core loop: Scheduler.step() -> plan to the workers -> result -> update().
+
+With overlap (the default) plan N+1 is sent before result N is read, so the
+worker finds its next plan queued the moment it finishes a step: it never
+waits on the network or on this loop's Python, as long as one iteration
+(step, update, publishing the outputs) takes less than a forward.
+
+The loop talks to the API process through a pipe: requests and aborts come
+in between steps; one Outputs message per step goes out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+
+import structlog
+
+from scheduler_service import ipc
+from scheduler_service.convert.worker import WorkerCodec
+from scheduler_service.core.request import FinishStop, RequestState
+from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.workers import WorkerError, WorkerGroup
+
+logger = structlog.get_logger(__name__)
+
+IDLE_WAIT_S = 0.05  # nothing to do: wake up at least this often
+
+
+class Engine:
+    def __init__(
+        self, sched: Scheduler, group: WorkerGroup, conn: Connection, overlap: bool = True
+    ) -> None:
+        self.sched = sched
+        self.group = group
+        self.conn = conn
+        self.lag = 1 if overlap else 0
+        self.codec = WorkerCodec()
+        self.inflight: deque[int] = deque()
+        # n > 1: rid of the leader -> siblings waiting for its prefill to be planned
+        self.held: dict[str, list] = {}
+        self.running = True
+        self.busy_ms = 0.0
+        self.idle_ms = 0.0
+        self._pending: list[ipc.DeltaOut] = []
+
+    # ----------------------------------------------------------------- loop
+    def run(self) -> None:
+        try:
+            self._loop()
+        except WorkerError as e:
+            logger.error("worker group failed", error=str(e))
+            self.conn.send(ipc.Failed(str(e)))
+
+    def _loop(self) -> None:
+        self.group.open()
+        sched = self.sched
+        while self.running:
+            self._read_inbox(block=not self.inflight and sched.is_idle() and not self.held)
+            self._release_held()
+            plan = sched.step()
+            if plan is not None:
+                self.group.send(self.codec.encode(plan))
+                self.inflight.append(plan.step_id)
+            if self.inflight and (len(self.inflight) > self.lag or plan is None):
+                msg = self.group.receive()
+                self.inflight.popleft()
+                self.busy_ms += msg.forward_ms
+                self.idle_ms += msg.idle_ms
+                sched.update(self.codec.decode(msg))
+            elif plan is None and not self.inflight:
+                # Work exists but none can run yet (held siblings): don't spin.
+                self._read_inbox(block=True, timeout=0.005)
+            self._publish()
+
+    # ---------------------------------------------------------------- inbox
+    def _read_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
+        conn = self.conn
+        if block and not conn.poll(timeout):
+            return
+        while conn.poll(0):
+            self._handle(conn.recv())
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, ipc.Submit):
+            self._submit(msg)
+        elif isinstance(msg, ipc.Abort):
+            for rid in msg.rids:
+                self._abort(rid, msg.reason)
+        elif isinstance(msg, ipc.FlushCache):
+            self.conn.send(self._flush(msg.token))
+        elif isinstance(msg, ipc.Shutdown):
+            self.running = False
+        else:
+            logger.error("unknown message from the API process", kind=type(msg).__name__)
+
+    def _submit(self, msg: ipc.Submit) -> None:
+        self.codec.traces.update(msg.traces)
+        first, *rest = msg.requests
+        if not self._add(first):
+            for r in rest:
+                self.conn.send(ipc.Rejected(r.rid, "the request's first sample was refused"))
+            return
+        if msg.share_prompt and rest:
+            self.held[first.rid] = rest
+        else:
+            for r in rest:
+                self._add(r)
+
+    def _add(self, req) -> bool:
+        try:
+            self.sched.add_request(req)
+        except InvalidRequestError as e:
+            self.conn.send(ipc.Rejected(req.rid, str(e)))
+            return False
+        return True
+
+    def _release_held(self) -> None:
+        """Siblings join once the leader's prompt is planned (and so cached)."""
+        if not self.held:
+            return
+        for rid in list(self.held):
+            leader = self.sched.requests.get(rid)
+            planned = leader is None or (
+                leader.state is not RequestState.WAITING and leader.kv_len >= len(leader.prompt_ids)
+            )
+            if planned:
+                for r in self.held.pop(rid):
+                    self._add(r)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        for sibling in self.held.pop(rid, []):
+            self.conn.send(ipc.Rejected(sibling.rid, reason))
+        for siblings in self.held.values():
+            for r in list(siblings):
+                if r.rid == rid:
+                    siblings.remove(r)
+                    self.conn.send(ipc.Rejected(rid, reason))
+        self.sched.abort(rid, reason)
+
+    def _flush(self, token: int) -> ipc.Flushed:
+        sched = self.sched
+        if sched.requests or self.inflight:
+            return ipc.Flushed(token, False, "requests are in flight; flush when idle")
+        freed = sched.cache.evict_all_unlocked()
+        return ipc.Flushed(token, True, f"freed {freed} cached pages")
+
+    # -------------------------------------------------------------- outputs
+    def _publish(self) -> None:
+        deltas = self.sched.drain()
+        events = self.sched.cache.take_events()
+        if not deltas and not events:
+            return
+        out = [self._delta(d) for d in deltas]
+        self.conn.send(ipc.Outputs(out, self.load(), events))
+
+    def _delta(self, d) -> ipc.DeltaOut:
+        req = d.req
+        wants = req.logprobs.return_logprob
+        delta = ipc.DeltaOut(
+            req.rid,
+            d.new_token_ids,
+            d.logprobs if wants else None,
+            d.prompt_logprobs,
+            d.prompt_logprobs_start,
+            req.cached_tokens,
+        )
+        if d.finished:
+            reason = req.finish_reason
+            if isinstance(reason, FinishStop):
+                if isinstance(reason.matched, str):
+                    delta.finish = ipc.Finish("stop", matched_str=reason.matched)
+                else:
+                    delta.finish = ipc.Finish("stop", matched_token=reason.matched)
+            else:
+                delta.finish = ipc.Finish(reason.kind, message=getattr(reason, "message", ""))
+        return delta
+
+    def load(self) -> ipc.Load:
+        sched = self.sched
+        pool = sched.pool
+        page = pool.page_size
+        stats = sched.stats
+        used = (pool.num_used - sched.cache.evictable_pages) * page
+        return ipc.Load(
+            running=len(sched.running) + (sched.chunked is not None),
+            waiting=len(sched.waiting) + sum(len(v) for v in self.held.values()),
+            used_tokens=used,
+            total_tokens=pool.num_pages * page,
+            cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
+            gen_tokens=stats.generated_tokens,
+            steps=stats.steps,
+            worker_busy_ms=self.busy_ms,
+            worker_idle_ms=self.idle_ms,
+            core_cpu_s=time.process_time(),
+            max_running_requests=sched.config.max_running_requests,
+        )

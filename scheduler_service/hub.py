@@ -1,0 +1,192 @@
+"""The API process's side of the pipe to the core process.
+
+Routes the core's per-step outputs to the coroutines serving each Generate
+call (one asyncio queue per call, shared by its n samples), keeps the latest
+load snapshot, answers flushes, and fans KV events out to subscribers. It
+runs on the API process's event loop; reading the pipe never blocks it (the
+loop is told when the pipe is readable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import structlog
+
+from scheduler_service import ipc
+from scheduler_service.config import ServiceConfig
+from scheduler_service.core.request import Request
+
+logger = structlog.get_logger(__name__)
+
+
+@dataclass
+class Call:
+    """One Generate call: its samples' rids and the queue their outputs go to."""
+
+    rids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class CoreUnavailable(RuntimeError):
+    pass
+
+
+class Hub:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.ready: ipc.Ready | None = None
+        self.load: ipc.Load | None = None
+        self.failed: str | None = None
+        self._calls: dict[str, Call] = {}  # sample rid -> its call
+        self._flushes: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self._event_listeners: list[Callable[[list, ipc.Load], None]] = []
+        self._load_listeners: list[Callable[[ipc.Load], None]] = []
+        self._proc: multiprocessing.Process | None = None
+        self._conn: Connection | None = None
+        self._ready = asyncio.Event()
+
+    # ------------------------------------------------------------ process
+    async def start(self, timeout_s: float = 900.0) -> ipc.Ready:
+        """Spawn the core process and wait until it has reached the workers."""
+        from scheduler_service.core_process import core_main
+
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=core_main, args=(theirs, self.config), name="core")
+        self._proc.start()
+        theirs.close()
+        self._conn = ours
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            raise CoreUnavailable("the core process did not reach its workers in time") from None
+        if self.ready is None:
+            raise CoreUnavailable(self.failed or "the core process failed")
+        return self.ready
+
+    def stop(self) -> None:
+        if self._conn is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._conn.fileno())
+                self._conn.send(ipc.Shutdown())
+            except (OSError, RuntimeError):
+                pass
+        if self._proc is not None:
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+
+    def _send(self, msg: object) -> None:
+        if self.failed:
+            raise CoreUnavailable(self.failed)
+        self._conn.send(msg)
+
+    # ------------------------------------------------------------- inbox
+    def _on_readable(self) -> None:
+        conn = self._conn
+        try:
+            while conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._fail("the core process exited")
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, ipc.Outputs):
+            calls = self._calls
+            for d in msg.deltas:
+                call = calls.get(d.rid)
+                if call is not None:
+                    call.queue.put_nowait(d)
+            self.load = msg.load
+            for listener in self._event_listeners:
+                listener(msg.events, msg.load)
+            for listener in self._load_listeners:
+                listener(msg.load)
+        elif isinstance(msg, ipc.Rejected):
+            call = self._calls.get(msg.rid)
+            if call is not None:
+                call.queue.put_nowait(msg)
+        elif isinstance(msg, ipc.Flushed):
+            fut = self._flushes.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, ipc.Ready):
+            self.ready = msg
+            self._ready.set()
+        elif isinstance(msg, ipc.Failed):
+            self._fail(msg.message)
+
+    def _fail(self, message: str) -> None:
+        if self.failed:
+            return
+        logger.error("core process failed", error=message)
+        self.failed = message
+        self._ready.set()
+        if self._conn is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        for call in {id(c): c for c in self._calls.values()}.values():
+            call.queue.put_nowait(CoreUnavailable(message))
+
+    # ------------------------------------------------------------ requests
+    def submit(
+        self, requests: list[Request], share_prompt: bool, traces: dict | None = None
+    ) -> Call:
+        call = Call([r.rid for r in requests])
+        for rid in call.rids:
+            if rid in self._calls:
+                raise ValueError(f"request id {rid!r} is already in use")
+        for rid in call.rids:
+            self._calls[rid] = call
+        try:
+            self._send(ipc.Submit(requests, share_prompt, traces or {}))
+        except Exception:
+            self.forget(call)
+            raise
+        return call
+
+    def abort(self, rids: list[str], reason: str) -> None:
+        if rids and not self.failed:
+            self._send(ipc.Abort(rids, reason))
+
+    def forget(self, call: Call) -> None:
+        for rid in call.rids:
+            if self._calls.get(rid) is call:
+                del self._calls[rid]
+
+    def find(self, rid: str) -> Call | None:
+        """The call a public request id names (its own rid or its samples')."""
+        call = self._calls.get(rid)
+        if call is not None:
+            return call
+        return next((c for r, c in self._calls.items() if r.startswith(rid + "-")), None)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._calls)
+
+    async def flush(self) -> ipc.Flushed:
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._flushes[token] = fut
+        self._send(ipc.FlushCache(token))
+        return await fut
+
+    # ----------------------------------------------------------- listeners
+    def on_events(self, listener: Callable[[list, ipc.Load], None]) -> Callable[[], None]:
+        self._event_listeners.append(listener)
+        return lambda: self._event_listeners.remove(listener)
+
+    def on_load(self, listener: Callable[[ipc.Load], None]) -> Callable[[], None]:
+        self._load_listeners.append(listener)
+        return lambda: self._load_listeners.remove(listener)

@@ -1,0 +1,117 @@
+"""Messages between the API process and the core process (a local pipe).
+
+The API process (public gRPC, tokenization, one coroutine per client stream)
+and the core process (Scheduler + worker streams) run apart so that no slow
+client can ever delay a step: the core only ever writes one message per step
+into a pipe. Both ends are our own processes, spawned together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.kv_events import KvEvent
+from scheduler_service.core.plan import TokenLogprobs
+from scheduler_service.core.request import Request
+
+
+# ----------------------------------------------------------- API -> core
+@dataclass
+class Submit:
+    requests: list[Request]
+    # n > 1: the first request prefills the shared prompt; the others join once
+    # its prefill is planned, so they read the prompt's KV from the cache.
+    share_prompt: bool = False
+    traces: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class Abort:
+    rids: list[str]
+    reason: str
+
+
+@dataclass
+class FlushCache:
+    token: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ----------------------------------------------------------- core -> API
+@dataclass
+class Ready:
+    model_name: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_context_len: int
+    page_size: int
+    num_pages: int
+    tp_size: int
+    tokenizer_zip: bytes
+    worker_info: dict
+
+
+@dataclass
+class Finish:
+    kind: str  # stop | length | abort
+    matched_token: int | None = None
+    matched_str: str | None = None
+    message: str = ""
+
+
+@dataclass
+class DeltaOut:
+    rid: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
+    cached_tokens: int = 0
+    finish: Finish | None = None
+
+
+@dataclass
+class Load:
+    running: int
+    waiting: int
+    used_tokens: int
+    total_tokens: int
+    cache_hit_rate: float
+    gen_tokens: int  # generated so far (throughput is derived by the reader)
+    steps: int
+    worker_busy_ms: float
+    worker_idle_ms: float
+    core_cpu_s: float
+    max_running_requests: int
+
+
+@dataclass
+class Outputs:
+    deltas: list[DeltaOut]
+    load: Load
+    events: list[KvEvent] = field(default_factory=list)
+
+
+@dataclass
+class Rejected:
+    rid: str
+    message: str
+
+
+@dataclass
+class Flushed:
+    token: int
+    success: bool
+    message: str
+
+
+@dataclass
+class Failed:
+    """The core cannot go on (the worker group broke); the API reports UNAVAILABLE."""
+
+    message: str

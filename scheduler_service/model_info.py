@@ -1,0 +1,56 @@
+"""What the API process knows about the served model once the core is ready:
+limits for validation, the tokenizer (for original_text and GetTokenizer),
+and the names reported to clients and the gateway."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from scheduler_service import ipc
+from scheduler_service.config import ServiceConfig
+from scheduler_service.convert.public import Limits
+
+
+@dataclass
+class ModelContext:
+    ready: ipc.Ready
+    limits: Limits
+    served_model_name: str
+    tokenizer: Tokenizer | None
+    tokenizer_dir: str  # a local copy of the tokenizer files ("" if none)
+    health_timeout_s: float = 20.0
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    @classmethod
+    def build(cls, ready: ipc.Ready, config: ServiceConfig, workdir: Path) -> ModelContext:
+        context = min(ready.max_context_len or (1 << 30), ready.num_pages * ready.page_size)
+        limits = Limits(
+            vocab_size=ready.vocab_size,
+            context_len=context,
+            max_n=config.max_n,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_string_len=config.max_stop_string_len,
+            max_logit_bias=config.max_logit_bias,
+            max_top_logprobs=config.max_top_logprobs,
+        )
+        tokenizer, tokenizer_dir = None, ""
+        if ready.tokenizer_zip:
+            target = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=workdir))
+            with zipfile.ZipFile(io.BytesIO(ready.tokenizer_zip)) as zf:
+                zf.extractall(target)
+            tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+            tokenizer_dir = str(target)
+        name = config.served_model_name or Path(ready.model_name).stem or ready.model_name
+        return cls(ready, limits, name, tokenizer, tokenizer_dir)

@@ -1,0 +1,148 @@
+"""``radixserve``: the all-in-one launcher.
+
+``radixserve serve`` starts a worker group (one ``radixserve-worker`` process
+per tensor-parallel rank) and the scheduler in front of it, and shuts the
+children down cleanly on Ctrl-C / SIGTERM. ``radixserve export-tokenizer DIR``
+writes the model's tokenizer files (for the SMG gateway's --model-path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from scheduler_service.config import add_service_flags, service_config
+from scheduler_service.logging_setup import configure_logging
+from scheduler_service.server import serve as serve_scheduler
+
+logger = structlog.get_logger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker_service",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--page-size",
+        str(args.page_size),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--tp-size",
+        str(args.tp_size),
+        "--tp-rank",
+        str(rank),
+        "--log-level",
+        args.log_level,
+    ]
+    if args.tp_size > 1:
+        cmd += ["--dist-addr", dist]
+    if args.kv_memory:
+        cmd += ["--kv-memory", args.kv_memory]
+    if args.device == "cpu":
+        # Leave a core to the scheduler: a busy core makes every small op of a
+        # multi-threaded worker wait.
+        threads = args.worker_threads or max(1, (os.cpu_count() or 2) - 1)
+        cmd += ["--threads", str(threads)]
+    return cmd
+
+
+class WorkerProcesses:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.port_files = [workdir / f"worker{r}.port" for r in range(args.tp_size)]
+        dist = f"127.0.0.1:{_free_port()}"
+        for rank, pf in enumerate(self.port_files):
+            self.procs.append(subprocess.Popen(_worker_args(args, rank, pf, dist)))
+
+    def addresses(self, timeout_s: float = 900.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        for proc, pf in zip(self.procs, self.port_files, strict=True):
+            while not (pf.exists() and pf.read_text()):
+                if proc.poll() is not None:
+                    raise SystemExit(
+                        f"a worker exited with status {proc.returncode} while starting"
+                    )
+                if time.monotonic() > deadline:
+                    raise SystemExit("the workers did not start in time")
+                time.sleep(0.2)
+        return [f"grpc://127.0.0.1:{pf.read_text()}" for pf in self.port_files]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    workdir = Path(tempfile.mkdtemp(prefix="radixserve-serve-"))
+    workers = WorkerProcesses(args, workdir)
+    try:
+        addresses = workers.addresses()
+        config = service_config(args, addresses)
+        asyncio.run(serve_scheduler(config))
+    finally:
+        workers.stop()
+    return 0
+
+
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "worker_service.export_tokenizer", "--model", args.model, args.dir]
+    return subprocess.call(cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="radixserve", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model: a worker group and the scheduler")
+    s.add_argument(
+        "--model",
+        default="default",
+        help="HF model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or 'simulated'",
+    )
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--tp-size", type=int, default=1)
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--kv-memory", default=None, help="KV cache memory per rank, e.g. 2GiB")
+    s.add_argument("--worker-threads", type=int, default=0)
+    add_service_flags(s, os.environ)
+    e = sub.add_parser("export-tokenizer", help="write the model's tokenizer files to DIR")
+    e.add_argument("dir")
+    e.add_argument("--model", default="default")
+    args = p.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _export_tokenizer(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

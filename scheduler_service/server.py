@@ -1,0 +1,94 @@
+"""The scheduler service: the API process's gRPC server in front of the core
+process (spawned here) and its worker group."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import tempfile
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from scheduler_service.api import SchedulerServicer
+from scheduler_service.config import ServiceConfig
+from scheduler_service.hub import Hub
+from scheduler_service.kv_publisher import KvEventPublisher
+from scheduler_service.metrics import start_metrics
+from scheduler_service.model_info import ModelContext
+from scheduler_service.throughput import Throughput
+
+logger = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+
+
+async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
+    stop = stop or _stop_on_signals()
+    hub = Hub(config)
+    workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
+    try:
+        ready = await hub.start()
+        model = ModelContext.build(ready, config, workdir)
+        servicer = SchedulerServicer(hub, model)
+        servicer.throughput = Throughput()
+        hub.on_load(servicer.throughput.observe)
+        servicer.kv_events = KvEventPublisher(hub, servicer.throughput)
+        limit = config.max_message_mb << 20
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        await server.start()
+        if config.metrics_port is not None:
+            start_metrics(config.metrics_port, config.host, hub)
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if config.port_file:
+            Path(config.port_file).write_text(str(port))
+        logger.info(
+            "scheduler serving",
+            port=port,
+            model=model.served_model_name,
+            pages=ready.num_pages,
+            page_size=ready.page_size,
+        )
+        print(f"radixserve-scheduler listening on {config.host}:{port}", flush=True)
+        await stop.wait()
+        logger.info("shutting down")
+        servicer.shutting_down = True
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=5)
+    finally:
+        hub.stop()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,132 @@
+"""The scheduler's connection to its worker group: one Execute stream per rank.
+
+Every rank receives every plan (tensor parallelism); rank 0's result carries
+the tokens, the others' are checked for errors only. Sending never blocks
+(plans queue in the stream), so plan N+1 can be on its way while the worker
+computes N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc
+
+logger = structlog.get_logger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """The worker group cannot serve (unreachable, inconsistent, or failed)."""
+
+
+def parse_worker_address(url: str) -> str:
+    """'grpc://host:port' or 'host:port' -> 'host:port'."""
+    address = url.removeprefix("grpc://")
+    if ":" not in address:
+        raise ValueError(f"worker address {url!r} needs a port (grpc://HOST:PORT)")
+    return address
+
+
+@dataclass
+class _Rank:
+    address: str
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    plans: queue.SimpleQueue | None = None
+    results: Iterator[pb.StepResult] | None = None
+
+
+class WorkerGroup:
+    def __init__(self, urls: list[str], max_message_mb: int = 64) -> None:
+        if not urls:
+            raise ValueError("at least one worker address is needed")
+        limit = max_message_mb << 20
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+        self.ranks = []
+        for url in urls:
+            address = parse_worker_address(url)
+            channel = grpc.insecure_channel(address, options=options)
+            self.ranks.append(_Rank(address, channel, worker_pb2_grpc.WorkerStub(channel)))
+        self.info: pb.WorkerInfo | None = None
+
+    def connect(self, timeout_s: float = 600.0) -> pb.WorkerInfo:
+        """Wait for every rank, check they form one group, return rank 0's info."""
+        deadline = time.monotonic() + timeout_s
+        infos = []
+        for rank in self.ranks:
+            while True:
+                try:
+                    infos.append(rank.stub.GetInfo(pb.GetInfoRequest(), timeout=5))
+                    break
+                except grpc.RpcError as e:
+                    if time.monotonic() > deadline:
+                        raise WorkerError(f"worker {rank.address} did not answer: {e}") from e
+                    time.sleep(0.5)
+        by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
+        ranks = [i.tp_rank for i, _ in by_rank]
+        if ranks != list(range(len(infos))) or any(i.tp_size != len(infos) for i in infos):
+            raise WorkerError(
+                f"workers {ranks} do not form one tensor-parallel group of {len(infos)}"
+            )
+        shapes = {(i.page_size, i.num_pages, i.model.vocab_size) for i in infos}
+        if len(shapes) != 1:
+            raise WorkerError(f"worker ranks disagree on page size / pages / vocabulary: {shapes}")
+        self.ranks = [r for _, r in by_rank]
+        self.info = by_rank[0][0]
+        logger.info(
+            "worker group connected",
+            ranks=len(self.ranks),
+            model=self.info.model.name,
+            pages=self.info.num_pages,
+            page_size=self.info.page_size,
+        )
+        return self.info
+
+    def open(self) -> None:
+        """Start one Execute stream per rank (the workers drop any old state)."""
+        for rank in self.ranks:
+            rank.plans = queue.SimpleQueue()
+            rank.results = rank.stub.Execute(iter(rank.plans.get, None))
+
+    def send(self, plan: pb.StepPlan) -> None:
+        for rank in self.ranks:
+            rank.plans.put(plan)
+
+    def receive(self) -> pb.StepResult:
+        """The next result (rank 0's); blocks until every rank has answered."""
+        results = []
+        for rank in self.ranks:
+            try:
+                results.append(next(rank.results))
+            except (grpc.RpcError, StopIteration) as e:
+                raise WorkerError(f"the stream to worker {rank.address} broke: {e}") from e
+        for rank, r in zip(self.ranks[1:], results[1:], strict=True):
+            if r.error and not results[0].error:
+                raise WorkerError(f"worker {rank.address} refused step {r.step_id}: {r.error}")
+        return results[0]
+
+    def tokenizer_archive(self) -> bytes:
+        """The model's tokenizer files as a zip (from rank 0), checked against its sha256."""
+        chunks = list(self.ranks[0].stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=120))
+        data = b"".join(c.data for c in chunks)
+        digest = chunks[-1].sha256 if chunks else ""
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise WorkerError("the tokenizer archive from the worker is corrupt (sha256 mismatch)")
+        return data
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            if rank.plans is not None:
+                rank.plans.put(None)
+            rank.channel.close()

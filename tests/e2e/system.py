@@ -1,0 +1,92 @@
+"""Real radixserve processes on loopback ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+BIN = Path(sys.executable).parent
+
+
+def _wait_port(proc: subprocess.Popen, port_file: Path, log: Path, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not (port_file.exists() and port_file.read_text()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}):\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.args[0]} did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+    return int(port_file.read_text())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def process(tmp: Path, name: str, args: list[str], timeout_s: float = 300) -> Iterator[int]:
+    """Start a radixserve command with --port 0; yield the port it serves on."""
+    port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*args, "--port", "0", "--port-file", str(port_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            yield _wait_port(proc, port_file, log, timeout_s)
+        finally:
+            _stop(proc)
+
+
+@contextmanager
+def serve(tmp: Path, *args: str) -> Iterator[str]:
+    """`radixserve serve ...` (scheduler + worker group); yields HOST:PORT."""
+    with process(tmp, "serve", [str(BIN / "radixserve"), "serve", *args]) as port:
+        yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def separate(tmp: Path, worker_args: list[str], scheduler_args: list[str]) -> Iterator[str]:
+    """radixserve-worker and radixserve-scheduler started apart; yields HOST:PORT."""
+    with process(tmp, "worker", [str(BIN / "radixserve-worker"), *worker_args]) as wport:
+        sched = [str(BIN / "radixserve-scheduler"), "--worker", f"grpc://127.0.0.1:{wport}"]
+        with process(tmp, "scheduler", sched + scheduler_args) as port:
+            yield f"127.0.0.1:{port}"
+
+
+def stub(address: str) -> pb_grpc.SglangSchedulerStub:
+    return pb_grpc.SglangSchedulerStub(grpc.insecure_channel(address))
+
+
+def greedy(max_new: int, **extra) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_new_tokens=max_new, **extra)
+
+
+def used_tokens(s: pb_grpc.SglangSchedulerStub) -> int:
+    return s.GetLoads(pb.GetLoadsRequest(include=["core"])).loads[0].num_used_tokens
+
+
+def wait_until(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
