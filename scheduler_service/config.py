@@ -22,7 +22,7 @@ class ServiceConfig:
     metrics_port: int | None = None
     served_model_name: str | None = None
     tokenizer: str | None = None  # a local tokenizer directory (default: from the worker)
-    overlap: bool = True
+    overlap_depth: int = 2  # plans sent ahead of the result being waited for
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
@@ -132,6 +132,14 @@ def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
         default=default("disable-overlap", "") not in ("", "0", "false"),
         help="wait for each step's result before planning the next",
     )
+    add(
+        "--overlap-depth",
+        type=int,
+        default=default("overlap-depth", d.overlap_depth),
+        help="plans sent before the oldest result is read (1: plan N+1 goes out before "
+        "result N arrives; 2 gives a loaded machine more slack, at one more wasted "
+        "token per finished request)",
+    )
     add("--max-n", type=int, default=default("max-n", d.max_n))
     add("--log-level", default=default("log-level", d.log_level))
     add_scheduler_flags(p, env)
@@ -146,7 +154,7 @@ def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceC
         metrics_port=args.metrics_port,
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
-        overlap=not args.disable_overlap,
+        overlap_depth=0 if args.disable_overlap else max(args.overlap_depth, 0),
         max_n=args.max_n,
         log_level=args.log_level,
         scheduler=scheduler_overrides(args),

@@ -3,8 +3,10 @@ runs the Engine loop; talks to the API process over a pipe."""
 
 from __future__ import annotations
 
+import cProfile
 import io
 import json
+import os
 import zipfile
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -22,6 +24,8 @@ from scheduler_service.stop_strings import StopStringMatcher
 from scheduler_service.workers import WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
+
+PROFILE_ENV = "RADIXSERVE_PROFILE_CORE"  # a path: write a cProfile of the core loop there
 
 
 def zip_directory(path: Path) -> bytes:
@@ -84,7 +88,15 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
             worker_info=json.loads(json.dumps(MessageToDict(info))),
         )
     )
+    engine = Engine(sched, group, conn, overlap_depth=config.overlap_depth)
     try:
-        Engine(sched, group, conn, overlap=config.overlap).run()
+        if os.environ.get(PROFILE_ENV):  # measure before optimizing: cProfile of the loop
+            with cProfile.Profile() as prof:
+                try:
+                    engine.run()
+                finally:
+                    prof.dump_stats(os.environ[PROFILE_ENV])
+        else:
+            engine.run()
     finally:
         group.close()

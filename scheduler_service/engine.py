@@ -1,9 +1,10 @@
 """The core loop: Scheduler.step() -> plan to the workers -> result -> update().
 
-With overlap (the default) plan N+1 is sent before result N is read, so the
-worker finds its next plan queued the moment it finishes a step: it never
-waits on the network or on this loop's Python, as long as one iteration
-(step, update, publishing the outputs) takes less than a forward.
+With overlap, plans N+1 (and N+2 at the default depth) are sent before
+result N is read, so the worker finds its next plan queued the moment it
+finishes a step: it never waits on the network or on this loop's Python, as
+long as a result's trip here, one iteration (update, step) and the next
+plan's trip back take less than the forwards queued ahead.
 
 The loop talks to the API process through a pipe: requests and aborts come
 in between steps; one Outputs message per step goes out.
@@ -27,16 +28,19 @@ from scheduler_service.workers import WorkerError, WorkerGroup
 logger = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing to do: wake up at least this often
+CPU_SAMPLE_S = 0.1
 
 
 class Engine:
     def __init__(
-        self, sched: Scheduler, group: WorkerGroup, conn: Connection, overlap: bool = True
+        self, sched: Scheduler, group: WorkerGroup, conn: Connection, overlap_depth: int = 1
     ) -> None:
         self.sched = sched
         self.group = group
         self.conn = conn
-        self.lag = 1 if overlap else 0
+        # Plans in flight beyond the one whose result is awaited: 0 waits for
+        # every result before planning (no overlap), 1 is SGLang's overlap.
+        self.lag = overlap_depth
         self.codec = WorkerCodec()
         self.inflight: deque[int] = deque()
         # n > 1: rid of the leader -> siblings waiting for its prefill to be planned
@@ -44,7 +48,8 @@ class Engine:
         self.running = True
         self.busy_ms = 0.0
         self.idle_ms = 0.0
-        self._pending: list[ipc.DeltaOut] = []
+        self._cpu_read_at = 0.0
+        self._cpu_s = 0.0
 
     # ----------------------------------------------------------------- loop
     def run(self) -> None:
@@ -64,6 +69,9 @@ class Engine:
             if plan is not None:
                 self.group.send(self.codec.encode(plan))
                 self.inflight.append(plan.step_id)
+            # The last update's outputs go out once the next plan is on its
+            # way: publishing is off the path from a result to the next plan.
+            self._publish()
             if self.inflight and (len(self.inflight) > self.lag or plan is None):
                 msg = self.group.receive()
                 self.inflight.popleft()
@@ -73,13 +81,15 @@ class Engine:
             elif plan is None and not self.inflight:
                 # Work exists but none can run yet (held siblings): don't spin.
                 self._read_inbox(block=True, timeout=0.005)
-            self._publish()
+        self._publish()
 
     # ---------------------------------------------------------------- inbox
     def _read_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
         conn = self.conn
-        if block and not conn.poll(timeout):
-            return
+        if block:
+            self._publish()  # nothing will run before the wait ends: send what we have
+            if not conn.poll(timeout):
+                return
         while conn.poll(0):
             self._handle(conn.recv())
 
@@ -156,27 +166,37 @@ class Engine:
         out = [self._delta(d) for d in deltas]
         self.conn.send(ipc.Outputs(out, self.load(), events))
 
-    def _delta(self, d) -> ipc.DeltaOut:
+    @staticmethod
+    def _delta(d) -> ipc.DeltaOut:
         req = d.req
-        wants = req.logprobs.return_logprob
-        delta = ipc.DeltaOut(
-            req.rid,
-            d.new_token_ids,
-            d.logprobs if wants else None,
-            d.prompt_logprobs,
-            d.prompt_logprobs_start,
-            req.cached_tokens,
-        )
+        finish = None
         if d.finished:
             reason = req.finish_reason
             if isinstance(reason, FinishStop):
                 if isinstance(reason.matched, str):
-                    delta.finish = ipc.Finish("stop", matched_str=reason.matched)
+                    finish = ipc.Finish("stop", matched_str=reason.matched)
                 else:
-                    delta.finish = ipc.Finish("stop", matched_token=reason.matched)
+                    finish = ipc.Finish("stop", matched_token=reason.matched)
             else:
-                delta.finish = ipc.Finish(reason.kind, message=getattr(reason, "message", ""))
-        return delta
+                finish = ipc.Finish(reason.kind, message=getattr(reason, "message", ""))
+        return ipc.DeltaOut(
+            req.rid,
+            d.new_token_ids,
+            d.logprobs if req.logprobs.return_logprob else None,
+            d.prompt_logprobs,
+            d.prompt_logprobs_start,
+            req.cached_tokens,
+            finish,
+        )
+
+    def _cpu_seconds(self) -> float:
+        """This process's CPU time, read at most every CPU_SAMPLE_S (reading it
+        costs most of a millisecond on some virtual machines)."""
+        now = time.monotonic()
+        if now - self._cpu_read_at >= CPU_SAMPLE_S:
+            self._cpu_read_at = now
+            self._cpu_s = time.process_time()
+        return self._cpu_s
 
     def load(self) -> ipc.Load:
         sched = self.sched
@@ -194,6 +214,6 @@ class Engine:
             steps=stats.steps,
             worker_busy_ms=self.busy_ms,
             worker_idle_ms=self.idle_ms,
-            core_cpu_s=time.process_time(),
+            core_cpu_s=self._cpu_seconds(),
             max_running_requests=sched.config.max_running_requests,
         )

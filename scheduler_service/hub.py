@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -64,7 +65,9 @@ class Hub:
         self._proc.start()
         theirs.close()
         self._conn = ours
-        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_readable)
+        loop = asyncio.get_running_loop()
+        reader = threading.Thread(target=self._read_pipe, args=(loop,), daemon=True, name="pipe")
+        reader.start()
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
@@ -74,12 +77,9 @@ class Hub:
         return self.ready
 
     def stop(self) -> None:
-        if self._conn is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        if self._conn is not None and not self.failed:
+            with contextlib.suppress(OSError):
                 self._conn.send(ipc.Shutdown())
-            except (OSError, RuntimeError):
-                pass
         if self._proc is not None:
             self._proc.join(5)
             if self._proc.is_alive():
@@ -92,13 +92,19 @@ class Hub:
         self._conn.send(msg)
 
     # ------------------------------------------------------------- inbox
-    def _on_readable(self) -> None:
+    def _read_pipe(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Drain the pipe on a thread of its own: however busy the event loop
+        is with client streams, the core process never finds the pipe full."""
         conn = self._conn
         try:
-            while conn.poll():
-                self._dispatch(conn.recv())
+            while True:
+                msg = conn.recv()
+                loop.call_soon_threadsafe(self._dispatch, msg)
+                if isinstance(msg, ipc.Failed):
+                    return
         except (EOFError, OSError):
-            self._fail("the core process exited")
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail, "the core process exited")
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, ipc.Outputs):
@@ -132,9 +138,6 @@ class Hub:
         logger.error("core process failed", error=message)
         self.failed = message
         self._ready.set()
-        if self._conn is not None:
-            with contextlib.suppress(OSError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._conn.fileno())
         for call in {id(c): c for c in self._calls.values()}.values():
             call.queue.put_nowait(CoreUnavailable(message))
 

@@ -9,6 +9,7 @@ into a pipe. Both ends are our own processes, spawned together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scheduler_service.core.kv_events import KvEvent
 from scheduler_service.core.plan import TokenLogprobs
@@ -64,8 +65,9 @@ class Finish:
     message: str = ""
 
 
-@dataclass
-class DeltaOut:
+class DeltaOut(NamedTuple):
+    """One request's news of one step (a tuple: hundreds cross the pipe per step)."""
+
     rid: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import queue
 import threading
 import time
 import zipfile
@@ -61,28 +62,48 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Execute(
         self, request_iterator: Iterator[pb.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[pb.StepResult]:
+        """Three stages, each on its own thread: reading plans off the stream
+        (a plan sent ahead is read while the step before it runs), executing
+        them back to back, and sending results (gRPC blocks the sender until
+        a result is written, which must never delay the next step)."""
         with self._lock:
             self._stream_gen += 1
             gen = self._stream_gen
             self.worker.executor.reset()
         logger.info("scheduler stream opened", peer=context.peer())
+        plans: queue.SimpleQueue = queue.SimpleQueue()
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
+        threading.Thread(target=self._run_plans, args=(plans, gen, results), daemon=True).start()
+        while (item := results.get()) is not None:
+            if isinstance(item, str):
+                context.abort(grpc.StatusCode.ABORTED, item)
+            yield item
+        logger.info("scheduler stream closed", peer=context.peer())
+
+    def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
         waited_since = time.perf_counter()
-        for msg in request_iterator:
+        while (msg := plans.get()) is not None:
             idle_ms = (time.perf_counter() - waited_since) * 1e3
             with self._lock:
                 if gen != self._stream_gen:
-                    context.abort(grpc.StatusCode.ABORTED, "replaced by a newer Execute stream")
-                try:
-                    plan = plan_from_proto(msg)
-                except ValueError as e:
-                    result = pb.StepResult(step_id=msg.step_id, error=f"malformed plan: {e}")
-                else:
-                    out = self.worker.executor.execute(plan)
-                    out.idle_ms = idle_ms
-                    result = result_to_proto(out)
-            yield result
+                    results.put("replaced by a newer Execute stream")
+                    return
+                results.put(self._execute(msg, idle_ms))
             waited_since = time.perf_counter()
-        logger.info("scheduler stream closed", peer=context.peer())
+        results.put(None)
+
+    def _execute(self, msg: pb.StepPlan, idle_ms: float) -> pb.StepResult:
+        """One step: the plan in, its result out; forward_ms covers all of it."""
+        t0 = time.perf_counter()
+        try:
+            plan = plan_from_proto(msg)
+        except ValueError as e:
+            return pb.StepResult(step_id=msg.step_id, error=f"malformed plan: {e}")
+        result = result_to_proto(self.worker.executor.execute(plan))
+        result.idle_ms = idle_ms
+        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        return result
 
     def GetTokenizer(
         self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext
@@ -108,3 +129,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     zf.writestr(info, files[name], zipfile.ZIP_DEFLATED)
             self._tokenizer_zip = buf.getvalue()
         return self._tokenizer_zip
+
+
+def _read_plans(stream: Iterator[pb.StepPlan], plans: queue.SimpleQueue) -> None:
+    try:
+        for msg in stream:
+            plans.put(msg)
+    except grpc.RpcError:
+        pass  # the scheduler went away: the stream is over
+    finally:
+        plans.put(None)

@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.system import greedy, serve, stub, used_tokens, wait_until
+from tests.e2e.system import greedy, stub, used_tokens, wait_until
 from worker_service.weights import default_model_path
 
 QUESTIONS = [
@@ -37,9 +37,8 @@ def hf():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("serve"), "--log-level", "warning") as address:
-        yield stub(address)
+def server(smollm2_address):
+    return stub(smollm2_address)
 
 
 def prompt(tok, question: str) -> list[int]:

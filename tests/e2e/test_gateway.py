@@ -1,0 +1,130 @@
+"""The Shepherd Model Gateway (PyPI smg) in front of radixserve serves the
+OpenAI API: /v1/chat/completions and /v1/completions, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from tests.e2e.system import stub
+
+SMG = Path(sys.executable).parent / "smg"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(smollm2_address, tmp_path_factory):
+    if not SMG.exists() and shutil.which("smg") is None:
+        pytest.fail("the smg gateway is not installed (make setup installs it)")
+    port, metrics = free_port(), free_port()
+    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            str(SMG if SMG.exists() else "smg"),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            f"grpc://{smollm2_address}",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics),
+            "--shutdown-grace-period-secs",
+            "0",
+            "--worker-startup-check-interval",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(base + "/readiness", timeout=2).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"smg did not become ready: {Path(log.name).read_text()}")
+            time.sleep(0.3)
+        model = stub(smollm2_address).GetModelInfo(pb.GetModelInfoRequest()).served_model_name
+        yield base, model
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def post_stream(url: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_chat_completions_streamed_and_not(gateway):
+    base, model = gateway
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    whole = post(base + "/v1/chat/completions", body)
+    text = whole["choices"][0]["message"]["content"]
+    assert "Paris" in text and whole["usage"]["completion_tokens"] > 0
+    events = post_stream(base + "/v1/chat/completions", body)
+    streamed = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+    )
+    assert streamed == text
+    assert any(e["choices"] and e["choices"][0].get("finish_reason") for e in events)
+
+
+def test_completions_streamed_and_not(gateway):
+    base, model = gateway
+    body = {
+        "model": model,
+        "prompt": "The capital of France is",
+        "temperature": 0,
+        "max_tokens": 12,
+    }
+    whole = post(base + "/v1/completions", body)
+    text = whole["choices"][0]["text"]
+    assert text.strip() and whole["choices"][0]["finish_reason"] in ("stop", "length")
+    events = post_stream(base + "/v1/completions", body)
+    assert "".join(e["choices"][0].get("text", "") for e in events if e["choices"]) == text
