@@ -95,7 +95,10 @@ class GenerateResult:
 class _Sample:
     def __init__(self, bundle: TokenizerBundle, prompt: list[int], sp: Sampling) -> None:
         self.detok = IncrementalDetokenizer(bundle.tokenizer, sp.skip_special_tokens, prompt)
-        self.hold = max((len(s) for s in sp.stop), default=1) - 1
+        # Text that may still turn out to be (the start of) a stop string is
+        # held back until the next tokens or the finish tell.
+        self.stops = [] if sp.no_stop_trim else list(sp.stop)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.sp = sp
         self.emitted = 0  # characters of detok.text already handed out
         self.token_ids: list[int] = []
@@ -105,8 +108,14 @@ class _Sample:
     def feed(self, ids: list[int]) -> str:
         self.token_ids.extend(ids)
         self.detok.add(ids)
-        upto = max(len(self.detok.text) - self.hold, self.emitted)
-        out = self.detok.text[self.emitted : upto]
+        text = self.detok.text
+        upto = len(text) - self.hold
+        for stop in self.stops:
+            at = text.find(stop, max(self.emitted - len(stop) + 1, 0))
+            if at >= 0:
+                upto = min(upto, at)
+        upto = max(upto, self.emitted)
+        out = text[self.emitted : upto]
         self.emitted = upto
         return out
 

@@ -54,6 +54,10 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
         except asyncio.CancelledError:
             self.hub.abort(call.rids, "client disconnected")
             raise
+        except BaseException:
+            # e.g. one sample refused: its siblings must not run on alone
+            self.hub.abort(call.rids, "the call ended with an error")
+            raise
         finally:
             self.hub.forget(call)
 

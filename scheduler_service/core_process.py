@@ -7,6 +7,7 @@ import cProfile
 import io
 import json
 import os
+import signal
 import zipfile
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +47,9 @@ def load_tokenizer(archive: bytes) -> Tokenizer | None:
 
 def core_main(conn: Connection, config: ServiceConfig) -> None:
     """Entry point of the core process (spawned by the API process)."""
+    # Ctrl-C reaches the whole process group; the API process decides when
+    # this one stops (it sends Shutdown), so an interrupt must not kill it mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(config.log_level)
     group = WorkerGroup(list(config.workers), config.max_message_mb)
     try:

@@ -4,6 +4,7 @@ process (spawned here) and its worker group."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -84,6 +85,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         await server.stop(grace=5)
     finally:
         hub.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -77,10 +77,6 @@ class WorkerCodec:
         self._wants_logprobs: dict[str, LogprobOptions] = {}
         self.traces: dict[str, tuple[str, str]] = {}  # rid -> (traceparent, tracestate)
 
-    def reset(self) -> None:
-        """Forget every slot (a new Execute stream starts from no state)."""
-        self.__init__()
-
     def _take_slot(self, rid: str) -> int:
         slot = heapq.heappop(self._free) if self._free else self._next_slot
         if slot == self._next_slot:
@@ -96,6 +92,7 @@ class WorkerCodec:
             heapq.heappush(self._free, slot)
             msg.leaves.append(slot)
             self._wants_logprobs.pop(rid, None)
+            self.traces.pop(rid, None)
         for join in plan.joins:
             self._join(join, msg.joins.add())
         sampled: list[str] = []
