@@ -45,6 +45,11 @@ def load_tokenizer(archive: bytes) -> Tokenizer | None:
         return Tokenizer.from_str(zf.read("tokenizer.json").decode())
 
 
+def has_tokenizer_json(archive: bytes) -> bool:
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        return "tokenizer.json" in zf.namelist()
+
+
 def core_main(conn: Connection, config: ServiceConfig) -> None:
     """Entry point of the core process (spawned by the API process)."""
     # Ctrl-C reaches the whole process group; the API process decides when
@@ -65,6 +70,9 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     except WorkerError as e:
         conn.send(ipc.Failed(str(e)))
         return
+    if archive and not has_tokenizer_json(archive):
+        logger.warning("the model's files hold no tokenizer.json: serving token ids only")
+        archive = b""
     tokenizer = load_tokenizer(archive)
     model = info.model
     sched = Scheduler(
