@@ -12,7 +12,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from transformers import AutoTokenizer
 
 from tests.e2e.system import greedy, serve, stub
-from tests.worker_service.test_models_vs_hf import hf_greedy, tiny_model
+from tests.hf_reference import hf_greedy
+from tests.worker_service.test_models_vs_hf import tiny_model
 
 BIN = Path(sys.executable).parent
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.e2e.system import greedy, stub, used_tokens, wait_until
-from worker_service.weights import default_model_path
+from tests.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -27,40 +26,12 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def hf():
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return tok, model
+    return default_model_reference()
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_address):
     return stub(smollm2_address)
-
-
-def prompt(tok, question: str) -> list[int]:
-    messages = [{"role": "user", "content": question}]
-    return list(
-        tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    )
-
-
-def reference(model, ids: list[int], n: int):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1) for lg in out.logits]
-    return tokens, lps
 
 
 def generate(s, ids, sampling, stream=False, rid="", **kw):
@@ -77,8 +48,8 @@ def generate(s, ids, sampling, stream=False, rid="", **kw):
 def test_streamed_and_unstreamed_greedy_match_transformers(hf, server):
     tok, model = hf
     for q in QUESTIONS:
-        ids = prompt(tok, q)
-        ref, _ = reference(model, ids, 24)
+        ids = chat_ids(tok, q)
+        ref, _ = greedy_with_logprobs(model, ids, 24)
         streamed = generate(server, ids, greedy(24), stream=True)
         tokens = [t for r in streamed if r.HasField("chunk") for t in r.chunk.token_ids]
         done = streamed[-1].complete
@@ -91,14 +62,14 @@ def test_streamed_and_unstreamed_greedy_match_transformers(hf, server):
             assert done.finish_reason == "length" and len(tokens) == 24
         assert done.prompt_tokens == len(ids) and done.completion_tokens == len(tokens)
     assert "Paris" in tok.decode(
-        generate(server, prompt(tok, QUESTIONS[0]), greedy(16))[0].complete.output_ids
+        generate(server, chat_ids(tok, QUESTIONS[0]), greedy(16))[0].complete.output_ids
     )
 
 
 def test_output_and_prompt_logprobs_match_transformers(hf, server):
     tok, model = hf
-    ids = prompt(tok, QUESTIONS[1])
-    ref, ref_lps = reference(model, ids, 8)
+    ids = chat_ids(tok, QUESTIONS[1])
+    ref, ref_lps = greedy_with_logprobs(model, ids, 8)
     with torch.no_grad():
         prompt_lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     (resp,) = generate(
@@ -123,8 +94,8 @@ def test_output_and_prompt_logprobs_match_transformers(hf, server):
 
 def test_stop_tokens_and_stop_strings(hf, server):
     tok, model = hf
-    ids = prompt(tok, QUESTIONS[1])
-    ref, _ = reference(model, ids, 20)
+    ids = chat_ids(tok, QUESTIONS[1])
+    ref, _ = greedy_with_logprobs(model, ids, 20)
     (by_token,) = generate(server, ids, greedy(20, stop_token_ids=[ref[3]]))
     assert list(by_token.complete.output_ids) == ref[: ref.index(ref[3]) + 1]
     assert by_token.complete.matched_token_id == ref[3]
@@ -139,8 +110,8 @@ def test_stop_tokens_and_stop_strings(hf, server):
 
 def test_max_new_tokens_and_n_samples_sharing_the_prompt(hf, server):
     tok, model = hf
-    ids = prompt(tok, QUESTIONS[2])
-    ref, _ = reference(model, ids, 5)
+    ids = chat_ids(tok, QUESTIONS[2])
+    ref, _ = greedy_with_logprobs(model, ids, 5)
     (one,) = generate(server, ids, greedy(5, ignore_eos=True))
     assert list(one.complete.output_ids) == ref and one.complete.finish_reason == "length"
     three = generate(server, ids, greedy(5, ignore_eos=True, n=3), rid="n3")
@@ -152,7 +123,7 @@ def test_max_new_tokens_and_n_samples_sharing_the_prompt(hf, server):
 
 def test_abort_and_disconnect_free_pages(hf, server):
     tok, _ = hf
-    ids = prompt(tok, QUESTIONS[0])
+    ids = chat_ids(tok, QUESTIONS[0])
     wait_until(lambda: used_tokens(server) == 0, what="an idle pool")
     req = pb.GenerateRequest(
         request_id="to-abort",
@@ -191,7 +162,7 @@ def test_info_tokenizer_health_flush_and_kv_events(hf, server):
     batches = []
     reader = threading.Thread(target=lambda: batches.extend(_first_stored(events)))
     reader.start()
-    ids = prompt(tok, "Tell me about radix trees.")
+    ids = chat_ids(tok, "Tell me about radix trees.")
     generate(server, ids, greedy(4))
     reader.join(30)
     events.cancel()

@@ -22,6 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import executor_for
 from worker_service.plan import LogprobSpec
@@ -74,24 +75,6 @@ def tiny_model(name: str, path) -> PreTrainedModel:
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return model
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], steps: int):
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        torch.log_softmax(lg[0].float(), -1)[t].item()
-        for lg, t in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
 
 
 def workload(seed: int) -> list[DriverRequest]:

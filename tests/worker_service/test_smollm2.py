@@ -10,17 +10,15 @@ import zipfile
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+from tests.hf_reference import chat_ids, default_model_reference, hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.test_models_vs_hf import hf_greedy
 from worker_service.config import WorkerConfig
 from worker_service.engine import build_worker
 from worker_service.server import serve
-from worker_service.weights import default_model_path
 
 STEPS = 32
 QUESTIONS = [
@@ -32,13 +30,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def hf():
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    model.generation_config.eos_token_id = None  # compare a fixed number of tokens
-    return tok, model.eval()
+    return default_model_reference()
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +38,9 @@ def worker():
     return build_worker(WorkerConfig(model="default", page_size=16, num_pages=256))
 
 
-def chat(tok, question: str) -> list[int]:
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
-    )["input_ids"]
-    return list(ids)
-
-
 def test_greedy_tokens_and_logprobs_match_transformers(hf, worker):
     tok, model = hf
-    prompts = [chat(tok, q) for q in QUESTIONS]
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
     reqs = [
         DriverRequest(prompts[0], STEPS, arrive=0),
         DriverRequest(prompts[1], STEPS, arrive=2, share_from=0),  # shared system prompt

@@ -1,0 +1,53 @@
+"""Hugging Face transformers as the reference the tests compare against."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from worker_service.weights import default_model_path
+
+
+@functools.cache
+def default_model_reference():
+    """(tokenizer, model) of the default model, read by transformers from the
+    same GGUF file, fp32, generating a fixed number of tokens (EOS ignored).
+    Loaded once per test process (~15 s)."""
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None
+    return tok, model
+
+
+def chat_ids(tok, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def greedy_with_logprobs(
+    model: PreTrainedModel, prompt: list[int], steps: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and, per step, the log-softmax of the raw logits."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [torch.log_softmax(lg[0].float(), -1) for lg in out.logits]
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], steps: int):
+    """Greedy tokens and the logprob of each."""
+    tokens, rows = greedy_with_logprobs(model, prompt, steps)
+    return tokens, [row[t].item() for row, t in zip(rows, tokens, strict=True)]
