@@ -1,12 +1,12 @@
 # `make serve` sets up a fresh machine (a virtualenv in .venv) and serves the
 # default model (SmolLM2-135M-Instruct on CPU) on gRPC port 30000.
-# `make test` sets it up and runs the linters and the test suite; it is what
-# CI runs (.ci/run).
+# `make test` sets it up, installs Prometheus if missing, and runs the linters
+# and the test suite; it is what CI runs (.ci/run).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test lint protos bench-core bench-overlap clean
+.PHONY: setup serve test lint prometheus protos bench-core bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# Prometheus (the distribution's package) for the Grafana dashboard's e2e test.
+prometheus:
+	bash scripts/ensure_prometheus.sh
+
+test: lint prometheus
 	$(BIN)/pytest
 
 bench-core: setup

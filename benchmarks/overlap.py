@@ -12,9 +12,14 @@ streams decoding, and measure over ``--duration`` seconds, ``--runs`` times
 - the scheduler core's CPU time per step;
 - the tokens per second the clients receive.
 
+With ``--tracing off on`` each configuration runs with tracing off and with
+every request traced (OTLP over gRPC to a counting receiver in its own
+process, sampler always_on), alternating, to show what tracing costs.
+
 The last line is one JSON object. Example:
 
     python benchmarks/overlap.py --step-ms 10 2 --depths 1 0 --batch 256 --runs 3
+    python benchmarks/overlap.py --step-ms 10 --depths 2 --tracing off on --runs 5
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +42,19 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
 STREAM = True
 
 
 @contextmanager
-def started(args: list[str], tmp: Path, name: str):
+def started(args: list[str], tmp: Path, name: str, env: dict | None = None):
     port_file = tmp / f"{name}.port"
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [*args, "--port", "0", "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT
+        [*args, "--port", "0", "--port-file", str(port_file)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 120
@@ -105,9 +116,52 @@ async def drive(address: str, batch: int, warmup_s: float, duration_s: float, st
     }
 
 
-def run_one(step_ms: float, depth: int, args: argparse.Namespace) -> dict:
+@contextmanager
+def otlp_receiver(tmp: Path):
+    """A span-counting OTLP receiver in its own process; yields its endpoint and,
+    once stopped, leaves {"spans": n, "links": m} in the dict it yields."""
+    port = free_port()
+    log = tmp / "otlp.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "observability.otlp_receiver", "--quiet", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    totals: dict = {}
+    try:
+        deadline = time.monotonic() + 30
+        while "OTLP receiver on" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"OTLP receiver failed: {log.read_text()}")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", totals
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        last = log.read_text().strip().splitlines()[-1]
+        totals.update(json.loads(last) if last.startswith("{") else {})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
         tmp = Path(d)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        totals: dict = {}
+        if traced:
+            endpoint, totals = stack.enter_context(otlp_receiver(tmp))
+            env.update(
+                OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+                OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                OTEL_TRACES_SAMPLER="always_on",
+            )
         wport = stack.enter_context(
             started(
                 [
@@ -121,6 +175,7 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace) -> dict:
                 ],
                 tmp,
                 "worker",
+                env,
             )
         )
         sched = [
@@ -136,10 +191,14 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace) -> dict:
         ]
         if depth == 0:
             sched.append("--disable-overlap")
-        port = stack.enter_context(started(sched, tmp, "scheduler"))
+        port = stack.enter_context(started(sched, tmp, "scheduler", env))
         address = f"127.0.0.1:{port}"
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(address))
-        return asyncio.run(drive(address, args.batch, args.warmup, args.duration, stub))
+        result = asyncio.run(drive(address, args.batch, args.warmup, args.duration, stub))
+    if traced:  # the services flushed their spans as they stopped
+        result["spans"] = totals.get("spans", 0)
+        result["links"] = totals.get("links", 0)
+    return result
 
 
 def main() -> None:
@@ -150,22 +209,40 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument(
+        "--tracing",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="run each configuration with tracing off and/or on (alternating)",
+    )
     args = p.parse_args()
     results = {}
     for step_ms in args.step_ms:
         for depth in args.depths:
-            runs = [run_one(step_ms, depth, args) for _ in range(args.runs)]
-            r = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-            r["busy_fraction_runs"] = [round(x["busy_fraction"], 4) for x in runs]
-            results[f"T{step_ms:g}ms_depth{depth}"] = r
-            print(
-                f"T={step_ms:5.1f} ms depth={depth} ({'no overlap' if depth == 0 else 'overlap'}): "
-                f"worker busy {r['busy_fraction']:6.1%} (runs {r['busy_fraction_runs']})  "
-                f"steps/s {r['steps_per_s']:6.1f}  "
-                f"core CPU/step {r['core_cpu_ms_per_step']:5.2f} ms  "
-                f"client tokens/s {r['client_tokens_per_s']:8.0f}",
-                flush=True,
-            )
+            runs: dict[str, list[dict]] = {mode: [] for mode in args.tracing}
+            for _ in range(args.runs):
+                for mode in args.tracing:
+                    runs[mode].append(run_one(step_ms, depth, args, traced=mode == "on"))
+            for mode, got in runs.items():
+                r = {k: statistics.median(x[k] for x in got) for k in got[0]}
+                r["busy_fraction_runs"] = [round(x["busy_fraction"], 4) for x in got]
+                key = f"T{step_ms:g}ms_depth{depth}" + ("_traced" if mode == "on" else "")
+                results[key] = r
+                spans = f"  spans {r['spans']:.0f}" if mode == "on" else ""
+                print(
+                    f"T={step_ms:5.1f} ms depth={depth} "
+                    f"({'no overlap' if depth == 0 else 'overlap'}, tracing {mode}): "
+                    f"worker busy {r['busy_fraction']:6.1%} (runs {r['busy_fraction_runs']})  "
+                    f"steps/s {r['steps_per_s']:6.1f}  "
+                    f"core CPU/step {r['core_cpu_ms_per_step']:5.2f} ms  "
+                    f"client tokens/s {r['client_tokens_per_s']:8.0f}{spans}",
+                    flush=True,
+                )
+            if len(runs) == 2:
+                off = results[f"T{step_ms:g}ms_depth{depth}"]["busy_fraction"]
+                on = results[f"T{step_ms:g}ms_depth{depth}_traced"]["busy_fraction"]
+                print(f"  tracing on - off: {100 * (on - off):+.1f} points of busy fraction")
     print(json.dumps({"batch": args.batch, "results": results}))
 
 

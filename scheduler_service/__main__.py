@@ -6,14 +6,14 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from observability.logging_setup import configure_logging
 from scheduler_service.config import load_config
-from scheduler_service.logging_setup import configure_logging
 from scheduler_service.server import serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     asyncio.run(serve(config))
     return 0
 

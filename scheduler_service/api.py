@@ -19,19 +19,37 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from scheduler_service import ipc
 from scheduler_service.api_admin import AdminMixin
+from scheduler_service.call_observer import CallObserver
 from scheduler_service.convert.public import GenerateCall, generate_call
 from scheduler_service.convert.responses import SampleState, chunk, complete
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.hub import Call, CoreUnavailable, Hub
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.model_info import ModelContext
 
 logger = structlog.get_logger(__name__)
 
 
+def _status_of(e: BaseException) -> str:
+    """The gRPC status name an exception ends a call with."""
+    code = getattr(e, "code", None)
+    if callable(code):
+        try:
+            value = code()
+            if isinstance(value, grpc.StatusCode):
+                return value.name
+        except Exception:
+            pass
+    return "INTERNAL"
+
+
 class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
-    def __init__(self, hub: Hub, model: ModelContext) -> None:
+    def __init__(
+        self, hub: Hub, model: ModelContext, metrics: SchedulerMetrics | None = None
+    ) -> None:
         self.hub = hub
         self.model = model
+        self.metrics = metrics
         self.started = time.time()
         self.shutting_down = False
 
@@ -39,30 +57,51 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        obs = CallObserver(
+            self.metrics,
+            self.model.served_model_name,
+            request.request_id,
+            context.invocation_metadata(),
+        )
+        code, message = None, ""
         try:
-            g = generate_call(
-                request, self.model.limits, self.model.encode, self.model.has_tokenizer
-            )
-            call = self.hub.submit(g.requests, share_prompt=len(g.requests) > 1)
-        except (InvalidRequestError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except CoreUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker can serve: {e}")
-        try:
-            async for response in self._responses(g, call, context):
-                yield response
-        except asyncio.CancelledError:
-            self.hub.abort(call.rids, "client disconnected")
-            raise
-        except BaseException:
-            # e.g. one sample refused: its siblings must not run on alone
-            self.hub.abort(call.rids, "the call ended with an error")
-            raise
+            try:
+                g = generate_call(
+                    request, self.model.limits, self.model.encode, self.model.has_tokenizer
+                )
+                traces = obs.accepted(g)
+                call = self.hub.submit(g.requests, share_prompt=len(g.requests) > 1, traces=traces)
+            except (InvalidRequestError, ValueError) as e:
+                code, message = "INVALID_ARGUMENT", str(e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            except CoreUnavailable as e:
+                code, message = "UNAVAILABLE", f"no worker can serve: {e}"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            try:
+                async for response in self._responses(g, call, context, obs):
+                    yield response
+            except (asyncio.CancelledError, GeneratorExit):
+                code, message = code or "CANCELLED", message or "client disconnected"
+                self.hub.abort(call.rids, "client disconnected")
+                raise
+            except BaseException as e:
+                # e.g. one sample refused: its siblings must not run on alone
+                if code is None and obs.abort_code is None:
+                    code, message = _status_of(e), str(e)
+                self.hub.abort(call.rids, "the call ended with an error")
+                raise
+            finally:
+                self.hub.forget(call)
         finally:
-            self.hub.forget(call)
+            code = code or obs.abort_code
+            obs.end(code, message or obs.abort_message)
 
     async def _responses(
-        self, g: GenerateCall, call: Call, context: grpc.aio.ServicerContext
+        self,
+        g: GenerateCall,
+        call: Call,
+        context: grpc.aio.ServicerContext,
+        obs: CallObserver,
     ) -> AsyncIterator[pb.GenerateResponse]:
         start = g.logprobs.logprob_start_len if g.logprobs.return_logprob else -1
         samples = {
@@ -75,11 +114,15 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
             while not call.queue.empty():  # a slow reader gets fewer, bigger chunks
                 items.append(call.queue.get_nowait())
             new: dict[str, tuple[list[int], list]] = {}
+            now = time.perf_counter()
             for item in items:
                 if isinstance(item, CoreUnavailable):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker can serve: {item}")
+                    obs.failed("UNAVAILABLE", f"no worker can serve: {item}")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, obs.abort_message)
                 if isinstance(item, ipc.Rejected):
+                    obs.failed("INVALID_ARGUMENT", item.message)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+                obs.delta(item, now)
                 tokens, lps = samples[item.rid].add(item)
                 have = new.setdefault(item.rid, ([], []))
                 have[0].extend(tokens)

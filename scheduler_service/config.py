@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from scheduler_service.core.config import POLICIES, SchedulerConfig
 
 ENV_PREFIX = "RADIXSERVE_"
+TRACING_SERVICE_NAME = "radixserve-scheduler"  # OTEL_SERVICE_NAME overrides it
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ServiceConfig:
     max_top_logprobs: int = 64
     max_message_mb: int = 64
     log_level: str = "info"
+    log_format: str = "auto"
     scheduler: dict = field(default_factory=dict)  # overrides of SchedulerConfig fields
 
     def scheduler_config(self, **from_worker: object) -> SchedulerConfig:
@@ -142,6 +144,12 @@ def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
     )
     add("--max-n", type=int, default=default("max-n", d.max_n))
     add("--log-level", default=default("log-level", d.log_level))
+    add(
+        "--log-format",
+        default=default("log-format", d.log_format),
+        choices=["auto", "json", "console"],
+        help="auto: JSON lines unless stderr is a terminal",
+    )
     add_scheduler_flags(p, env)
 
 
@@ -157,6 +165,7 @@ def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceC
         overlap_depth=0 if args.disable_overlap else max(args.overlap_depth, 0),
         max_n=args.max_n,
         log_level=args.log_level,
+        log_format=args.log_format,
         scheduler=scheduler_overrides(args),
     )
 

@@ -16,11 +16,12 @@ import structlog
 from google.protobuf.json_format import MessageToDict
 from tokenizers import Tokenizer
 
+from observability import tracing
+from observability.logging_setup import configure_logging
 from scheduler_service import ipc
-from scheduler_service.config import ServiceConfig
+from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import Engine
-from scheduler_service.logging_setup import configure_logging
 from scheduler_service.stop_strings import StopStringMatcher
 from scheduler_service.workers import WorkerError, WorkerGroup
 
@@ -55,7 +56,8 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     # Ctrl-C reaches the whole process group; the API process decides when
     # this one stops (it sends Shutdown), so an interrupt must not kill it mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
+    tracing.setup_tracing(TRACING_SERVICE_NAME)
     group = WorkerGroup(list(config.workers), config.max_message_mb)
     try:
         info = group.connect()
@@ -112,3 +114,4 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
             engine.run()
     finally:
         group.close()
+        tracing.shutdown_tracing()  # flush the request spans before exiting

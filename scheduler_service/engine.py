@@ -18,11 +18,14 @@ from multiprocessing.connection import Connection
 
 import structlog
 
+from observability import tracing
+from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
 from scheduler_service.convert.worker import WorkerCodec
 from scheduler_service.core.request import FinishStop, RequestState
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.request_tracing import RequestTracer
 from scheduler_service.workers import WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
@@ -50,6 +53,11 @@ class Engine:
         self.idle_ms = 0.0
         self._cpu_read_at = 0.0
         self._cpu_s = 0.0
+        self.queue_time = Histogram(REQUEST_LATENCY_S)
+        self._queue_time_changed = False
+        self.tracer = RequestTracer() if tracing.enabled() else None
+        if self.tracer is not None:
+            sched.on_requeue = self.tracer.requeued
 
     # ----------------------------------------------------------------- loop
     def run(self) -> None:
@@ -69,12 +77,16 @@ class Engine:
             if plan is not None:
                 self.group.send(self.codec.encode(plan))
                 self.inflight.append(plan.step_id)
+                if self.tracer is not None:
+                    self.tracer.planned(plan)
             # The last update's outputs go out once the next plan is on its
             # way: publishing is off the path from a result to the next plan.
             self._publish()
             if self.inflight and (len(self.inflight) > self.lag or plan is None):
                 msg = self.group.receive()
-                self.inflight.popleft()
+                step_id = self.inflight.popleft()
+                if self.tracer is not None:
+                    self.tracer.result(step_id)
                 self.busy_ms += msg.forward_ms
                 self.idle_ms += msg.idle_ms
                 sched.update(self.codec.decode(msg))
@@ -108,6 +120,10 @@ class Engine:
 
     def _submit(self, msg: ipc.Submit) -> None:
         self.codec.traces.update(msg.traces)
+        if self.tracer is not None and msg.traces:
+            for r in msg.requests:
+                if r.rid in msg.traces:
+                    self.tracer.submitted(r, *msg.traces[r.rid])
         first, *rest = msg.requests
         if not self._add(first):
             for r in rest:
@@ -166,11 +182,19 @@ class Engine:
         out = [self._delta(d) for d in deltas]
         self.conn.send(ipc.Outputs(out, self.load(), events))
 
-    @staticmethod
-    def _delta(d) -> ipc.DeltaOut:
+    def _finished(self, req) -> None:
+        times = req.times
+        if times.first_scheduled is not None:
+            self.queue_time.observe(times.first_scheduled - times.arrival)
+            self._queue_time_changed = True
+        if self.tracer is not None:
+            self.tracer.finished(req)
+
+    def _delta(self, d) -> ipc.DeltaOut:
         req = d.req
         finish = None
         if d.finished:
+            self._finished(req)
             reason = req.finish_reason
             if isinstance(reason, FinishStop):
                 if isinstance(reason.matched, str):
@@ -204,6 +228,10 @@ class Engine:
         page = pool.page_size
         stats = sched.stats
         used = (pool.num_used - sched.cache.evictable_pages) * page
+        queue_time = None
+        if self._queue_time_changed:  # only when a request finished since the last snapshot
+            self._queue_time_changed = False
+            queue_time = self.queue_time.snapshot()
         return ipc.Load(
             running=len(sched.running) + (sched.chunked is not None),
             waiting=len(sched.waiting) + sum(len(v) for v in self.held.values()),
@@ -216,4 +244,7 @@ class Engine:
             worker_idle_ms=self.idle_ms,
             core_cpu_s=self._cpu_seconds(),
             max_running_requests=sched.config.max_running_requests,
+            retractions=stats.retractions,
+            preemptions=stats.preemptions,
+            queue_time=queue_time,
         )

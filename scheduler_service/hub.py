@@ -53,6 +53,7 @@ class Hub:
         self._proc: multiprocessing.Process | None = None
         self._conn: Connection | None = None
         self._ready = asyncio.Event()
+        self._stopping = False
 
     # ------------------------------------------------------------ process
     async def start(self, timeout_s: float = 900.0) -> ipc.Ready:
@@ -77,6 +78,7 @@ class Hub:
         return self.ready
 
     def stop(self) -> None:
+        self._stopping = True
         if self._conn is not None and not self.failed:
             with contextlib.suppress(OSError):
                 self._conn.send(ipc.Shutdown())
@@ -103,7 +105,7 @@ class Hub:
                 if isinstance(msg, ipc.Failed):
                     return
         except (EOFError, OSError):
-            if not loop.is_closed():
+            if not loop.is_closed() and not self._stopping:
                 loop.call_soon_threadsafe(self._fail, "the core process exited")
 
     def _dispatch(self, msg: object) -> None:

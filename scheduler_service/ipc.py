@@ -90,6 +90,10 @@ class Load:
     worker_idle_ms: float
     core_cpu_s: float
     max_running_requests: int
+    retractions: int = 0
+    preemptions: int = 0
+    # (bucket counts, sum) of arrival -> admission times, when they changed
+    queue_time: tuple[tuple[int, ...], float] | None = None
 
 
 @dataclass

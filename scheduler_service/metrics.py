@@ -1,38 +1,162 @@
-"""Prometheus metrics on --metrics-port (the observability issue extends them).
+"""The scheduler's Prometheus metrics (names in docs/observability.md).
 
-Gauges are read from the latest load snapshot the core sent, at scrape time.
+Latencies the client sees (TTFT, inter-token, end-to-end) and the request
+and token counts are measured in the API process, where tokens leave; the
+queue time histogram and the retraction and preemption counts come from the
+core process inside its load snapshots; gauges read the latest snapshot at
+scrape time. Nothing here runs unless --metrics-port is given.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from observability.histograms import REQUEST_LATENCY_S, STEP_LATENCY_S, HistogramCollector
+from observability.metrics_server import new_registry, serve_metrics
+from scheduler_service import ipc
 from scheduler_service.hub import Hub
 
+FINISH_REASONS = ("stop", "length", "abort")
+# gRPC status names a Generate call can end with (pre-created so rates exist at 0).
+ERROR_CODES = (
+    "INVALID_ARGUMENT",
+    "UNAVAILABLE",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "CANCELLED",
+    "INTERNAL",
+)
 
-def start_metrics(port: int, host: str, hub: Hub) -> CollectorRegistry:
-    registry = CollectorRegistry()
 
-    def gauge(name: str, doc: str, read) -> None:
-        g = Gauge(name, doc, registry=registry)
-        g.set_function(lambda: read(hub.load) if hub.load is not None else 0.0)
+class SchedulerMetrics(Collector):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.histograms = HistogramCollector()
+        h = self.histograms.add
+        self.ttft = h(
+            "radixserve_time_to_first_token_seconds",
+            "Generate received to the sample's first token sent.",
+            REQUEST_LATENCY_S,
+        )
+        self.itl = h(
+            "radixserve_inter_token_latency_seconds",
+            "Time between a sample's successive tokens.",
+            STEP_LATENCY_S,
+        )
+        self.e2e = h(
+            "radixserve_e2e_request_latency_seconds",
+            "Generate received to the sample's last token sent.",
+            REQUEST_LATENCY_S,
+        )
+        self.queue = h(
+            "radixserve_queue_time_seconds",
+            "Arrival in the scheduler to first admission.",
+            REQUEST_LATENCY_S,
+        )
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.errors = dict.fromkeys(ERROR_CODES, 0)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        hub.on_load(self._take_load)
 
-    gauge(
-        "radixserve_running_requests", "Requests being prefilled or decoded.", lambda s: s.running
-    )
-    gauge("radixserve_waiting_requests", "Requests waiting to be admitted.", lambda s: s.waiting)
-    gauge("radixserve_kv_used_tokens", "KV cache tokens held by requests.", lambda s: s.used_tokens)
-    gauge("radixserve_kv_total_tokens", "KV cache tokens in all.", lambda s: s.total_tokens)
-    gauge(
-        "radixserve_cache_hit_rate",
-        "Prompt tokens served from the prefix cache, as a share.",
-        lambda s: s.cache_hit_rate,
-    )
-    gauge("radixserve_generated_tokens", "Tokens generated since start.", lambda s: s.gen_tokens)
-    gauge(
-        "radixserve_worker_busy_seconds",
-        "Time the worker spent in steps.",
-        lambda s: s.worker_busy_ms / 1e3,
-    )
-    start_http_server(port, addr=host, registry=registry)
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(self.histograms)
+        registry.register(self)
+
+    def _take_load(self, load: ipc.Load) -> None:
+        if load.queue_time is not None:
+            self.queue.restore(load.queue_time)
+
+    def error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = CounterMetricFamily(
+            "radixserve_requests", "Samples that finished, by reason.", labels=["finish_reason"]
+        )
+        for reason, n in self.finished.items():
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily(
+            "radixserve_request_errors",
+            "Generate calls that ended with an error status, by gRPC code.",
+            labels=["code"],
+        )
+        for code, n in self.errors.items():
+            c.add_metric([code], n)
+        yield c
+        yield CounterMetricFamily(
+            "radixserve_prompt_tokens", "Prompt tokens of admitted samples.", self.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "radixserve_generation_tokens", "Tokens generated and sent.", self.generation_tokens
+        )
+        yield CounterMetricFamily(
+            "radixserve_cached_tokens",
+            "Prompt tokens served from the prefix cache.",
+            self.cached_tokens,
+        )
+        load = self.hub.load
+        ready = self.hub.ready
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield CounterMetricFamily(
+            "radixserve_retractions",
+            "Running requests sent back to wait for lack of KV memory.",
+            load.retractions if load else 0,
+        )
+        yield CounterMetricFamily(
+            "radixserve_preemptions",
+            "Running requests preempted by higher-priority ones.",
+            load.preemptions if load else 0,
+        )
+        yield gauge(
+            "radixserve_requests_running",
+            "Requests being prefilled or decoded.",
+            load.running if load else 0,
+        )
+        yield gauge(
+            "radixserve_requests_waiting",
+            "Requests waiting for admission.",
+            load.waiting if load else 0,
+        )
+        page = ready.page_size if ready else 1
+        yield gauge(
+            "radixserve_kv_pages_used",
+            "KV pages held by requests (not counting evictable cache).",
+            load.used_tokens // page if load else 0,
+        )
+        yield gauge(
+            "radixserve_kv_pages_total",
+            "KV pages in the pool.",
+            ready.num_pages if ready else 0,
+        )
+        yield gauge("radixserve_kv_page_size_tokens", "Tokens per KV page.", page)
+        yield gauge(
+            "radixserve_cache_hit_ratio",
+            "Cached over prompt tokens since start.",
+            load.cache_hit_rate if load else 0.0,
+        )
+        connected = GaugeMetricFamily(
+            "radixserve_worker_connected",
+            "1 while the worker's stream is up.",
+            labels=["worker"],
+        )
+        up = 1.0 if ready is not None and not self.hub.failed else 0.0
+        for address in self.hub.config.workers:
+            connected.add_metric([address], up)
+        yield connected
+
+
+def start_metrics(port: int, host: str, metrics: SchedulerMetrics) -> CollectorRegistry:
+    registry = new_registry()
+    metrics.register(registry)
+    serve_metrics(port, host, registry)
     return registry

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import structlog
 
+from observability.logging_setup import configure_logging
 from scheduler_service.config import add_service_flags, service_config
-from scheduler_service.logging_setup import configure_logging
 from scheduler_service.server import serve as serve_scheduler
 
 logger = structlog.get_logger(__name__)
@@ -56,7 +56,11 @@ def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str
         str(rank),
         "--log-level",
         args.log_level,
+        "--log-format",
+        args.log_format,
     ]
+    if args.metrics_port is not None:
+        cmd += ["--metrics-port", str(args.metrics_port + 1 + rank)]
     if args.tp_size > 1:
         cmd += ["--dist-addr", dist]
     if args.kv_memory:
@@ -103,7 +107,7 @@ class WorkerProcesses:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-serve-"))
     workers = WorkerProcesses(args, workdir)
     try:

@@ -17,11 +17,12 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from observability import tracing
 from scheduler_service.api import SchedulerServicer
-from scheduler_service.config import ServiceConfig
+from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.hub import Hub
 from scheduler_service.kv_publisher import KvEventPublisher
-from scheduler_service.metrics import start_metrics
+from scheduler_service.metrics import SchedulerMetrics, start_metrics
 from scheduler_service.model_info import ModelContext
 from scheduler_service.throughput import Throughput
 
@@ -33,12 +34,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
     stop = stop or _stop_on_signals()
+    tracing.setup_tracing(TRACING_SERVICE_NAME)
     hub = Hub(config)
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     try:
         ready = await hub.start()
         model = ModelContext.build(ready, config, workdir)
-        servicer = SchedulerServicer(hub, model)
+        metrics = SchedulerMetrics(hub) if config.metrics_port is not None else None
+        servicer = SchedulerServicer(hub, model, metrics)
         servicer.throughput = Throughput()
         hub.on_load(servicer.throughput.observe)
         servicer.kv_events = KvEventPublisher(hub, servicer.throughput)
@@ -64,8 +67,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         )
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         await server.start()
-        if config.metrics_port is not None:
-            start_metrics(config.metrics_port, config.host, hub)
+        if metrics is not None:
+            start_metrics(config.metrics_port, config.host, metrics)
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.port_file:
@@ -84,7 +87,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         await health.enter_graceful_shutdown()
         await server.stop(grace=5)
     finally:
-        hub.stop()
+        hub.stop()  # the core process flushes its spans as it exits
+        tracing.shutdown_tracing()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 import structlog
 
+from observability import tracing
+from observability.logging_setup import configure_logging
 from worker_service.config import load_config
 from worker_service.engine import build_worker
-from worker_service.logging_setup import configure_logging
 from worker_service.server import serve
 
 logger = structlog.get_logger(__name__)
@@ -19,7 +20,9 @@ logger = structlog.get_logger(__name__)
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(argv)
-    configure_logging(cfg.log_level)
+    configure_logging(cfg.log_level, cfg.log_format)
+    if tracing.configured():  # step spans are made in a process of their own
+        tracing.protocol()  # a bad protocol stops the worker here, not there
     worker = build_worker(cfg)
     server, port = serve(worker)
     print(f"radixserve-worker listening on {cfg.host}:{port}", flush=True)
@@ -29,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     logger.info("shutting down")
     server.stop(grace=2).wait()
+    tracing.shutdown_tracing()  # after the last step: the span process flushes it too
     return 0
 
 

@@ -18,6 +18,8 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import plan_from_proto, result_to_proto
 from worker_service.engine import Worker
+from worker_service.step_metrics import WorkerMetrics
+from worker_service.step_tracing import StepTracer
 
 logger = structlog.get_logger(__name__)
 
@@ -26,8 +28,15 @@ TOKENIZER_CHUNK = 1 << 20
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: Worker) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        metrics: WorkerMetrics | None = None,
+        tracer: StepTracer | None = None,
+    ) -> None:
         self.worker = worker
+        self.metrics = metrics
+        self.tracer = tracer
         self._lock = threading.Lock()  # one step at a time
         self._stream_gen = 0
         self._tokenizer_zip: bytes | None = None
@@ -70,15 +79,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._stream_gen += 1
             gen = self._stream_gen
             self.worker.executor.reset()
+            if self.tracer is not None:
+                self.tracer.reset()
         logger.info("scheduler stream opened", peer=context.peer())
+        if self.metrics is not None:
+            self.metrics.streams += 1
         plans: queue.SimpleQueue = queue.SimpleQueue()
         results: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
         threading.Thread(target=self._run_plans, args=(plans, gen, results), daemon=True).start()
-        while (item := results.get()) is not None:
-            if isinstance(item, str):
-                context.abort(grpc.StatusCode.ABORTED, item)
-            yield item
+        try:
+            while (item := results.get()) is not None:
+                if isinstance(item, str):
+                    context.abort(grpc.StatusCode.ABORTED, item)
+                yield item
+        finally:
+            if self.metrics is not None:
+                self.metrics.streams -= 1
         logger.info("scheduler stream closed", peer=context.peer())
 
     def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
@@ -96,13 +113,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _execute(self, msg: pb.StepPlan, idle_ms: float) -> pb.StepResult:
         """One step: the plan in, its result out; forward_ms covers all of it."""
         t0 = time.perf_counter()
+        start_ns = time.time_ns() if self.tracer is not None else 0
         try:
             plan = plan_from_proto(msg)
         except ValueError as e:
             return pb.StepResult(step_id=msg.step_id, error=f"malformed plan: {e}")
         result = result_to_proto(self.worker.executor.execute(plan))
         result.idle_ms = idle_ms
-        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        busy_s = time.perf_counter() - t0
+        result.forward_ms = busy_s * 1e3
+        if self.metrics is not None:
+            self.metrics.step(msg, busy_s, idle_ms / 1e3)
+        if self.tracer is not None and not result.error:
+            self.tracer.step(msg, start_ns, time.time_ns(), result.forward_ms)
         return result
 
     def GetTokenizer(

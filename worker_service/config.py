@@ -32,6 +32,8 @@ class WorkerConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0: torch's default (all cores)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA + flashinfer)
     log_level: str = "info"
+    log_format: str = "auto"  # auto: JSON unless stderr is a TTY
+    metrics_port: int | None = None
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -109,6 +111,18 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
     )
     add("--log-level", default=env_default("log-level", d.log_level))
+    add(
+        "--log-format",
+        default=env_default("log-format", d.log_format),
+        choices=["auto", "json", "console"],
+        help="auto: JSON lines unless stderr is a terminal",
+    )
+    add(
+        "--metrics-port",
+        type=int,
+        default=env_default("metrics-port", d.metrics_port),
+        help="serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
     return p
 
 

@@ -10,9 +10,13 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from observability import tracing
+from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
 from worker_service.engine import Worker
+from worker_service.step_metrics import WorkerMetrics
+from worker_service.step_tracing import StepTracer
 
 logger = structlog.get_logger(__name__)
 
@@ -22,6 +26,13 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def serve(worker: Worker) -> tuple[grpc.Server, int]:
     """Start serving; returns the server and the port it bound."""
     cfg = worker.config
+    metrics = None
+    if cfg.metrics_port is not None:
+        metrics = WorkerMetrics(lambda: len(worker.executor.slots), worker.num_pages)
+        registry = new_registry()
+        metrics.register(registry)
+        serve_metrics(cfg.metrics_port, cfg.host, registry)
+    tracer = StepTracer(worker.tp.rank) if tracing.configured() else None
     limit = cfg.max_message_mb << 20
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
@@ -30,7 +41,7 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
             ("grpc.max_send_message_length", limit),
         ],
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, metrics, tracer), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -137,7 +137,12 @@ class AdmissionMixin(SchedulerBase):
         if head is None:
             return
         capacity = self.pool.num_pages * self.pool.page_size
-        logger.warning("request does not fit the KV pool", rid=head.rid, tokens=head.num_tokens)
+        logger.warning(
+            "request does not fit the KV pool",
+            request_id=head.rid,
+            trace_id=head.trace_id,
+            tokens=head.num_tokens,
+        )
         self._finish(
             head,
             FinishAbort(

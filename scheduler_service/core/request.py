@@ -97,6 +97,7 @@ class Request:
     priority: int = 0
     extra_key: str | None = None
     routing_key: str | None = None
+    trace_id: str = ""  # for log lines (the service sets it from the trace context)
 
     output_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING

@@ -56,6 +56,8 @@ class RetractionMixin(SchedulerBase):
         req.retractions += 1
         self.stats.retractions += 1
         self.waiting.append(req)
+        if self.on_requeue is not None:
+            self.on_requeue(req, "retraction")
 
     def _preempt(self, req: Request) -> None:
         """Called by the adder; the adder queues the request after admission."""
@@ -63,6 +65,8 @@ class RetractionMixin(SchedulerBase):
         self._requeue(req)
         req.preemptions += 1
         self.stats.preemptions += 1
+        if self.on_requeue is not None:
+            self.on_requeue(req, "preemption")
 
     def _retract_chunked(self) -> bool:
         req = self.chunked
@@ -73,10 +77,17 @@ class RetractionMixin(SchedulerBase):
         req.retractions += 1
         self.stats.retractions += 1
         self.waiting.insert(0, req)
+        if self.on_requeue is not None:
+            self.on_requeue(req, "retraction")
         return True
 
     def _abort_oom(self, req: Request) -> None:
-        logger.warning("out of memory even after retraction", rid=req.rid, tokens=req.num_tokens)
+        logger.warning(
+            "out of memory even after retraction",
+            request_id=req.rid,
+            trace_id=req.trace_id,
+            tokens=req.num_tokens,
+        )
         self.stats.oom_aborts += 1
         self._finish(
             req,

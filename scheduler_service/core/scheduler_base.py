@@ -67,6 +67,9 @@ class SchedulerBase:
         self._leaves: list[str] = []
         self._outbox: list[RequestDelta] = []
         self._admission_stuck = False
+        # Told (request, "retraction" | "preemption") whenever a running
+        # request is sent back to wait; the service's tracing listens.
+        self.on_requeue: Callable[[Request, str], None] | None = None
 
     def _next_step_id(self) -> int:
         self._step_id += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,12 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_port(proc: subprocess.Popen, port_file: Path, log: Path, timeout_s: float) -> int:
@@ -40,15 +47,24 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def process(tmp: Path, name: str, args: list[str], timeout_s: float = 300) -> Iterator[int]:
-    """Start a radixserve command with --port 0; yield the port it serves on."""
+def process(
+    tmp: Path, name: str, args: list[str], timeout_s: float = 300, env: dict | None = None
+) -> Iterator[int]:
+    """Start a radixserve command with --port 0; yield the port it serves on.
+    ``env`` adds to (or, with None values, removes from) the environment."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [*args, "--port", "0", "--port-file", str(port_file)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=full_env,
         )
         try:
             yield _wait_port(proc, port_file, log, timeout_s)
@@ -64,11 +80,14 @@ def serve(tmp: Path, *args: str) -> Iterator[str]:
 
 
 @contextmanager
-def separate(tmp: Path, worker_args: list[str], scheduler_args: list[str]) -> Iterator[str]:
+def separate(
+    tmp: Path, worker_args: list[str], scheduler_args: list[str], env: dict | None = None
+) -> Iterator[str]:
     """radixserve-worker and radixserve-scheduler started apart; yields HOST:PORT."""
-    with process(tmp, "worker", [str(BIN / "radixserve-worker"), *worker_args]) as wport:
+    worker = [str(BIN / "radixserve-worker"), *worker_args]
+    with process(tmp, "worker", worker, env=env) as wport:
         sched = [str(BIN / "radixserve-scheduler"), "--worker", f"grpc://127.0.0.1:{wport}"]
-        with process(tmp, "scheduler", sched + scheduler_args) as port:
+        with process(tmp, "scheduler", sched + scheduler_args, env=env) as port:
             yield f"127.0.0.1:{port}"
 
 

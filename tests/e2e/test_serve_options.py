@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -11,17 +10,11 @@ from pathlib import Path
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from transformers import AutoTokenizer
 
-from tests.e2e.system import greedy, serve, stub
+from tests.e2e.system import free_port, greedy, serve, stub
 from tests.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensor_parallel_serve_matches_transformers_and_serves_metrics(tmp_path):
@@ -55,12 +48,16 @@ def test_tensor_parallel_serve_matches_transformers_and_serves_metrics(tmp_path)
                 )
             )
             assert list(r.complete.output_ids) == hf_greedy(hf, p, 12)[0]
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
-        assert "radixserve_kv_total_tokens" in text and "radixserve_generated_tokens" in text
+
+        def scrape(port: int) -> str:
+            url = f"http://127.0.0.1:{port}/metrics"
+            return urllib.request.urlopen(url, timeout=10).read().decode()
+
+        text = scrape(metrics)
+        assert "radixserve_generation_tokens_total 24.0" in text
+        assert "radixserve_kv_pages_total" in text
+        for rank in range(2):  # the workers serve theirs on the next ports
+            assert "radixserve_worker_busy_seconds_total" in scrape(metrics + 1 + rank)
 
 
 def test_original_text_is_tokenized_by_the_server(smollm2_address, tmp_path):

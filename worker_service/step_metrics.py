@@ -1,0 +1,90 @@
+"""The worker's Prometheus metrics: per-step time and batch size, busy and
+idle time, the scheduler's stream state (see docs/observability.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from observability.histograms import (
+    BATCH_REQUESTS,
+    BATCH_TOKENS,
+    STEP_LATENCY_S,
+    HistogramCollector,
+)
+from protos import worker_pb2 as pb
+
+MODES = {
+    pb.FORWARD_MODE_PREFILL: "prefill",
+    pb.FORWARD_MODE_DECODE: "decode",
+    pb.FORWARD_MODE_MIXED: "mixed",
+    pb.FORWARD_MODE_IDLE: "idle",
+}
+
+
+class WorkerMetrics(Collector):
+    def __init__(self, active_requests: Callable[[], int], kv_pages: int) -> None:
+        self.histograms = HistogramCollector()
+        self.step_s = {
+            mode: self.histograms.add(
+                "radixserve_worker_step_duration_seconds",
+                "One step on this worker, plan in to result out.",
+                STEP_LATENCY_S,
+                {"mode": name},
+            )
+            for mode, name in MODES.items()
+        }
+        self.batch_requests = self.histograms.add(
+            "radixserve_worker_batch_size_requests", "Requests per step.", BATCH_REQUESTS
+        )
+        self.batch_tokens = self.histograms.add(
+            "radixserve_worker_batch_size_tokens", "Tokens computed per step.", BATCH_TOKENS
+        )
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self.streams = 0
+        self._active = active_requests
+        self._kv_pages = kv_pages
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(self.histograms)
+        registry.register(self)
+
+    def step(self, plan: pb.StepPlan, busy_s: float, idle_s: float) -> None:
+        """Account one step (a few microseconds, on the executing thread)."""
+        self.busy_s += busy_s
+        self.idle_s += idle_s
+        hist = self.step_s.get(plan.mode)
+        if hist is not None:
+            hist.observe(busy_s)
+        if plan.mode != pb.FORWARD_MODE_IDLE:
+            self.batch_requests.observe(len(plan.extends) + len(plan.decode_slots))
+            self.batch_tokens.observe(
+                sum(len(e.input_ids) for e in plan.extends) + len(plan.decode_slots)
+            )
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield CounterMetricFamily(
+            "radixserve_worker_busy_seconds", "Time inside steps.", value=self.busy_s
+        )
+        yield CounterMetricFamily(
+            "radixserve_worker_idle_seconds",
+            "Time waiting for the next plan while a scheduler is connected.",
+            value=self.idle_s,
+        )
+        yield GaugeMetricFamily(
+            "radixserve_worker_scheduler_connected",
+            "1 while a scheduler's Execute stream is open.",
+            value=1.0 if self.streams > 0 else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "radixserve_worker_requests_active",
+            "Requests whose state this worker holds.",
+            value=self._active(),
+        )
+        yield GaugeMetricFamily(
+            "radixserve_worker_kv_pages_total", "KV pages on this rank.", value=self._kv_pages
+        )

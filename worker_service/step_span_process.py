@@ -1,0 +1,138 @@
+"""The worker's span process: turns the steps its worker pipes over into
+``radixserve.worker.step`` spans (see step_tracing.py) and exports them.
+
+Reads pickled lists from stdin, written only by its own parent worker, of
+``(plan bytes, start ns, end ns, forward ms)`` per step and ``"reset"`` when
+a new Execute stream starts. Flushes and exits at end of input.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+from typing import Any
+
+import structlog
+
+from observability import tracing
+from observability.logging_setup import configure_logging
+from protos import worker_pb2 as pb
+from worker_service.step_metrics import MODES
+from worker_service.step_span_encoding import SpanBatcher, StepSpanEncoder, install_passthrough
+
+logger = structlog.get_logger(__name__)
+
+SERVICE_NAME = "radixserve-worker"  # OTEL_SERVICE_NAME overrides it
+
+
+class StepSpans:
+    """The SDK path (console exporter, or an SDK the fast path cannot feed)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        # slot -> (parent context, link) of a traced request
+        self.traced: dict[int, tuple[Any, Any]] = {}
+
+    def record(self, plan: pb.StepPlan, start_ns: int, end_ns: int, forward_ms: float) -> None:
+        from opentelemetry.trace import Link, SpanKind, get_current_span
+
+        traced = self.traced
+        for slot in plan.leaves:
+            traced.pop(slot, None)
+        for join in plan.joins:
+            traced.pop(join.slot, None)
+            if join.trace.traceparent:
+                tp = join.trace
+                ctx = tracing.context_from_traceparent(tp.traceparent, tp.tracestate)
+                span_ctx = get_current_span(ctx).get_span_context()
+                if span_ctx.is_valid and span_ctx.trace_flags.sampled:
+                    traced[join.slot] = (ctx, Link(span_ctx))
+        if not traced:
+            return
+        slots = [e.slot for e in plan.extends]
+        slots.extend(plan.decode_slots)
+        members = [traced[s] for s in slots if s in traced]
+        if not members:
+            return
+        tokens = sum(len(e.input_ids) for e in plan.extends) + len(plan.decode_slots)
+        span = tracing.tracer().start_span(
+            "radixserve.worker.step",
+            context=members[0][0],
+            kind=SpanKind.INTERNAL,
+            links=[link for _, link in members],
+            start_time=start_ns,
+            attributes={
+                "radixserve.step_id": plan.step_id,
+                "radixserve.forward_mode": MODES.get(plan.mode, "unknown"),
+                "radixserve.batch_size": len(slots),
+                "radixserve.batch_tokens": tokens,
+                "radixserve.prefill_requests": len(plan.extends),
+                "radixserve.decode_requests": len(plan.decode_slots),
+                "radixserve.traced_requests": len(members),
+                "radixserve.forward_ms": forward_ms,
+                "radixserve.tp_rank": self.rank,
+            },
+        )
+        span.end(end_time=end_ns)
+
+
+def _fast_path(rank: int, env) -> tuple[StepSpanEncoder, SpanBatcher] | None:
+    """Encode step spans straight to OTLP unless the exporter is not OTLP or
+    this SDK cannot take ready requests (then the SDK path makes them)."""
+    if env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "console":
+        return None
+    if not install_passthrough():
+        logger.warning("this OpenTelemetry SDK takes no ready requests: slower step spans")
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    sampler = TracerProvider().sampler if env.get("OTEL_TRACES_SAMPLER") else None
+    resource = Resource.create({"service.name": SERVICE_NAME}).attributes
+    return StepSpanEncoder(rank, sampler), SpanBatcher(tracing.make_exporter(env), resource, env)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its worker decides when it stops
+    configure_logging("warning")
+    rank = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    fast = _fast_path(rank, os.environ)
+    slow = None
+    if fast is None:
+        tracing.setup_tracing(SERVICE_NAME)
+        slow = StepSpans(rank)
+    stdin = sys.stdin.buffer
+    try:
+        while True:
+            try:
+                batch = pickle.load(stdin)
+            except EOFError:
+                break
+            for item in batch:
+                if item == "reset":
+                    if fast is not None:
+                        fast[0].reset()
+                    else:
+                        slow.traced.clear()
+                    continue
+                data, start_ns, end_ns, forward_ms = item
+                try:
+                    plan = pb.StepPlan.FromString(data)
+                    if fast is not None:
+                        span = fast[0].span(plan, start_ns, end_ns, forward_ms)
+                        if span is not None:
+                            fast[1].add(span)
+                    else:
+                        slow.record(plan, start_ns, end_ns, forward_ms)
+                except Exception as e:  # one bad step must not end tracing
+                    logger.warning("step span failed", error=str(e))
+    finally:
+        if fast is not None:
+            fast[1].shutdown()
+        tracing.shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()
