@@ -91,6 +91,22 @@ def parse_traceparent(traceparent: str) -> tuple[bytes, bytes, bool] | None:
     return trace_id, span_id, sampled
 
 
+def step_attributes(plan: pb.StepPlan, traced: int, forward_ms: float, rank: int) -> dict[str, Any]:
+    """The attributes of a step's span (both span paths)."""
+    return {
+        "radixserve.step_id": plan.step_id,
+        "radixserve.forward_mode": MODES.get(plan.mode, "unknown"),
+        "radixserve.batch_size": len(plan.extends) + len(plan.decode_slots),
+        "radixserve.batch_tokens": sum(len(e.input_ids) for e in plan.extends)
+        + len(plan.decode_slots),
+        "radixserve.prefill_requests": len(plan.extends),
+        "radixserve.decode_requests": len(plan.decode_slots),
+        "radixserve.traced_requests": traced,
+        "radixserve.forward_ms": forward_ms,
+        "radixserve.tp_rank": rank,
+    }
+
+
 class _Traced:
     __slots__ = ("link_field", "span_id", "trace_id", "tracestate")
 
@@ -179,7 +195,6 @@ class StepSpanEncoder:
         parent = members[0]
         if self.sampler is not None and not self._sampled(parent):
             return None
-        tokens = sum(len(e.input_ids) for e in plan.extends) + len(plan.decode_slots)
         span_id = 0
         while not span_id:
             span_id = self._rand.getrandbits(64)
@@ -193,19 +208,7 @@ class StepSpanEncoder:
             kind=tpb.Span.SPAN_KIND_INTERNAL,
             start_time_unix_nano=start_ns,
             end_time_unix_nano=end_ns,
-            attributes=key_values(
-                {
-                    "radixserve.step_id": plan.step_id,
-                    "radixserve.forward_mode": MODES.get(plan.mode, "unknown"),
-                    "radixserve.batch_size": len(slots),
-                    "radixserve.batch_tokens": tokens,
-                    "radixserve.prefill_requests": len(plan.extends),
-                    "radixserve.decode_requests": len(plan.decode_slots),
-                    "radixserve.traced_requests": len(members),
-                    "radixserve.forward_ms": forward_ms,
-                    "radixserve.tp_rank": self.rank,
-                }
-            ),
+            attributes=key_values(step_attributes(plan, len(members), forward_ms, self.rank)),
         )
         return span.SerializeToString() + b"".join(m.link_field for m in members)
 

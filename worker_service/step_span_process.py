@@ -19,8 +19,12 @@ import structlog
 from observability import tracing
 from observability.logging_setup import configure_logging
 from protos import worker_pb2 as pb
-from worker_service.step_metrics import MODES
-from worker_service.step_span_encoding import SpanBatcher, StepSpanEncoder, install_passthrough
+from worker_service.step_span_encoding import (
+    SpanBatcher,
+    StepSpanEncoder,
+    install_passthrough,
+    step_attributes,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -56,24 +60,13 @@ class StepSpans:
         members = [traced[s] for s in slots if s in traced]
         if not members:
             return
-        tokens = sum(len(e.input_ids) for e in plan.extends) + len(plan.decode_slots)
         span = tracing.tracer().start_span(
             "radixserve.worker.step",
             context=members[0][0],
             kind=SpanKind.INTERNAL,
             links=[link for _, link in members],
             start_time=start_ns,
-            attributes={
-                "radixserve.step_id": plan.step_id,
-                "radixserve.forward_mode": MODES.get(plan.mode, "unknown"),
-                "radixserve.batch_size": len(slots),
-                "radixserve.batch_tokens": tokens,
-                "radixserve.prefill_requests": len(plan.extends),
-                "radixserve.decode_requests": len(plan.decode_slots),
-                "radixserve.traced_requests": len(members),
-                "radixserve.forward_ms": forward_ms,
-                "radixserve.tp_rank": self.rank,
-            },
+            attributes=step_attributes(plan, len(members), forward_ms, self.rank),
         )
         span.end(end_time=end_ns)
 
