@@ -20,8 +20,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import structlog
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -35,6 +35,7 @@ from worker_service.step_metrics import MODES
 logger = structlog.get_logger(__name__)
 
 SPAN_NAME = "radixserve.worker.step"
+T = TypeVar("T")
 # Span/link flags: sampled, and "the parent is remote" (it came over the wire).
 REMOTE_SAMPLED = 0x01 | 0x100 | 0x200
 # Tags of length-delimited fields: (field number << 3) | 2.
@@ -160,36 +161,58 @@ def install_passthrough() -> bool:
     return True
 
 
+class TracedSlots(Generic[T]):
+    """The traced requests a worker holds, by slot, kept in step with the
+    plans (leaves, then joins); ``make`` turns a join's trace context into
+    what a span path keeps for it (None: not traced, or not sampled)."""
+
+    def __init__(self, make: Callable[[str, str], T | None]) -> None:
+        self._make = make
+        self._by_slot: dict[int, T] = {}
+
+    def clear(self) -> None:
+        self._by_slot.clear()
+
+    def update(self, plan: pb.StepPlan) -> list[T]:
+        """Apply the plan's leaves and joins; the traced requests it computes,
+        in plan order."""
+        by_slot = self._by_slot
+        for slot in plan.leaves:
+            by_slot.pop(slot, None)
+        for join in plan.joins:
+            by_slot.pop(join.slot, None)
+            if join.trace.traceparent:
+                kept = self._make(join.trace.traceparent, join.trace.tracestate)
+                if kept is not None:
+                    by_slot[join.slot] = kept
+        if not by_slot:
+            return []
+        members = [by_slot[e.slot] for e in plan.extends if e.slot in by_slot]
+        members.extend(by_slot[s] for s in plan.decode_slots if s in by_slot)
+        return members
+
+
+def _traced_of(traceparent: str, tracestate: str) -> _Traced | None:
+    parsed = parse_traceparent(traceparent)
+    if parsed is None or not parsed[2]:
+        return None
+    return _Traced(parsed[0], parsed[1], tracestate)
+
+
 class StepSpanEncoder:
     """Per-slot links, and one OTLP span per step with a traced request."""
 
     def __init__(self, rank: int, sampler: Any = None) -> None:
         self.rank = rank
         self.sampler = sampler
-        self.traced: dict[int, _Traced] = {}
+        self.traced: TracedSlots[_Traced] = TracedSlots(_traced_of)
         self._rand = random.Random()
-
-    def reset(self) -> None:
-        self.traced.clear()
 
     def span(
         self, plan: pb.StepPlan, start_ns: int, end_ns: int, forward_ms: float
     ) -> bytes | None:
         """The step's span, serialized (None when no traced request is in it)."""
-        traced = self.traced
-        for slot in plan.leaves:
-            traced.pop(slot, None)
-        for join in plan.joins:
-            traced.pop(join.slot, None)
-            if join.trace.traceparent:
-                parsed = parse_traceparent(join.trace.traceparent)
-                if parsed is not None and parsed[2]:
-                    traced[join.slot] = _Traced(parsed[0], parsed[1], join.trace.tracestate)
-        if not traced:
-            return None
-        slots = [e.slot for e in plan.extends]
-        slots.extend(plan.decode_slots)
-        members = [traced[s] for s in slots if s in traced]
+        members = self.traced.update(plan)
         if not members:
             return None
         parent = members[0]

@@ -20,11 +20,14 @@ from observability import tracing
 from observability.logging_setup import configure_logging
 from protos import worker_pb2 as pb
 from worker_service.step_span_encoding import (
+    SPAN_NAME,
     SpanBatcher,
     StepSpanEncoder,
+    TracedSlots,
     install_passthrough,
     step_attributes,
 )
+from worker_service.step_tracing import RESET
 
 logger = structlog.get_logger(__name__)
 
@@ -36,32 +39,27 @@ class StepSpans:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        # slot -> (parent context, link) of a traced request
-        self.traced: dict[int, tuple[Any, Any]] = {}
+        # (parent context, link) of each traced request
+        self.traced: TracedSlots[tuple[Any, Any]] = TracedSlots(self._context_of)
+
+    @staticmethod
+    def _context_of(traceparent: str, tracestate: str) -> tuple[Any, Any] | None:
+        from opentelemetry.trace import Link, get_current_span
+
+        ctx = tracing.context_from_traceparent(traceparent, tracestate)
+        span_ctx = get_current_span(ctx).get_span_context()
+        if span_ctx.is_valid and span_ctx.trace_flags.sampled:
+            return ctx, Link(span_ctx)
+        return None
 
     def record(self, plan: pb.StepPlan, start_ns: int, end_ns: int, forward_ms: float) -> None:
-        from opentelemetry.trace import Link, SpanKind, get_current_span
+        from opentelemetry.trace import SpanKind
 
-        traced = self.traced
-        for slot in plan.leaves:
-            traced.pop(slot, None)
-        for join in plan.joins:
-            traced.pop(join.slot, None)
-            if join.trace.traceparent:
-                tp = join.trace
-                ctx = tracing.context_from_traceparent(tp.traceparent, tp.tracestate)
-                span_ctx = get_current_span(ctx).get_span_context()
-                if span_ctx.is_valid and span_ctx.trace_flags.sampled:
-                    traced[join.slot] = (ctx, Link(span_ctx))
-        if not traced:
-            return
-        slots = [e.slot for e in plan.extends]
-        slots.extend(plan.decode_slots)
-        members = [traced[s] for s in slots if s in traced]
+        members = self.traced.update(plan)
         if not members:
             return
         span = tracing.tracer().start_span(
-            "radixserve.worker.step",
+            SPAN_NAME,
             context=members[0][0],
             kind=SpanKind.INTERNAL,
             links=[link for _, link in members],
@@ -104,11 +102,8 @@ def main() -> None:
             except EOFError:
                 break
             for item in batch:
-                if item == "reset":
-                    if fast is not None:
-                        fast[0].reset()
-                    else:
-                        slow.traced.clear()
+                if item == RESET:
+                    (fast[0] if fast is not None else slow).traced.clear()
                     continue
                 data, start_ns, end_ns, forward_ms = item
                 try:
