@@ -3,6 +3,7 @@
     radixserve-client generate "The capital of France is" --stream --max-new-tokens 32
     radixserve-client chat "What is the capital of France?"
     radixserve-client chat                      # interactive; empty line or Ctrl-D ends
+    RADIXSERVE_API_KEY=... radixserve-client --tls-ca ca.pem --server host:30000 chat "Hi"
 
 Sampling defaults to greedy (temperature 0) so answers are reproducible.
 """
@@ -19,6 +20,7 @@ import grpc
 from clients.client import RadixClient
 
 DEFAULT_SERVER = os.environ.get("RADIXSERVE_SERVER", "127.0.0.1:30000")
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -84,9 +86,21 @@ def _chat(client: RadixClient, args: argparse.Namespace) -> None:
             return
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve-client", description=__doc__.split("\n")[0])
     p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT of the scheduler")
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", metavar="PATH", help="TLS, trusting this CA (PEM)")
+    p.add_argument(
+        "--tls-server-name", metavar="NAME", help="expect this name in the server's certificate"
+    )
+    # The environment is the better place for a secret: flags show in `ps`.
+    p.add_argument(
+        "--api-key",
+        # A key from a Kubernetes Secret file often ends with a newline.
+        default=os.environ.get(API_KEY_ENV, "").strip() or None,
+        help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt")
     g.add_argument("prompt")
@@ -102,8 +116,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("--top-k", type=int, default=-1)
         sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
         sp.add_argument("--n", type=int, default=1)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    client = RadixClient(args.server)
+    if args.tls_ca and not os.path.isfile(args.tls_ca):
+        p.error(f"--tls-ca {args.tls_ca}: no such file")
+    client = RadixClient(
+        args.server,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_server_name=args.tls_server_name,
+        api_key=args.api_key,
+    )
     try:
         if args.command == "generate":
             _generate(client, args)

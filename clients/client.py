@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
@@ -24,6 +26,33 @@ from clients.results import GenerateResult, Sampling, StreamEvent, Transcriber
 from clients.tokenizer_bundle import TokenizerBundle
 
 Prompt = str | list[int]
+Metadata = tuple[tuple[str, str], ...]
+
+
+def open_channel(
+    api: ModuleType,
+    address: str,
+    tls: bool = False,
+    tls_ca: str | bytes | None = None,
+    tls_server_name: str | None = None,
+) -> grpc.Channel | grpc.aio.Channel:
+    """A channel of ``api`` (grpc or grpc.aio): plaintext unless ``tls`` (the
+    system's roots) or ``tls_ca`` (a PEM file's path or its bytes) is given."""
+    target = address.removeprefix("grpc://")
+    if tls_ca is None and not tls:
+        return api.insecure_channel(target)
+    roots = Path(tls_ca).read_bytes() if isinstance(tls_ca, str) else tls_ca
+    options = []
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    creds = grpc.ssl_channel_credentials(root_certificates=roots)
+    return api.secure_channel(target, creds, options=options)
+
+
+def auth_metadata(api_key: str | None) -> Metadata | None:
+    """Sent with every call rather than as call credentials, which gRPC sends
+    over TLS only: a key must also work on a plaintext loopback or mesh port."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 def build_request(
@@ -50,10 +79,21 @@ def build_request(
 
 
 class RadixClient:
-    """Blocking client."""
+    """Blocking client. ``tls``/``tls_ca``/``tls_server_name``: see
+    open_channel; ``api_key`` goes as ``authorization: Bearer`` on every call."""
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address.removeprefix("grpc://"))
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.channel = open_channel(grpc, address, tls, tls_ca, tls_server_name)
+        self.metadata = auth_metadata(api_key)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.timeout_s = timeout_s
         self._bundle: TokenizerBundle | None = None
@@ -61,7 +101,9 @@ class RadixClient:
     @property
     def tokenizer(self) -> TokenizerBundle:
         if self._bundle is None:
-            chunks = self.stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=60)
+            chunks = self.stub.GetTokenizer(
+                cpb.GetTokenizerRequest(), timeout=60, metadata=self.metadata
+            )
             self._bundle = TokenizerBundle.from_chunks(chunks)
         return self._bundle
 
@@ -69,7 +111,7 @@ class RadixClient:
         sp = Sampling(**sampling)
         req = build_request(self.tokenizer, prompt, sp, False, request_id)
         t = Transcriber(self.tokenizer, list(req.tokenized.input_ids), sp)
-        for resp in self.stub.Generate(req, timeout=self.timeout_s):
+        for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             t.take(resp)
         return t.result()
 
@@ -79,7 +121,7 @@ class RadixClient:
         sp = Sampling(**sampling)
         req = build_request(self.tokenizer, prompt, sp, True, request_id)
         t = Transcriber(self.tokenizer, list(req.tokenized.input_ids), sp)
-        for resp in self.stub.Generate(req, timeout=self.timeout_s):
+        for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             yield from t.take(resp)
 
     def chat(self, messages: list[dict], stream: bool = False, **sampling):
@@ -87,27 +129,45 @@ class RadixClient:
         return self.stream(prompt, **sampling) if stream else self.generate(prompt, **sampling)
 
     def abort(self, request_id: str, reason: str = "") -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason)).success
+        req = pb.AbortRequest(request_id=request_id, reason=reason)
+        return self.stub.Abort(req, metadata=self.metadata).success
 
     def health(self) -> bool:
-        return self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=30).healthy
+        return self.stub.HealthCheck(
+            pb.HealthCheckRequest(), timeout=30, metadata=self.metadata
+        ).healthy
 
     def close(self) -> None:
         self.channel.close()
 
 
 class AsyncRadixClient:
-    """asyncio client (grpc.aio)."""
+    """asyncio client (grpc.aio); the same options as RadixClient."""
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"))
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        *,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name)
+        self.metadata = auth_metadata(api_key)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.timeout_s = timeout_s
         self._bundle: TokenizerBundle | None = None
 
     async def tokenizer(self) -> TokenizerBundle:
         if self._bundle is None:
-            chunks = [c async for c in self.stub.GetTokenizer(cpb.GetTokenizerRequest())]
+            chunks = [
+                c
+                async for c in self.stub.GetTokenizer(
+                    cpb.GetTokenizerRequest(), metadata=self.metadata
+                )
+            ]
             self._bundle = TokenizerBundle.from_chunks(chunks)
         return self._bundle
 
@@ -118,7 +178,7 @@ class AsyncRadixClient:
         sp = Sampling(**sampling)
         req = build_request(bundle, prompt, sp, False, request_id)
         t = Transcriber(bundle, list(req.tokenized.input_ids), sp)
-        async for resp in self.stub.Generate(req, timeout=self.timeout_s):
+        async for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             t.take(resp)
         return t.result()
 
@@ -129,7 +189,7 @@ class AsyncRadixClient:
         sp = Sampling(**sampling)
         req = build_request(bundle, prompt, sp, True, request_id)
         t = Transcriber(bundle, list(req.tokenized.input_ids), sp)
-        async for resp in self.stub.Generate(req, timeout=self.timeout_s):
+        async for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             for event in t.take(resp):
                 yield event
 
@@ -137,7 +197,8 @@ class AsyncRadixClient:
         return (await self.tokenizer()).chat_prompt(messages)
 
     async def abort(self, request_id: str, reason: str = "") -> bool:
-        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason))
+        req = pb.AbortRequest(request_id=request_id, reason=reason)
+        resp = await self.stub.Abort(req, metadata=self.metadata)
         return resp.success
 
     async def close(self) -> None:

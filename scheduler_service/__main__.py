@@ -8,13 +8,17 @@ from collections.abc import Sequence
 
 from observability.logging_setup import configure_logging
 from scheduler_service.config import load_config
-from scheduler_service.server import serve
+from scheduler_service.server import STARTUP_ERRORS, serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(argv)
     configure_logging(config.log_level, config.log_format)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except STARTUP_ERRORS as e:
+        print(f"radixserve-scheduler: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

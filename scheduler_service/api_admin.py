@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
+import structlog
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import common_pb2 as cpb
@@ -21,6 +22,8 @@ from scheduler_service.hub import CoreUnavailable
 VERSION = "radixserve-0.1.0"
 TOKENIZER_CHUNK = 64 << 10
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+logger = structlog.get_logger(__name__)
 
 
 def _struct(values: dict) -> Struct:
@@ -172,5 +175,10 @@ class AdminMixin:
                 grpc.StatusCode.OUT_OF_RANGE,
                 "KV event replay cursors are per subscription; resubscribe with zero and rebuild",
             )
-        async for batch in self.kv_events.subscribe():
-            yield batch
+        # A cache-aware router (the SMG gateway) subscribes once per scheduler.
+        logger.info("KV event subscriber joined", peer=context.peer())
+        try:
+            async for batch in self.kv_events.subscribe():
+                yield batch
+        finally:
+            logger.info("KV event subscriber left", peer=context.peer())

@@ -21,6 +21,7 @@ class ServiceConfig:
     port: int = 30000
     port_file: str | None = None
     metrics_port: int | None = None
+    health_port: int | None = None  # plaintext grpc.health.v1 only, for probes
     served_model_name: str | None = None
     tokenizer: str | None = None  # a local tokenizer directory (default: from the worker)
     overlap_depth: int = 2  # plans sent ahead of the result being waited for
@@ -32,6 +33,15 @@ class ServiceConfig:
     max_message_mb: int = 64
     log_level: str = "info"
     log_format: str = "auto"
+    # Paths only: the files are read at start (and a config holding the keys
+    # would hand them to GetServerInfo, which reports these fields).
+    tls_cert: str | None = None  # the public port serves TLS when given (with tls_key)
+    tls_key: str | None = None
+    api_key_file: str | None = None  # one key per line; every public RPC then needs one
+    worker_tls_ca: str | None = None  # mutual TLS to the workers (all three or none)
+    worker_tls_cert: str | None = None
+    worker_tls_key: str | None = None
+    worker_tls_server_name: str | None = None  # the name the workers' certificate holds
     scheduler: dict = field(default_factory=dict)  # overrides of SchedulerConfig fields
 
     def scheduler_config(self, **from_worker: object) -> SchedulerConfig:
@@ -122,6 +132,13 @@ def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
         default=default("metrics-port", None),
         help="serve Prometheus metrics on this port",
     )
+    add(
+        "--health-port",
+        type=int,
+        default=default("health-port", None),
+        help="also serve grpc.health.v1, and nothing else, in plaintext on this port "
+        "(kubelet gRPC probes cannot speak TLS)",
+    )
     add("--served-model-name", default=default("served-model-name", None))
     add(
         "--tokenizer",
@@ -150,7 +167,59 @@ def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
         choices=["auto", "json", "console"],
         help="auto: JSON lines unless stderr is a terminal",
     )
+    add_security_flags(p, env)
     add_scheduler_flags(p, env)
+
+
+def add_security_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    def default(name: str) -> str | None:
+        return env.get(ENV_PREFIX + name.upper().replace("-", "_")) or None
+
+    add = p.add_argument
+    add("--tls-cert", default=default("tls-cert"), metavar="PATH", help="serve TLS (PEM chain)")
+    add("--tls-key", default=default("tls-key"), metavar="PATH", help="the TLS key (PEM)")
+    add(
+        "--api-key-file",
+        default=default("api-key-file"),
+        metavar="PATH",
+        help="API keys, one a line: public RPCs then need 'authorization: Bearer KEY'",
+    )
+    add("--worker-tls-ca", default=default("worker-tls-ca"), metavar="PATH")
+    add("--worker-tls-cert", default=default("worker-tls-cert"), metavar="PATH")
+    add(
+        "--worker-tls-key",
+        default=default("worker-tls-key"),
+        metavar="PATH",
+        help="with --worker-tls-ca/--worker-tls-cert: mutual TLS to the workers",
+    )
+    add(
+        "--worker-tls-server-name",
+        default=default("worker-tls-server-name"),
+        metavar="NAME",
+        help="expect this name in the workers' certificate whatever their addresses",
+    )
+
+
+def check_security_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse half a TLS set-up and unreadable files before anything starts."""
+    groups = [
+        ("--tls-cert", "--tls-key"),
+        ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key"),
+    ]
+    for group in groups:
+        given = [flag for flag in group if getattr(args, _dest(flag))]
+        if given and len(given) != len(group):
+            p.error(f"{' '.join(group)} go together (given: {' '.join(given)})")
+    for flag in (*groups[0], *groups[1], "--api-key-file"):
+        path = getattr(args, _dest(flag))
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            p.error(f"{flag} {path}: no such file or not readable")
+    if args.worker_tls_server_name and not args.worker_tls_ca:
+        p.error("--worker-tls-server-name needs --worker-tls-ca/--worker-tls-cert/--worker-tls-key")
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceConfig:
@@ -160,12 +229,20 @@ def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceC
         port=args.port,
         port_file=args.port_file,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
         overlap_depth=0 if args.disable_overlap else max(args.overlap_depth, 0),
         max_n=args.max_n,
         log_level=args.log_level,
         log_format=args.log_format,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        api_key_file=args.api_key_file,
+        worker_tls_ca=args.worker_tls_ca,
+        worker_tls_cert=args.worker_tls_cert,
+        worker_tls_key=args.worker_tls_key,
+        worker_tls_server_name=args.worker_tls_server_name,
         scheduler=scheduler_overrides(args),
     )
 
@@ -185,6 +262,7 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
     )
     add_service_flags(p, env)
     args = p.parse_args(argv)
+    check_security_flags(p, args)
     workers = args.worker or [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w]
     if not workers:
         p.error("give the worker group with --worker grpc://HOST:PORT (one per rank)")

@@ -23,6 +23,7 @@ from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import Engine
 from scheduler_service.stop_strings import StopStringMatcher
+from scheduler_service.tls import TlsConfigError, worker_channel_credentials
 from scheduler_service.workers import WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
@@ -58,7 +59,12 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(config.log_level, config.log_format)
     tracing.setup_tracing(TRACING_SERVICE_NAME)
-    group = WorkerGroup(list(config.workers), config.max_message_mb)
+    try:
+        credentials, options = worker_channel_credentials(config)
+    except TlsConfigError as e:
+        conn.send(ipc.Failed(str(e)))
+        return
+    group = WorkerGroup(list(config.workers), config.max_message_mb, credentials, options)
     try:
         info = group.connect()
         if config.tokenizer:

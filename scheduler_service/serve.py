@@ -23,7 +23,8 @@ from pathlib import Path
 import structlog
 
 from observability.logging_setup import configure_logging
-from scheduler_service.config import add_service_flags, service_config
+from scheduler_service.config import add_service_flags, check_security_flags, service_config
+from scheduler_service.server import STARTUP_ERRORS
 from scheduler_service.server import serve as serve_scheduler
 
 logger = structlog.get_logger(__name__)
@@ -63,6 +64,11 @@ def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str
         cmd += ["--metrics-port", str(args.metrics_port + 1 + rank)]
     if args.tp_size > 1:
         cmd += ["--dist-addr", dist]
+    if args.worker_tls_ca:
+        # The workers serve the same certificate the scheduler presents to them
+        # (it needs both the serverAuth and clientAuth usages, or neither).
+        cmd += ["--worker-tls-ca", args.worker_tls_ca, "--worker-tls-cert", args.worker_tls_cert]
+        cmd += ["--worker-tls-key", args.worker_tls_key]
     if args.kv_memory:
         cmd += ["--kv-memory", args.kv_memory]
     if args.device == "cpu":
@@ -114,6 +120,9 @@ def _serve(args: argparse.Namespace) -> int:
         addresses = workers.addresses()
         config = service_config(args, addresses)
         asyncio.run(serve_scheduler(config))
+    except STARTUP_ERRORS as e:
+        print(f"radixserve serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         workers.stop()
     return 0
@@ -144,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--model", default="default")
     args = p.parse_args(argv)
     if args.command == "serve":
+        check_security_flags(s, args)
         return _serve(args)
     return _export_tokenizer(args)
 

@@ -17,23 +17,36 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from observability import tracing
+from observability import health_port, tracing
 from scheduler_service.api import SchedulerServicer
+from scheduler_service.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
-from scheduler_service.hub import Hub
+from scheduler_service.hub import CoreUnavailable, Hub
 from scheduler_service.kv_publisher import KvEventPublisher
 from scheduler_service.metrics import SchedulerMetrics, start_metrics
 from scheduler_service.model_info import ModelContext
 from scheduler_service.throughput import Throughput
+from scheduler_service.tls import TlsConfigError, public_server_credentials
 
 logger = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
+# What stops the service at start with a message, not a traceback: a bad TLS or
+# key file, or a worker group that cannot be reached (e.g. refused handshake).
+STARTUP_ERRORS = (TlsConfigError, ApiKeyFileError, CoreUnavailable)
+
 
 async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
     stop = stop or _stop_on_signals()
+    # Security files first: a bad one stops the service before the core starts.
+    credentials = public_server_credentials(config)
+    interceptors = []
+    if config.api_key_file:
+        digests = load_api_keys(config.api_key_file)
+        interceptors.append(ApiKeyInterceptor(SERVICE_NAME, digests))
+        logger.info("API keys required on the public API", keys=len(digests))
     tracing.setup_tracing(TRACING_SERVICE_NAME)
     hub = Hub(config)
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
@@ -47,12 +60,13 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         servicer.kv_events = KvEventPublisher(hub, servicer.throughput)
         limit = config.max_message_mb << 20
         server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-            ]
+            ],
         )
         pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
         health = health_aio.HealthServicer()
@@ -65,8 +79,15 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             ),
             server,
         )
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
         await server.start()
+        health_server = None
+        if config.health_port is not None:
+            health_server = await health_port.start_aio(health, config.host, config.health_port)
         if metrics is not None:
             start_metrics(config.metrics_port, config.host, metrics)
         for name in ("", SERVICE_NAME):
@@ -79,6 +100,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             model=model.served_model_name,
             pages=ready.num_pages,
             page_size=ready.page_size,
+            tls=credentials is not None,
+            worker_mutual_tls=config.worker_tls_ca is not None,
         )
         print(f"radixserve-scheduler listening on {config.host}:{port}", flush=True)
         await stop.wait()
@@ -86,6 +109,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         servicer.shutting_down = True
         await health.enter_graceful_shutdown()
         await server.stop(grace=5)
+        if health_server is not None:
+            await health_server.stop(grace=None)
     finally:
         hub.stop()  # the core process flushes its spans as it exits
         tracing.shutdown_tracing()

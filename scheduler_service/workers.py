@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -35,6 +35,15 @@ def parse_worker_address(url: str) -> str:
     return address
 
 
+# Handshake failures that waiting will not cure: the worker's certificate is not
+# trusted or not for the name asked, or the worker does not speak TLS at all.
+_TLS_FAILURES = ("certificate_verify_failed", "verification check failed", "wrong_version_number")
+
+
+def _tls_misconfigured(details: str) -> bool:
+    return any(f in details.lower() for f in _TLS_FAILURES)
+
+
 @dataclass
 class _Rank:
     address: str
@@ -45,18 +54,29 @@ class _Rank:
 
 
 class WorkerGroup:
-    def __init__(self, urls: list[str], max_message_mb: int = 64) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        max_message_mb: int = 64,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, str | int]] = (),
+    ) -> None:
+        """``credentials``: mutual TLS to the workers (None: plaintext)."""
         if not urls:
             raise ValueError("at least one worker address is needed")
         limit = max_message_mb << 20
         options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            *options,
         ]
         self.ranks = []
         for url in urls:
             address = parse_worker_address(url)
-            channel = grpc.insecure_channel(address, options=options)
+            if credentials is None:
+                channel = grpc.insecure_channel(address, options=options)
+            else:
+                channel = grpc.secure_channel(address, credentials, options=options)
             self.ranks.append(_Rank(address, channel, worker_pb2_grpc.WorkerStub(channel)))
         self.info: pb.WorkerInfo | None = None
 
@@ -65,13 +85,26 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout_s
         infos = []
         for rank in self.ranks:
+            log_at = time.monotonic() + 3
             while True:
                 try:
                     infos.append(rank.stub.GetInfo(pb.GetInfoRequest(), timeout=5))
                     break
                 except grpc.RpcError as e:
+                    details = e.details() or str(e)
+                    if _tls_misconfigured(details):
+                        raise WorkerError(
+                            f"TLS with worker {rank.address} failed: {details} (check "
+                            "--worker-tls-ca, --worker-tls-server-name and the worker's "
+                            "--worker-tls-* flags)"
+                        ) from e
                     if time.monotonic() > deadline:
                         raise WorkerError(f"worker {rank.address} did not answer: {e}") from e
+                    if time.monotonic() > log_at:
+                        # A worker that accepts and then closes the connection may
+                        # be refusing our certificate; TLS 1.3 tells the client no more.
+                        logger.info("waiting for worker", worker=rank.address, error=details)
+                        log_at = time.monotonic() + 30
                     time.sleep(0.5)
         by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
         ranks = [i.tp_rank for i, _ in by_rank]

@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     logger.info("shutting down")
     server.stop(grace=2).wait()
+    if getattr(server, "health_server", None) is not None:
+        server.health_server.stop(grace=None)
     tracing.shutdown_tracing()  # after the last step: the span process flushes it too
     return 0
 

@@ -34,6 +34,15 @@ class WorkerConfig:
     log_level: str = "info"
     log_format: str = "auto"  # auto: JSON unless stderr is a TTY
     metrics_port: int | None = None
+    health_port: int | None = None  # plaintext grpc.health.v1 only, for probes
+    # Mutual TLS (all three or none): serve TLS and accept only schedulers whose
+    # client certificate the CA signed. Paths; the files are read at start.
+    worker_tls_ca: str | None = None
+    worker_tls_cert: str | None = None
+    worker_tls_key: str | None = None
+
+
+TLS_FLAGS = ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key")
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -123,13 +132,43 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default=env_default("metrics-port", d.metrics_port),
         help="serve Prometheus metrics at http://HOST:PORT/metrics",
     )
+    add(
+        "--health-port",
+        type=int,
+        default=env_default("health-port", d.health_port),
+        help="also serve grpc.health.v1, and nothing else, in plaintext on this port "
+        "(kubelet gRPC probes cannot speak TLS)",
+    )
+    # RADIXSERVE_WORKER_TLS_CA, not ..._WORKER_WORKER_TLS_CA: the same names as
+    # the scheduler's flags of the same meaning.
+    add("--worker-tls-ca", default=env_default("tls-ca", None), metavar="PATH")
+    add("--worker-tls-cert", default=env_default("tls-cert", None), metavar="PATH")
+    add(
+        "--worker-tls-key",
+        default=env_default("tls-key", None),
+        metavar="PATH",
+        help="with --worker-tls-ca/--worker-tls-cert: serve mutual TLS (schedulers "
+        "must present a certificate signed by the CA)",
+    )
     return p
+
+
+def _check_tls_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    paths = {flag: getattr(args, flag[2:].replace("-", "_")) or None for flag in TLS_FLAGS}
+    given = [flag for flag, path in paths.items() if path]
+    if given and len(given) != len(TLS_FLAGS):
+        p.error(f"{' '.join(TLS_FLAGS)} go together (given: {' '.join(given)})")
+    for flag, path in paths.items():
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            p.error(f"{flag} {path}: no such file or not readable")
 
 
 def load_config(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> WorkerConfig:
-    args = _parser(os.environ if env is None else env).parse_args(argv)
+    p = _parser(os.environ if env is None else env)
+    args = p.parse_args(argv)
+    _check_tls_flags(p, args)
     cfg = WorkerConfig(**{k: v for k, v in vars(args).items()})
     if cfg.page_size < 1:
         raise SystemExit("--page-size must be >= 1")

@@ -10,10 +10,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from observability import tracing
+from observability import health_port, tracing
 from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
+from worker_service.config import WorkerConfig
 from worker_service.engine import Worker
 from worker_service.step_metrics import WorkerMetrics
 from worker_service.step_tracing import StepTracer
@@ -52,13 +53,53 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         ),
         server,
     )
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    credentials = _server_credentials(cfg)
+    if credentials is None:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    else:
+        port = server.add_secure_port(f"{cfg.host}:{cfg.port}", credentials)
     if port == 0:
         raise SystemExit(f"cannot bind {cfg.host}:{cfg.port}")
     server.start()
+    if cfg.health_port is not None:
+        # Held by the main server: a grpc.Server that is garbage collected stops.
+        server.health_server = health_port.start_sync(health_servicer, cfg.host, cfg.health_port)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if cfg.port_file:
         Path(cfg.port_file).write_text(str(port))
-    logger.info("worker serving", host=cfg.host, port=port, rank=worker.tp.rank)
+    logger.info(
+        "worker serving",
+        host=cfg.host,
+        port=port,
+        rank=worker.tp.rank,
+        mutual_tls=credentials is not None,
+    )
     return server, port
+
+
+def _server_credentials(cfg: WorkerConfig) -> grpc.ServerCredentials | None:
+    """Mutual TLS: a scheduler without a certificate from the CA is refused in
+    the handshake, before any RPC (the worker trusts whatever plan it is sent)."""
+    if not cfg.worker_tls_ca:
+        return None
+
+    def read(path: str | None, flag: str) -> bytes:
+        try:
+            data = Path(path or "").read_bytes()
+        except OSError as e:
+            raise SystemExit(f"{flag} {path}: cannot read it: {e.strerror or e}") from e
+        if not data.strip():
+            raise SystemExit(f"{flag} {path} is empty")
+        return data
+
+    return grpc.ssl_server_credentials(
+        [
+            (
+                read(cfg.worker_tls_key, "--worker-tls-key"),
+                read(cfg.worker_tls_cert, "--worker-tls-cert"),
+            )
+        ],
+        root_certificates=read(cfg.worker_tls_ca, "--worker-tls-ca"),
+        require_client_auth=True,
+    )
