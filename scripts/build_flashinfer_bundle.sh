@@ -80,32 +80,7 @@ export FI_OUT="$OUT" FI_WORK="$WORK"
 NEW="$WORK/bundle.new"
 rm -rf "$NEW"
 echo "== compiling modules for sm_${FLASHINFER_CUDA_ARCH_LIST/./} (heads: $FI_HEAD_DIMS)"
-"$PY" - <<'EOF'
-import os, pathlib, shutil, torch
-from flashinfer.jit.attention import modules as m
-from flashinfer.jit.core import build_jit_specs
-
-def specs():
-    # The exact specs FlashInferAttention loads: the decode wrappers use backend="fa2"
-    # (tensor-core decode runs the fa2 prefill module), prefill uses FI_PREFILL_BACKENDS.
-    for dtype in os.environ["FI_DTYPES"].split():
-        dt = getattr(torch, dtype)
-        for hd in map(int, os.environ["FI_HEAD_DIMS"].split()):
-            for swa in (False, True):
-                a = (dt, dt, dt, torch.int32, hd, hd, 0, swa, False)
-                yield m.gen_batch_decode_module(*a)
-                yield m._gen_batch_prefill_primary_module("fa2", *a, False)
-                if "fa3" in os.environ["FI_PREFILL_BACKENDS"].split():
-                    yield m.gen_batch_prefill_module("fa3", *a, False)
-
-out = pathlib.Path(os.environ["FI_WORK"], "bundle.new/site/flashinfer/data/aot")
-todo = list(specs())
-build_jit_specs(todo, verbose=False, skip_prebuilt=False)
-for spec in todo:
-    (out / spec.name).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(spec.jit_library_path, out / spec.name / f"{spec.name}.so")
-    print("  built", spec.name)
-EOF
+"$PY" "$ROOT/scripts/flashinfer_aot.py" "$NEW/site/flashinfer/data/aot"
 
 echo "== assembling $OUT"
 FI="$WORK/site/flashinfer"

@@ -1,0 +1,140 @@
+{{/*
+Names. Pod names are <fullname>-worker-<unit>-<rank>, so fullname is kept short
+enough for a 63-character hostname.
+*/}}
+{{- define "radixserve.name" -}}
+{{- .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "radixserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "radixserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "radixserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "radixserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "radixserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: radixserve
+{{- end }}
+
+{{/* Selector of one component (scheduler, worker, gateway, test) of one unit.
+     Call with (dict "root" $ "component" "worker" "unit" 0); unit is optional. */}}
+{{- define "radixserve.componentSelector" -}}
+{{ include "radixserve.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- if hasKey . "unit" }}
+radixserve.io/unit: {{ .unit | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "radixserve.componentLabels" -}}
+{{ include "radixserve.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- if hasKey . "unit" }}
+radixserve.io/unit: {{ .unit | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "radixserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "radixserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Images: <repository>:<appVersion>-<cpu|cuda> unless a tag is given. */}}
+{{- define "radixserve.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.device) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "radixserve.gatewayImage" -}}
+{{- $repo := .Values.gateway.image.repository | default .Values.image.repository }}
+{{- $tag := .Values.gateway.image.tag | default (printf "%s-cpu" .Chart.AppVersion) }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/* DNS names. (dict "root" $ "unit" u "rank" r) */}}
+{{- define "radixserve.workerService" -}}
+{{- printf "%s-worker-%d" (include "radixserve.fullname" .root) (int .unit) }}
+{{- end }}
+
+{{- define "radixserve.workerHost" -}}
+{{- $svc := include "radixserve.workerService" . }}
+{{- printf "%s-%d.%s.%s.svc.%s" $svc (int .rank) $svc .root.Release.Namespace .root.Values.clusterDomain }}
+{{- end }}
+
+{{- define "radixserve.schedulerService" -}}
+{{- printf "%s-scheduler-%d" (include "radixserve.fullname" .root) (int .unit) }}
+{{- end }}
+
+{{- define "radixserve.schedulerHost" -}}
+{{- printf "%s.%s.svc.%s" (include "radixserve.schedulerService" .) .root.Release.Namespace .root.Values.clusterDomain }}
+{{- end }}
+
+{{/* The worker's --model: the image's built-in model or a path below /models. */}}
+{{- define "radixserve.modelArg" -}}
+{{- if eq .Values.model.source "builtin" }}
+{{- "default" }}
+{{- else if .Values.model.path }}
+{{- printf "/models/%s" (trimPrefix "/" .Values.model.path) }}
+{{- else }}
+{{- "/models" }}
+{{- end }}
+{{- end }}
+
+{{- define "radixserve.smgLogLevel" -}}
+{{- $l := lower .Values.logging.level }}
+{{- if eq $l "warning" }}warn{{ else if eq $l "critical" }}error{{ else }}{{ $l }}{{ end }}
+{{- end }}
+
+{{/* Where secrets are mounted, shared by flags and volume mounts. */}}
+{{- define "radixserve.tlsDir" -}}/etc/radixserve/tls{{- end }}
+{{- define "radixserve.workerTlsDir" -}}/etc/radixserve/worker-tls{{- end }}
+{{- define "radixserve.apiKeyDir" -}}/etc/radixserve/api-keys{{- end }}
+
+{{/* Pod-level settings shared by every pod of the chart. */}}
+{{- define "radixserve.podCommon" -}}
+serviceAccountName: {{ include "radixserve.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Checksum of the settings, so a changed ConfigMap rolls the pods. */}}
+{{- define "radixserve.configChecksum" -}}
+{{- include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- end }}
+
+{{/* Environment every radixserve container gets besides the ConfigMap: a
+     writable HOME (the root filesystem is read-only) and the pod's identity
+     as OpenTelemetry resource attributes. */}}
+{{- define "radixserve.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: K8S_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.pod.name=$(K8S_POD_NAME),k8s.namespace.name=$(K8S_NAMESPACE)%s" (ternary (printf ",%s" .Values.otel.resourceAttributes) "" (ne .Values.otel.resourceAttributes "")) | quote }}
+{{- end }}
