@@ -81,9 +81,12 @@ def local_command(container: dict, env: dict[str, str], mounts: dict[str, str]) 
     """The container's command line with this machine's executables, cluster
     DNS names pointed at loopback, and volume mount paths at local folders."""
     args = [expand(a, env) for a in container.get("command", []) + container.get("args", [])]
+    args = [remount(_CLUSTER_DNS.sub("127.0.0.1", a), mounts) for a in args]
+    # After remounting: this machine's own paths (e.g. a checkout under /tmp)
+    # are not the pod's mount paths.
     executable = BIN / args[0]
     args[0] = str(executable if executable.exists() else args[0])
-    return [remount(_CLUSTER_DNS.sub("127.0.0.1", a), mounts) for a in args]
+    return args
 
 
 def start(
