@@ -78,9 +78,11 @@ def build_request(
     return req
 
 
-class RadixClient:
-    """Blocking client. ``tls``/``tls_ca``/``tls_server_name``: see
+class _Connection:
+    """What both clients hold. ``tls``/``tls_ca``/``tls_server_name``: see
     open_channel; ``api_key`` goes as ``authorization: Bearer`` on every call."""
+
+    api: ModuleType = grpc  # grpc or grpc.aio
 
     def __init__(
         self,
@@ -92,11 +94,15 @@ class RadixClient:
         tls_server_name: str | None = None,
         api_key: str | None = None,
     ) -> None:
-        self.channel = open_channel(grpc, address, tls, tls_ca, tls_server_name)
+        self.channel = open_channel(self.api, address, tls, tls_ca, tls_server_name)
         self.metadata = auth_metadata(api_key)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.timeout_s = timeout_s
         self._bundle: TokenizerBundle | None = None
+
+
+class RadixClient(_Connection):
+    """Blocking client."""
 
     @property
     def tokenizer(self) -> TokenizerBundle:
@@ -141,24 +147,10 @@ class RadixClient:
         self.channel.close()
 
 
-class AsyncRadixClient:
+class AsyncRadixClient(_Connection):
     """asyncio client (grpc.aio); the same options as RadixClient."""
 
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float | None = None,
-        *,
-        tls: bool = False,
-        tls_ca: str | bytes | None = None,
-        tls_server_name: str | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        self.channel = open_channel(grpc.aio, address, tls, tls_ca, tls_server_name)
-        self.metadata = auth_metadata(api_key)
-        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
-        self.timeout_s = timeout_s
-        self._bundle: TokenizerBundle | None = None
+    api = grpc.aio
 
     async def tokenizer(self) -> TokenizerBundle:
         if self._bundle is None:
