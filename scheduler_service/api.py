@@ -23,7 +23,7 @@ from scheduler_service.call_observer import CallObserver
 from scheduler_service.convert.public import GenerateCall, generate_call
 from scheduler_service.convert.responses import SampleState, chunk, complete
 from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.hub import Call, CoreUnavailable, Hub
+from scheduler_service.hub import Call, CoreUnavailable, Hub, QueueFull
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.model_info import ModelContext
 
@@ -41,6 +41,13 @@ def _status_of(e: BaseException) -> str:
         except Exception:
             pass
     return "INTERNAL"
+
+
+def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
+    """(status name, message) for a call that met a failed core."""
+    if e.code == "INTERNAL":
+        return "INTERNAL", f"internal error, the scheduler stopped: {e}"
+    return "UNAVAILABLE", f"no worker can serve: {e}"
 
 
 class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
@@ -74,9 +81,12 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            except QueueFull as e:
+                code, message = "RESOURCE_EXHAUSTED", str(e)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             except CoreUnavailable as e:
-                code, message = "UNAVAILABLE", f"no worker can serve: {e}"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+                code, message = _core_failure(e)
+                await context.abort(grpc.StatusCode[code], message)
             try:
                 async for response in self._responses(g, call, context, obs):
                     yield response
@@ -117,8 +127,8 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
             now = time.perf_counter()
             for item in items:
                 if isinstance(item, CoreUnavailable):
-                    obs.failed("UNAVAILABLE", f"no worker can serve: {item}")
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, obs.abort_message)
+                    obs.failed(*_core_failure(item))
+                    await context.abort(grpc.StatusCode[obs.abort_code], obs.abort_message)
                 if isinstance(item, ipc.Rejected):
                     obs.failed("INVALID_ARGUMENT", item.message)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
@@ -161,7 +171,7 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
         )
         try:
             g = generate_call(probe, self.model.limits, self.model.encode, False)
-            call = self.hub.submit(g.requests, share_prompt=False)
+            call = self.hub.submit(g.requests, share_prompt=False, bounded=False)
         except (CoreUnavailable, ValueError) as e:
             return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")
         try:

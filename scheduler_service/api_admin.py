@@ -82,6 +82,10 @@ class AdminMixin:
                     "worker_busy_ms": load.worker_busy_ms if load else 0.0,
                     "worker_idle_ms": load.worker_idle_ms if load else 0.0,
                     "core_cpu_s": load.core_cpu_s if load else 0.0,
+                    # leak checks: API-process samples with no output yet, and
+                    # requests the core holds any state for (both 0 when idle)
+                    "queued_requests": self.hub.queued,
+                    "core_requests": load.tracked if load else 0,
                 }
             ),
             active_requests=self.hub.active_requests,

@@ -31,6 +31,15 @@ class ServiceConfig:
     max_logit_bias: int = 1024
     max_top_logprobs: int = 64
     max_message_mb: int = 64
+    # Samples submitted to the core that have had no output yet (waiting, or in
+    # their first prefill); past it Generate answers RESOURCE_EXHAUSTED. <= 0: unbounded.
+    max_queued_requests: int = 1024
+    # Debug: the core checks the page pool and radix cache after every step
+    # and update, and fails every call loudly (INTERNAL) if they break.
+    check_integrity: bool = False
+    # How long requests wait for a lost worker group to come back (their
+    # streams pause) before they end with UNAVAILABLE; reconnecting goes on.
+    worker_recovery_timeout_s: float = 60.0
     log_level: str = "info"
     log_format: str = "auto"
     # Paths only: the files are read at start (and a config holding the keys
@@ -160,6 +169,33 @@ def add_service_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> Non
         "token per finished request)",
     )
     add("--max-n", type=int, default=default("max-n", d.max_n))
+    add(
+        "--max-queued-requests",
+        type=int,
+        default=default("max-queued-requests", d.max_queued_requests),
+        help="samples waiting for their first token before Generate answers "
+        "RESOURCE_EXHAUSTED (0 or -1: unbounded)",
+    )
+    add(
+        "--max-message-mb",
+        type=int,
+        default=default("max-message-mb", d.max_message_mb),
+        help="gRPC message size limit on the public API and the worker channels",
+    )
+    add(
+        "--check-integrity",
+        action="store_true",
+        default=default("check-integrity", "") not in ("", "0", "false"),
+        help="debug: check the page pool and radix cache after every step (slow)",
+    )
+    add(
+        "--worker-recovery-timeout",
+        type=float,
+        default=default("worker-recovery-timeout", d.worker_recovery_timeout_s),
+        metavar="SECONDS",
+        help="when the worker group is lost, streams pause while it is reconnected; past "
+        "this many seconds they end with UNAVAILABLE (and new requests too until it is back)",
+    )
     add("--log-level", default=default("log-level", d.log_level))
     add(
         "--log-format",
@@ -234,6 +270,10 @@ def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceC
         tokenizer=args.tokenizer,
         overlap_depth=0 if args.disable_overlap else max(args.overlap_depth, 0),
         max_n=args.max_n,
+        max_queued_requests=args.max_queued_requests,
+        max_message_mb=args.max_message_mb,
+        check_integrity=args.check_integrity,
+        worker_recovery_timeout_s=max(float(args.worker_recovery_timeout), 0.0),
         log_level=args.log_level,
         log_format=args.log_format,
         tls_cert=args.tls_cert,

@@ -108,7 +108,14 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
             worker_info=json.loads(json.dumps(MessageToDict(info))),
         )
     )
-    engine = Engine(sched, group, conn, overlap_depth=config.overlap_depth)
+    engine = Engine(
+        sched,
+        group,
+        conn,
+        overlap_depth=config.overlap_depth,
+        recovery_timeout_s=config.worker_recovery_timeout_s,
+    )
+    engine.check_integrity = config.check_integrity
     try:
         if os.environ.get(PROFILE_ENV):  # measure before optimizing: cProfile of the loop
             with cProfile.Profile() as prof:

@@ -25,6 +25,7 @@ from scheduler_service.convert.worker import WorkerCodec
 from scheduler_service.core.request import FinishStop, RequestState
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine_recovery import WorkerRecoveryMixin
 from scheduler_service.request_tracing import RequestTracer
 from scheduler_service.workers import WorkerError, WorkerGroup
 
@@ -34,9 +35,18 @@ IDLE_WAIT_S = 0.05  # nothing to do: wake up at least this often
 CPU_SAMPLE_S = 0.1
 
 
-class Engine:
+class IntegrityFailure(RuntimeError):
+    """The scheduler's pages or requests are inconsistent (a bug)."""
+
+
+class Engine(WorkerRecoveryMixin):
     def __init__(
-        self, sched: Scheduler, group: WorkerGroup, conn: Connection, overlap_depth: int = 1
+        self,
+        sched: Scheduler,
+        group: WorkerGroup,
+        conn: Connection,
+        overlap_depth: int = 1,
+        recovery_timeout_s: float = 60.0,
     ) -> None:
         self.sched = sched
         self.group = group
@@ -44,11 +54,18 @@ class Engine:
         # Plans in flight beyond the one whose result is awaited: 0 waits for
         # every result before planning (no overlap), 1 is SGLang's overlap.
         self.lag = overlap_depth
+        # Debug (--check-integrity): check pool and cache after every step and update.
+        self.check_integrity = False
         self.codec = WorkerCodec()
         self.inflight: deque[int] = deque()
         # n > 1: rid of the leader -> siblings waiting for its prefill to be planned
         self.held: dict[str, list] = {}
         self.running = True
+        # Worker loss (engine_recovery.py): how long requests wait for the group.
+        self.recovery_timeout_s = recovery_timeout_s
+        self.worker_connected = True
+        self.worker_losses = 0
+        self.worker_recoveries = 0
         self.busy_ms = 0.0
         self.idle_ms = 0.0
         self._cpu_read_at = 0.0
@@ -61,19 +78,46 @@ class Engine:
 
     # ----------------------------------------------------------------- loop
     def run(self) -> None:
+        self.group.open()
+        try:
+            # A lost worker group is waited for (engine_recovery.py): the
+            # requests live on here and resume once it is back.
+            while not self._loop_until_worker_loss():
+                if not self._recover():
+                    self._publish()
+                    return
+        except IntegrityFailure as e:
+            # Going on would hand out pages twice or lose them: stop, loudly.
+            logger.error("scheduler integrity check failed; stopping", error=str(e))
+            self.conn.send(ipc.Failed(str(e), code="INTERNAL"))
+        except Exception as e:
+            # A bug, not a broken worker: say so (INTERNAL), not "no worker".
+            logger.exception("the core loop failed; stopping")
+            self.conn.send(ipc.Failed(f"internal error in the scheduler core: {e!r}", "INTERNAL"))
+
+    def _check(self, after: str) -> None:
+        try:
+            self.sched.check_integrity()
+        except Exception as e:
+            raise IntegrityFailure(f"scheduler integrity check failed after {after}: {e}") from e
+
+    def _loop_until_worker_loss(self) -> bool:
+        """Run the loop; True when it ended (shutdown), False on worker loss."""
         try:
             self._loop()
         except WorkerError as e:
-            logger.error("worker group failed", error=str(e))
-            self.conn.send(ipc.Failed(str(e)))
+            self.loss_error = str(e)
+            return False
+        return True
 
     def _loop(self) -> None:
-        self.group.open()
         sched = self.sched
         while self.running:
             self._read_inbox(block=not self.inflight and sched.is_idle() and not self.held)
             self._release_held()
             plan = sched.step()
+            if self.check_integrity:
+                self._check("a step")
             if plan is not None:
                 self.group.send(self.codec.encode(plan))
                 self.inflight.append(plan.step_id)
@@ -90,6 +134,8 @@ class Engine:
                 self.busy_ms += msg.forward_ms
                 self.idle_ms += msg.idle_ms
                 sched.update(self.codec.decode(msg))
+                if self.check_integrity:
+                    self._check("an update")
             elif plan is None and not self.inflight:
                 # Work exists but none can run yet (held siblings): don't spin.
                 self._read_inbox(block=True, timeout=0.005)
@@ -157,13 +203,20 @@ class Engine:
                     self._add(r)
 
     def _abort(self, rid: str, reason: str) -> None:
-        for sibling in self.held.pop(rid, []):
-            self.conn.send(ipc.Rejected(sibling.rid, reason))
+        # Held siblings never reached the scheduler: they finish here, as
+        # aborted (a Rejected would tell the client its request was invalid).
+        dropped = self.held.pop(rid, [])
         for siblings in self.held.values():
             for r in list(siblings):
                 if r.rid == rid:
                     siblings.remove(r)
-                    self.conn.send(ipc.Rejected(rid, reason))
+                    dropped.append(r)
+        if dropped:
+            finish = ipc.Finish("abort", message=reason)
+            deltas = [ipc.DeltaOut(r.rid, [], finish=finish) for r in dropped]
+            for r in dropped:
+                self.codec.traces.pop(r.rid, None)
+            self.conn.send(ipc.Outputs(deltas, self.load()))
         self.sched.abort(rid, reason)
 
     def _flush(self, token: int) -> ipc.Flushed:
@@ -189,6 +242,8 @@ class Engine:
             self._queue_time_changed = True
         if self.tracer is not None:
             self.tracer.finished(req)
+        # Only a join reads it; a request aborted while waiting never joins.
+        self.codec.traces.pop(req.rid, None)
 
     def _delta(self, d) -> ipc.DeltaOut:
         req = d.req
@@ -247,4 +302,10 @@ class Engine:
             retractions=stats.retractions,
             preemptions=stats.preemptions,
             queue_time=queue_time,
+            worker_connected=self.worker_connected,
+            worker_losses=self.worker_losses,
+            worker_recoveries=self.worker_recoveries,
+            tracked=len(sched.requests)
+            + sum(len(v) for v in self.held.values())
+            + len(self.codec.traces),
         )

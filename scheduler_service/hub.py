@@ -33,10 +33,22 @@ class Call:
 
     rids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # samples with no output yet: they count against --max-queued-requests
+    unstarted: set[str] = field(default_factory=set)
 
 
 class CoreUnavailable(RuntimeError):
-    pass
+    code = "UNAVAILABLE"
+
+
+class CoreBroken(CoreUnavailable):
+    """The core stopped on a bug of its own (e.g. --check-integrity caught one)."""
+
+    code = "INTERNAL"
+
+
+class QueueFull(RuntimeError):
+    """Too many samples wait for their first token (--max-queued-requests)."""
 
 
 class Hub:
@@ -46,6 +58,11 @@ class Hub:
         self.load: ipc.Load | None = None
         self.failed: str | None = None
         self._calls: dict[str, Call] = {}  # sample rid -> its call
+        # Samples submitted that have had no output (token, finish or
+        # rejection) yet. Counted here, on the event loop that also submits,
+        # so the bound is exact: no snapshot from the core can lag behind it.
+        self.queued = 0
+        self.failed_code = "UNAVAILABLE"
         self._flushes: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self._event_listeners: list[Callable[[list, ipc.Load], None]] = []
@@ -88,9 +105,14 @@ class Hub:
                 self._proc.terminate()
                 self._proc.join(5)
 
+    def error(self) -> CoreUnavailable:
+        """What a call meets once the core has failed."""
+        kind = CoreBroken if self.failed_code == "INTERNAL" else CoreUnavailable
+        return kind(self.failed or "the core process failed")
+
     def _send(self, msg: object) -> None:
         if self.failed:
-            raise CoreUnavailable(self.failed)
+            raise self.error()
         self._conn.send(msg)
 
     # ------------------------------------------------------------- inbox
@@ -115,6 +137,8 @@ class Hub:
                 call = calls.get(d.rid)
                 if call is not None:
                     call.queue.put_nowait(d)
+                    if call.unstarted:
+                        self._started(call, d.rid)
             self.load = msg.load
             for listener in self._event_listeners:
                 listener(msg.events, msg.load)
@@ -124,6 +148,7 @@ class Hub:
             call = self._calls.get(msg.rid)
             if call is not None:
                 call.queue.put_nowait(msg)
+                self._started(call, msg.rid)
         elif isinstance(msg, ipc.Flushed):
             fut = self._flushes.pop(msg.token, None)
             if fut is not None and not fut.done():
@@ -132,27 +157,56 @@ class Hub:
             self.ready = msg
             self._ready.set()
         elif isinstance(msg, ipc.Failed):
-            self._fail(msg.message)
+            self._fail(msg.message, msg.code)
+        elif isinstance(msg, ipc.Unavailable):
+            self._unavailable(msg)
 
-    def _fail(self, message: str) -> None:
+    def _unavailable(self, msg: ipc.Unavailable) -> None:
+        """The worker group stayed lost too long: these calls end with
+        UNAVAILABLE, the service itself lives on (unlike _fail)."""
+        ended: set[int] = set()
+        for rid in msg.rids:
+            call = self._calls.get(rid)
+            if call is None:
+                continue
+            self._started(call, rid)
+            if id(call) not in ended:
+                ended.add(id(call))
+                call.queue.put_nowait(CoreUnavailable(msg.message))
+
+    def _fail(self, message: str, code: str = "UNAVAILABLE") -> None:
         if self.failed:
             return
-        logger.error("core process failed", error=message)
-        self.failed = message
+        logger.error("core process failed", error=message, code=code)
+        self.failed, self.failed_code = message, code
         self._ready.set()
         for call in {id(c): c for c in self._calls.values()}.values():
-            call.queue.put_nowait(CoreUnavailable(message))
+            call.queue.put_nowait(self.error())
 
     # ------------------------------------------------------------ requests
     def submit(
-        self, requests: list[Request], share_prompt: bool, traces: dict | None = None
+        self,
+        requests: list[Request],
+        share_prompt: bool,
+        traces: dict | None = None,
+        bounded: bool = True,
     ) -> Call:
+        """``bounded=False`` (health probes) skips --max-queued-requests: a
+        busy server must not look dead to its probes."""
         call = Call([r.rid for r in requests])
         for rid in call.rids:
             if rid in self._calls:
                 raise ValueError(f"request id {rid!r} is already in use")
+        limit = self.config.max_queued_requests
+        if bounded and limit > 0 and self.queued + len(requests) > limit:
+            raise QueueFull(
+                f"the server is overloaded: {self.queued} requests are queued, the limit "
+                f"(--max-queued-requests) is {limit}; retry later"
+            )
         for rid in call.rids:
             self._calls[rid] = call
+        call.unstarted.update(call.rids)
+        self.queued += len(call.rids)
         try:
             self._send(ipc.Submit(requests, share_prompt, traces or {}))
         except Exception:
@@ -164,7 +218,14 @@ class Hub:
         if rids and not self.failed:
             self._send(ipc.Abort(rids, reason))
 
+    def _started(self, call: Call, rid: str) -> None:
+        if rid in call.unstarted:
+            call.unstarted.discard(rid)
+            self.queued -= 1
+
     def forget(self, call: Call) -> None:
+        self.queued -= len(call.unstarted)
+        call.unstarted.clear()
         for rid in call.rids:
             if self._calls.get(rid) is call:
                 del self._calls[rid]

@@ -94,6 +94,12 @@ class Load:
     preemptions: int = 0
     # (bucket counts, sum) of arrival -> admission times, when they changed
     queue_time: tuple[tuple[int, ...], float] | None = None
+    worker_connected: bool = True
+    worker_losses: int = 0  # times the worker group's streams broke
+    worker_recoveries: int = 0  # times it came back and serving resumed
+    # requests the core holds any state for (scheduler, held n > 1 siblings,
+    # trace contexts): 0 when idle, or something leaked
+    tracked: int = 0
 
 
 @dataclass
@@ -117,7 +123,19 @@ class Flushed:
 
 
 @dataclass
+class Unavailable:
+    """These requests are dropped: the worker group stayed lost past
+    --worker-recovery-timeout. Their calls end with UNAVAILABLE; the core
+    lives on and serves again once the group is back."""
+
+    rids: list[str]
+    message: str
+
+
+@dataclass
 class Failed:
-    """The core cannot go on (the worker group broke); the API reports UNAVAILABLE."""
+    """The core cannot go on: the worker group broke (the API reports
+    UNAVAILABLE) or its own state did (INTERNAL, with --check-integrity)."""
 
     message: str
+    code: str = "UNAVAILABLE"

@@ -117,6 +117,16 @@ class SchedulerMetrics(Collector):
             "Running requests preempted by higher-priority ones.",
             load.preemptions if load else 0,
         )
+        yield CounterMetricFamily(
+            "radixserve_worker_losses",
+            "Times the worker group's streams broke (its KV cache dropped, requests requeued).",
+            load.worker_losses if load else 0,
+        )
+        yield CounterMetricFamily(
+            "radixserve_worker_recoveries",
+            "Times a lost worker group came back and the interrupted requests resumed.",
+            load.worker_recoveries if load else 0,
+        )
         yield gauge(
             "radixserve_requests_running",
             "Requests being prefilled or decoded.",
@@ -150,6 +160,8 @@ class SchedulerMetrics(Collector):
             labels=["worker"],
         )
         up = 1.0 if ready is not None and not self.hub.failed else 0.0
+        if load is not None and not load.worker_connected:
+            up = 0.0  # lost, being reconnected
         for address in self.hub.config.workers:
             connected.add_metric([address], up)
         yield connected

@@ -94,6 +94,10 @@ class RequestTracer:
             if samples and t.decode_ns is None:
                 t.decode_ns = now
 
+    def forget_steps(self) -> None:
+        """The plans in flight will never have results (the worker group was lost)."""
+        self._chunks.clear()
+
     def requeued(self, req: Request, kind: str) -> None:
         t = self._reqs.get(req.rid)
         if t is None:

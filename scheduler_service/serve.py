@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str) -> list[str]:
+RESTART_FIRST_S = 1.0  # first restart of a dead worker group after this
+RESTART_MAX_S = 30.0  # backoff cap for a group that keeps dying
+STABLE_S = 60.0  # a group up this long is healthy again: the backoff starts over
+
+
+def _worker_args(
+    args: argparse.Namespace, rank: int, port_file: Path, dist: str, port: int
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -48,7 +56,7 @@ def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str
         "--page-size",
         str(args.page_size),
         "--port",
-        "0",
+        str(port),
         "--port-file",
         str(port_file),
         "--tp-size",
@@ -80,12 +88,69 @@ def _worker_args(args: argparse.Namespace, rank: int, port_file: Path, dist: str
 
 
 class WorkerProcesses:
+    """The worker group's processes, restarted when one dies.
+
+    Each rank keeps the port chosen for it at start, so the scheduler finds
+    the restarted group where it lost it (it reconnects by itself). With
+    tensor parallelism the whole group restarts: its ranks are joined by
+    torch.distributed, which cannot take one member back.
+    """
+
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
         self.procs: list[subprocess.Popen] = []
         self.port_files = [workdir / f"worker{r}.port" for r in range(args.tp_size)]
+        self.ports = [_free_port() for _ in range(args.tp_size)]
+        self.restarts = 0
+        self._lock = threading.Lock()  # no restart may race stop()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._start_group()
+
+    def _start_group(self) -> None:
         dist = f"127.0.0.1:{_free_port()}"
-        for rank, pf in enumerate(self.port_files):
-            self.procs.append(subprocess.Popen(_worker_args(args, rank, pf, dist)))
+        self.procs = []
+        for rank, (pf, port) in enumerate(zip(self.port_files, self.ports, strict=True)):
+            pf.unlink(missing_ok=True)
+            self.procs.append(subprocess.Popen(_worker_args(self.args, rank, pf, dist, port)))
+        self._started_at = time.monotonic()
+
+    def watch(self) -> None:
+        """Restart the group whenever a rank dies, from now until stop()."""
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="worker-watch")
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        delay = RESTART_FIRST_S
+        while not self._stopping.wait(0.5):
+            dead = {r: p.returncode for r, p in enumerate(self.procs) if p.poll() is not None}
+            # A worker stops with status 0 only when told to (Ctrl-C reaches
+            # the whole process group before stop() runs): that is shutdown.
+            if dead and all(code == 0 for code in dead.values()):
+                logger.warning("worker process stopped; not restarting it", ranks=sorted(dead))
+                return
+            if not dead:
+                if time.monotonic() - self._started_at > STABLE_S:
+                    delay = RESTART_FIRST_S
+                continue
+            logger.error(
+                "worker process died; restarting the worker group",
+                exit_codes=dead,
+                restart_in_s=delay,
+                ports=self.ports,
+            )
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._terminate()  # the surviving ranks of a tensor-parallel group
+            if self._stopping.wait(delay):
+                return
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._start_group()
+                self.restarts += 1
+            delay = min(delay * 2, RESTART_MAX_S)
 
     def addresses(self, timeout_s: float = 900.0) -> list[str]:
         deadline = time.monotonic() + timeout_s
@@ -101,6 +166,11 @@ class WorkerProcesses:
         return [f"grpc://127.0.0.1:{pf.read_text()}" for pf in self.port_files]
 
     def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            self._terminate()
+
+    def _terminate(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -118,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
     workers = WorkerProcesses(args, workdir)
     try:
         addresses = workers.addresses()
+        workers.watch()
         config = service_config(args, addresses)
         asyncio.run(serve_scheduler(config))
     except STARTUP_ERRORS as e:

@@ -8,6 +8,7 @@ computes N.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import queue
 import time
@@ -65,20 +66,25 @@ class WorkerGroup:
         if not urls:
             raise ValueError("at least one worker address is needed")
         limit = max_message_mb << 20
-        options = [
+        self._credentials = credentials
+        self._options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            # A restarted worker is found within a second or so, not after
+            # gRPC's default reconnect backoff (up to two minutes).
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 1000),
             *options,
         ]
-        self.ranks = []
-        for url in urls:
-            address = parse_worker_address(url)
-            if credentials is None:
-                channel = grpc.insecure_channel(address, options=options)
-            else:
-                channel = grpc.secure_channel(address, credentials, options=options)
-            self.ranks.append(_Rank(address, channel, worker_pb2_grpc.WorkerStub(channel)))
+        self.ranks = [self._rank(parse_worker_address(url)) for url in urls]
         self.info: pb.WorkerInfo | None = None
+
+    def _rank(self, address: str) -> _Rank:
+        if self._credentials is None:
+            channel = grpc.insecure_channel(address, options=self._options)
+        else:
+            channel = grpc.secure_channel(address, self._credentials, options=self._options)
+        return _Rank(address, channel, worker_pb2_grpc.WorkerStub(channel))
 
     def connect(self, timeout_s: float = 600.0) -> pb.WorkerInfo:
         """Wait for every rank, check they form one group, return rank 0's info."""
@@ -106,6 +112,20 @@ class WorkerGroup:
                         logger.info("waiting for worker", worker=rank.address, error=details)
                         log_at = time.monotonic() + 30
                     time.sleep(0.5)
+        return self._form_group(infos)
+
+    def try_connect(self, timeout_s: float = 2.0) -> pb.WorkerInfo:
+        """One attempt to reach every rank (after a loss); WorkerError if any is missing."""
+        infos = []
+        for rank in self.ranks:
+            try:
+                infos.append(rank.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s))
+            except grpc.RpcError as e:
+                details = e.details() if hasattr(e, "details") else str(e)
+                raise WorkerError(f"worker {rank.address} did not answer: {details}") from e
+        return self._form_group(infos)
+
+    def _form_group(self, infos: list[pb.WorkerInfo]) -> pb.WorkerInfo:
         by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
         ranks = [i.tp_rank for i, _ in by_rank]
         if ranks != list(range(len(infos))) or any(i.tp_size != len(infos) for i in infos):
@@ -131,6 +151,19 @@ class WorkerGroup:
         for rank in self.ranks:
             rank.plans = queue.SimpleQueue()
             rank.results = rank.stub.Execute(iter(rank.plans.get, None))
+
+    def drop_streams(self) -> None:
+        """Abandon the streams and channels after a loss. Every rank's stream
+        goes, the healthy ones' too: a group that lost a rank cannot run a step,
+        and a new stream makes each worker drop its old requests."""
+        for rank in self.ranks:
+            if rank.plans is not None:
+                rank.plans.put(None)
+            if rank.results is not None:
+                with contextlib.suppress(Exception):
+                    rank.results.cancel()
+            rank.channel.close()
+        self.ranks = [self._rank(r.address) for r in self.ranks]
 
     def send(self, plan: pb.StepPlan) -> None:
         for rank in self.ranks:

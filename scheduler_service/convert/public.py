@@ -31,6 +31,11 @@ class Limits:
     max_logit_bias: int = 1024
     max_top_logprobs: int = 64
     max_token_ids_logprob: int = 1024
+    max_stop_token_ids: int = 1024
+    max_logit_bias_value: float = 100.0  # OpenAI's range; past it logits overflow
+
+
+SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
 
 
 @dataclass
@@ -46,6 +51,20 @@ def _finite(name: str, value: float) -> float:
     if math.isnan(value) or math.isinf(value):
         raise InvalidRequestError(f"{name} must be a finite number, got {value}")
     return value
+
+
+def _seed(value) -> int:
+    number = value.number_value
+    if value.WhichOneof("kind") != "number_value" or not math.isfinite(number):
+        got = value.WhichOneof("kind") or "nothing"
+        raise InvalidRequestError(
+            f"custom_params.seed must be a finite number, got {got}: {number}"
+        )
+    if not (0 <= number < SEED_LIMIT and number == int(number)):
+        raise InvalidRequestError(
+            f"custom_params.seed must be an integer in [0, 2^64), got {number}"
+        )
+    return int(number)
 
 
 def sampling_from_proto(
@@ -66,9 +85,15 @@ def sampling_from_proto(
         raise InvalidRequestError(
             f"at most {limits.max_stop_strings} stop strings, got {len(stops)}"
         )
-    if any(len(s) > limits.max_stop_string_len for s in stops):
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_string_len:
         raise InvalidRequestError(
-            f"stop strings must be at most {limits.max_stop_string_len} characters"
+            f"stop strings must be at most {limits.max_stop_string_len} characters, "
+            f"got one of {longest}"
+        )
+    if len(m.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(m.stop_token_ids)}"
         )
     if stops and not stop_strs_ok:
         raise InvalidRequestError("stop strings need a tokenizer, and this model has none")
@@ -82,14 +107,20 @@ def sampling_from_proto(
             token = int(key)
         except ValueError:
             raise InvalidRequestError(f"logit_bias keys are token ids, got {key!r}") from None
-        bias.append((token, _finite(f"logit_bias[{key}]", value)))
+        value = _finite(f"logit_bias[{key}]", value)
+        if abs(value) > limits.max_logit_bias_value:
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-{limits.max_logit_bias_value:g}, "
+                f"{limits.max_logit_bias_value:g}], got {value} for token {key}"
+            )
+        bias.append((token, value))
     if m.WhichOneof("constraint"):
         raise InvalidRequestError(
             f"constrained decoding ({m.WhichOneof('constraint')}) is not supported by radixserve"
         )
     seed = None
     if m.HasField("custom_params") and "seed" in m.custom_params.fields:
-        seed = int(m.custom_params.fields["seed"].number_value)
+        seed = _seed(m.custom_params.fields["seed"])
     return SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=m.min_new_tokens,
@@ -147,7 +178,14 @@ def generate_call(
         )
     if len(m.token_ids_logprob) > limits.max_token_ids_logprob:
         raise InvalidRequestError(
-            f"token_ids_logprob may name at most {limits.max_token_ids_logprob} tokens"
+            f"token_ids_logprob may name at most {limits.max_token_ids_logprob} tokens, "
+            f"got {len(m.token_ids_logprob)}"
+        )
+    bad = [t for t in m.token_ids_logprob if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token_ids_logprob has token ids outside the vocabulary [0, {limits.vocab_size}): "
+            f"{bad[:5]}"
         )
     lp = LogprobOptions(
         return_logprob=m.return_logprob,

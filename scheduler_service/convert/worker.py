@@ -77,6 +77,14 @@ class WorkerCodec:
         self._wants_logprobs: dict[str, LogprobOptions] = {}
         self.traces: dict[str, tuple[str, str]] = {}  # rid -> (traceparent, tracestate)
 
+    def forget_worker(self) -> None:
+        """The worker group was lost: its slots and the plans sent to it are
+        gone (the traces stay: the requests rejoin the new group)."""
+        self._slots.clear()
+        self._free.clear()
+        self._next_slot = 0
+        self._sent.clear()
+
     def _take_slot(self, rid: str) -> int:
         slot = heapq.heappop(self._free) if self._free else self._next_slot
         if slot == self._next_slot:

@@ -39,4 +39,6 @@ class SchedulerStats:
     preemptions: int = 0
     oom_aborts: int = 0
     discarded_tokens: int = 0  # sampled in flight for requests that had moved on
+    worker_losses: int = 0  # times the worker group was lost and the KV state dropped
+    worker_loss_requeues: int = 0  # requests sent back to wait by those losses
     finished: dict[str, int] = field(default_factory=dict)  # by finish kind

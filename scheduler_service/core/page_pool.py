@@ -81,8 +81,13 @@ class PagePool:
             else:
                 extra[p] = count - 1
 
-    def reset(self) -> None:
-        """Forget every holder (the worker's KV is gone, e.g. after worker loss)."""
+    def reset(self, num_pages: int | None = None) -> None:
+        """Forget every holder (the worker's KV is gone, e.g. after worker loss);
+        ``num_pages``: the size of the worker that came back, if it differs."""
+        if num_pages is not None:
+            if num_pages <= 0:
+                raise ValueError(f"need num_pages > 0, got {num_pages}")
+            self.num_pages = num_pages
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._extra.clear()
 

@@ -22,9 +22,10 @@ from scheduler_service.core.request import FinishAbort, FinishLength, Request, R
 from scheduler_service.core.retraction import RetractionMixin
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler_base import InFlight, ProtocolError
+from scheduler_service.core.worker_loss import WorkerLossMixin
 
 
-class Scheduler(AdmissionMixin, RetractionMixin):
+class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
     # ============================================================ requests
     def add_request(self, req: Request) -> None:
         """Queue a request; raise InvalidRequestError if it can never run."""
@@ -44,12 +45,13 @@ class Scheduler(AdmissionMixin, RetractionMixin):
         self.waiting.append(req)
         self.requests[req.rid] = req
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
-        """Finish a live request at once, freeing its pages; False if unknown."""
+    def abort(self, rid: str, message: str = "aborted by the client", emit: bool = True) -> bool:
+        """Finish a live request at once, freeing its pages; False if unknown.
+        ``emit=False``: the caller tells the client itself (no finish delta)."""
         req = self.requests.get(rid)
         if req is None:
             return False
-        self._finish(req, FinishAbort(message))
+        self._finish(req, FinishAbort(message), emit=emit)
         return True
 
     def drain(self) -> list[RequestDelta]:

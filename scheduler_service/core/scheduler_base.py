@@ -1,9 +1,10 @@
 """State shared by the scheduler's parts, and the moves every part needs.
 
-``Scheduler`` (scheduler.py) is assembled from this base and two mixins, as
+``Scheduler`` (scheduler.py) is assembled from this base and mixins, as
 SGLang assembles its scheduler: ``AdmissionMixin`` (admission.py, prefill
-steps) and ``RetractionMixin`` (retraction.py, decode steps and putting
-requests back to wait).
+steps), ``RetractionMixin`` (retraction.py, decode steps and putting
+requests back to wait) and ``WorkerLossMixin`` (worker_loss.py, starting
+over when the worker group is lost).
 """
 
 from __future__ import annotations

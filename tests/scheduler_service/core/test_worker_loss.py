@@ -1,0 +1,204 @@
+"""Scheduler.reset_after_worker_loss: the worker group is lost mid-run (its KV
+and the plans in flight with it) and a fresh one, maybe of another size, takes
+over. Every request must still produce the oracle's output, each token
+delivered once, with the invariants checked after every step and update."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import pytest
+
+from scheduler_service.core import (
+    FinishLength,
+    Request,
+    RequestState,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SimulatedWorker,
+)
+from scheduler_service.core.kv_events import AllBlocksCleared
+from tests.scheduler_service.core.sim_driver import (
+    DriveLog,
+    check_drained,
+    check_outputs,
+    make_pair,
+)
+
+V = 64
+
+# (scheduler, step number) -> the new worker's page count, or None: no loss now
+LossRule = Callable[[Scheduler, int], int | None]
+
+
+def cfg(**kw) -> SchedulerConfig:
+    kw.setdefault("vocab_size", V)
+    return SchedulerConfig(**kw)
+
+
+def req(rid: str, prompt, max_new: int = 8, **sp) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_new_tokens=max_new, **sp))
+
+
+def drive_with_losses(
+    sched: Scheduler,
+    worker: SimulatedWorker,
+    reqs: list[Request],
+    lose: LossRule,
+    overlap: int = 1,
+    max_steps: int = 20_000,
+) -> tuple[DriveLog, int]:
+    """Like sim_driver.drive, but ``lose`` may kill the worker after any step:
+    the plans in flight are dropped unexecuted and a fresh worker takes over."""
+    for r in reqs:
+        sched.add_request(r)
+    log = DriveLog()
+    inflight: deque = deque()
+    losses = 0
+
+    def collect() -> None:
+        for d in sched.drain():
+            assert d.req.rid not in log.finished_deltas, f"{d.req.rid}: delta after finishing"
+            log.deltas.setdefault(d.req.rid, []).extend(d.new_token_ids)
+            if d.finished:
+                log.finished_deltas[d.req.rid] = 1
+
+    for t in range(max_steps):
+        plan = sched.step()
+        sched.check_integrity()
+        if plan is not None:
+            inflight.append(plan)
+        while inflight and (len(inflight) > overlap or plan is None):
+            sched.update(worker.execute(inflight.popleft()))
+            sched.check_integrity()
+        # The loss comes before the outbox is drained: tokens and finishes
+        # already applied but not yet published must survive it.
+        num_pages = lose(sched, t)
+        if num_pages is not None:
+            losses += 1
+            inflight.clear()
+            sched.reset_after_worker_loss(num_pages)
+            sched.check_integrity()
+            assert sched.num_inflight == 0 and not sched.running and sched.chunked is None
+            worker = SimulatedWorker(num_pages, sched.pool.page_size, V)
+        collect()
+        if not inflight and sched.is_idle():
+            break
+    else:
+        raise AssertionError(f"not done after {max_steps} steps")
+    check_drained(sched, worker)
+    return log, losses
+
+
+def at_steps(steps: dict[int, int]) -> LossRule:
+    return lambda sched, t: steps.get(t)
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+@pytest.mark.parametrize("new_pages", [64, 40, 96])
+def test_outputs_survive_losses_at_any_overlap_and_pool_size(overlap, new_pages):
+    reqs = [req(f"r{i}", range(i + 1, i + 14 + 3 * i), max_new=10 + 2 * i) for i in range(8)]
+    config = cfg(page_size=4, max_running_requests=5, chunked_prefill_size=16)
+    sched, worker = make_pair(config, 64, V)
+    log, losses = drive_with_losses(
+        sched, worker, reqs, at_steps({3: new_pages, 9: new_pages, 17: 64}), overlap
+    )
+    check_outputs(reqs, config, V, log)
+    assert losses == 3 and sched.stats.worker_losses == 3
+    assert sched.stats.finished == {"length": 8}
+    assert sched.pool.num_pages == 64
+
+
+def test_a_request_mid_chunked_prefill_is_requeued_and_prefilled_again():
+    long = req("long", range(1, 60), max_new=6)
+    short = req("short", range(60, 64), max_new=20)
+    config = cfg(page_size=4, chunked_prefill_size=8)
+    sched, worker = make_pair(config, 64, V)
+    seen = []
+
+    def lose(s: Scheduler, t: int) -> int | None:
+        if not seen and s.chunked is long and long.kv_len >= 16:
+            seen.append(long.kv_len)
+            return 64
+        return None
+
+    log, losses = drive_with_losses(sched, worker, [long, short], lose, overlap=2)
+    assert losses == 1 and seen
+    check_outputs([long, short], config, V, log)
+    assert long.retractions == 0  # a loss is not counted as a retraction
+
+
+def test_finished_but_unpublished_and_in_flight_tokens_are_delivered_once():
+    reqs = [req(f"r{i}", range(10 * i + 1, 10 * i + 9), max_new=3 + i) for i in range(6)]
+    config = cfg(page_size=2)
+    sched, worker = make_pair(config, 64, V)
+    losses_at = []
+
+    def lose(s: Scheduler, t: int) -> int | None:
+        # right after an update finished someone, with others still running
+        finished = [d for d in s._outbox if d.finished]
+        if finished and s.running and len(losses_at) < 3:
+            losses_at.append(t)
+            return 64
+        return None
+
+    log, losses = drive_with_losses(sched, worker, reqs, lose, overlap=2)
+    assert losses == 3
+    check_outputs(reqs, config, V, log)
+
+
+def test_siblings_sharing_a_prompt_all_complete():
+    prompt = list(range(5, 30))
+    reqs = [req(f"s-{i}", prompt, max_new=15) for i in range(4)]
+    config = cfg(page_size=4)
+    sched, worker = make_pair(config, 64, V)
+    log, _ = drive_with_losses(sched, worker, reqs, at_steps({2: 64, 7: 64}), overlap=1)
+    check_outputs(reqs, config, V, log)
+    assert len({tuple(r.output_ids) for r in reqs}) == 1
+
+
+def test_the_token_budget_and_stop_strings_count_the_tokens_already_generated():
+    config = cfg(page_size=4)
+    budget = req("budget", range(1, 9), max_new=12)
+    stops = req("stops", range(20, 31), max_new=40, stop_strs=("<7>", "<13>"))
+    sched, worker = make_pair(config, 64, V)
+    log, _ = drive_with_losses(
+        sched, worker, [budget, stops], at_steps({4: 64, 6: 64, 11: 64}), overlap=2
+    )
+    check_outputs([budget, stops], config, V, log)
+    assert len(budget.output_ids) == 12 and budget.finish_reason == FinishLength(12)
+
+
+def test_a_prefill_only_request_in_flight_is_not_lost():
+    zero = req("zero", range(1, 12), max_new=0)
+    other = req("other", range(40, 45), max_new=6)
+    config = cfg(page_size=4)
+    sched, worker = make_pair(config, 64, V)
+    log, _ = drive_with_losses(sched, worker, [zero, other], at_steps({0: 64}), overlap=2)
+    check_outputs([zero, other], config, V, log)
+
+
+def test_reset_clears_the_cache_emits_the_event_and_keeps_the_output():
+    config = cfg(page_size=4, enable_kv_events=True)
+    sched, worker = make_pair(config, 32, V)
+    r = req("r", range(1, 14), max_new=20)
+    sched.add_request(r)
+    for _ in range(5):
+        sched.update(worker.execute(sched.step()))
+    sched.drain()
+    assert r.state is RequestState.DECODING and sched.cache.cached_pages > 0
+    before = list(r.output_ids)
+    sched.cache.take_events()
+    sched.step()  # one plan in flight, never answered
+    requeued = sched.reset_after_worker_loss(16)
+    sched.check_integrity()
+    assert requeued == [r] and sched.waiting == [r] and r.state is RequestState.RETRACTED
+    assert r.output_ids == before and not r.pages and r.kv_len == 0 and not r.on_worker
+    assert sched.cache.cached_pages == 0 and sched.pool.num_free == sched.pool.num_pages == 16
+    assert any(isinstance(e, AllBlocksCleared) for e in sched.cache.take_events())
+    # Calling it again before anything ran (the new size only known later) is harmless.
+    assert sched.reset_after_worker_loss(24) == []
+    sched.check_integrity()
+    assert sched.pool.num_pages == 24 and sched.waiting == [r]
