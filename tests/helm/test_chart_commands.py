@@ -75,6 +75,7 @@ def test_rendered_commands_parse_with_the_real_parsers(value_set, monkeypatch, t
             cfg = scheduler_config.load_config(args)
             assert cfg.port == int(c["ports"][0]["containerPort"])
             assert cfg.log_format == "json" and cfg.scheduler["schedule_policy"] == "lpm"
+            assert cfg.max_queued_requests == 1024 and cfg.worker_recovery_timeout_s == 120
         elif component(w) == "worker":
             assert c["command"] == ["radixserve-worker"]
             cfg = worker_config.load_config(args, env)
