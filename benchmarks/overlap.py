@@ -47,7 +47,7 @@ STREAM = True
 
 
 @contextmanager
-def started(args: list[str], tmp: Path, name: str, env: dict | None = None):
+def started(args: list[str], tmp: Path, name: str, env: dict | None = None, pids=None):
     port_file = tmp / f"{name}.port"
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -56,6 +56,8 @@ def started(args: list[str], tmp: Path, name: str, env: dict | None = None):
         stderr=subprocess.STDOUT,
         env=env,
     )
+    if pids is not None:
+        pids[name] = proc.pid
     try:
         deadline = time.monotonic() + 120
         while not (port_file.exists() and port_file.read_text()):
@@ -74,7 +76,31 @@ def server_info(stub: pb_grpc.SglangSchedulerStub) -> dict:
     return {k: info[k] for k in ("worker_steps", "worker_busy_ms", "worker_idle_ms", "core_cpu_s")}
 
 
-async def drive(address: str, batch: int, warmup_s: float, duration_s: float, stub) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pids: dict[str, int]) -> dict[str, float]:
+    out = {"client": time.process_time()}
+    pids = dict(pids)
+    if "api" in pids:  # the core process: the API process's spawned child
+        api = pids["api"]
+        for child in Path(f"/proc/{api}/task/{api}/children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                pids["core"] = int(child)
+    for name, pid in pids.items():
+        try:
+            out[name] = cpu_seconds(pid)
+        except OSError:
+            out[name] = 0.0
+    return out
+
+
+async def drive(
+    address: str, batch: int, warmup_s: float, duration_s: float, stub, pids: dict
+) -> dict:
     received = 0
     counting = False
 
@@ -96,11 +122,11 @@ async def drive(address: str, batch: int, warmup_s: float, duration_s: float, st
         s = pb_grpc.SglangSchedulerStub(ch)
         tasks = [asyncio.create_task(one(s, i)) for i in range(batch)]
         await asyncio.sleep(warmup_s)
-        before, t0 = server_info(stub), time.perf_counter()
+        before, cpu0, t0 = server_info(stub), cpu_of(pids), time.perf_counter()
         counting = True
         await asyncio.sleep(duration_s)
         counting = False
-        after, wall = server_info(stub), time.perf_counter() - t0
+        after, cpu1, wall = server_info(stub), cpu_of(pids), time.perf_counter() - t0
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -113,6 +139,9 @@ async def drive(address: str, batch: int, warmup_s: float, duration_s: float, st
         "steps_per_s": steps / wall,
         "core_cpu_ms_per_step": 1e3 * (after["core_cpu_s"] - before["core_cpu_s"]) / max(steps, 1),
         "client_tokens_per_s": received / wall,
+        # cores busy in each process over the window (/proc; the API process
+        # is the scheduler's main process, the core process is its child)
+        **{f"{name}_cores": (cpu1[name] - cpu0[name]) / wall for name in cpu0},
     }
 
 
@@ -155,6 +184,7 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool =
         tmp = Path(d)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         totals: dict = {}
+        pids: dict[str, int] = {}
         if traced:
             endpoint, totals = stack.enter_context(otlp_receiver(tmp))
             env.update(
@@ -176,6 +206,7 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool =
                 tmp,
                 "worker",
                 env,
+                pids,
             )
         )
         sched = [
@@ -191,10 +222,10 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool =
         ]
         if depth == 0:
             sched.append("--disable-overlap")
-        port = stack.enter_context(started(sched, tmp, "scheduler", env))
+        port = stack.enter_context(started(sched, tmp, "api", env, pids))
         address = f"127.0.0.1:{port}"
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(address))
-        result = asyncio.run(drive(address, args.batch, args.warmup, args.duration, stub))
+        result = asyncio.run(drive(address, args.batch, args.warmup, args.duration, stub, pids))
     if traced:  # the services flushed their spans as they stopped
         result["spans"] = totals.get("spans", 0)
         result["links"] = totals.get("links", 0)
@@ -236,7 +267,9 @@ def main() -> None:
                     f"worker busy {r['busy_fraction']:6.1%} (runs {r['busy_fraction_runs']})  "
                     f"steps/s {r['steps_per_s']:6.1f}  "
                     f"core CPU/step {r['core_cpu_ms_per_step']:5.2f} ms  "
-                    f"client tokens/s {r['client_tokens_per_s']:8.0f}{spans}",
+                    f"client tokens/s {r['client_tokens_per_s']:8.0f}  "
+                    f"API process {r['api_cores']:4.2f} cores  client {r['client_cores']:4.2f}"
+                    f"{spans}",
                     flush=True,
                 )
             if len(runs) == 2:

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 
 from observability.logging_setup import configure_logging
 from scheduler_service.config import load_config
+from scheduler_service.gc_tuning import tune_gc
 from scheduler_service.server import STARTUP_ERRORS, serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(argv)
     configure_logging(config.log_level, config.log_format)
+    tune_gc()
     try:
         asyncio.run(serve(config))
     except STARTUP_ERRORS as e:

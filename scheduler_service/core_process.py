@@ -22,6 +22,7 @@ from scheduler_service import ipc
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import Engine
+from scheduler_service.gc_tuning import tune_gc
 from scheduler_service.stop_strings import StopStringMatcher
 from scheduler_service.tls import TlsConfigError, worker_channel_credentials
 from scheduler_service.workers import WorkerError, WorkerGroup
@@ -116,6 +117,7 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
         recovery_timeout_s=config.worker_recovery_timeout_s,
     )
     engine.check_integrity = config.check_integrity
+    tune_gc()
     try:
         if os.environ.get(PROFILE_ENV):  # measure before optimizing: cProfile of the loop
             with cProfile.Profile() as prof:

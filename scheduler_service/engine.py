@@ -232,8 +232,29 @@ class Engine(WorkerRecoveryMixin):
         events = self.sched.cache.take_events()
         if not deltas and not events:
             return
-        out = [self._delta(d) for d in deltas]
-        self.conn.send(ipc.Outputs(out, self.load(), events))
+        # Plain tokens go as columns (ipc.Outputs), the rest as DeltaOuts.
+        out: list[ipc.DeltaOut] = []
+        rids: list[str] = []
+        tokens: list[int | None] = []
+        cached: list[int] = []
+        add_rid, add_token, add_cached = rids.append, tokens.append, cached.append
+        for d in deltas:
+            req = d.req
+            ids = d.new_token_ids
+            add_rid(req.rid)
+            if (
+                d.finished
+                or len(ids) != 1
+                or d.prompt_logprobs is not None
+                or req.logprobs.return_logprob
+            ):
+                add_token(None)
+                add_cached(0)
+                out.append(self._delta(d))
+            else:
+                add_token(ids[0])
+                add_cached(req.cached_tokens)
+        self.conn.send(ipc.Outputs(out, self.load(), events, rids, tokens, cached))
 
     def _finished(self, req) -> None:
         times = req.times

@@ -133,7 +133,7 @@ class Hub:
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, ipc.Outputs):
             calls = self._calls
-            for d in msg.deltas:
+            for d in msg.items():
                 call = calls.get(d.rid)
                 if call is not None:
                     call.queue.put_nowait(d)

@@ -102,11 +102,35 @@ class Load:
     tracked: int = 0
 
 
+_new_delta = tuple.__new__  # DeltaOut without the Python-level __new__
+
+
 @dataclass
 class Outputs:
+    """One step's news. The common delta, one token without logprobs or a
+    finish, travels as three flat columns (a list of ints pickles far faster
+    than hundreds of small tuples): entry i is ``rids[i]`` getting
+    ``tokens[i]`` with ``cached[i]`` cached tokens, or, where ``tokens[i]``
+    is None, the next delta of ``deltas``. With no columns, ``deltas`` is all."""
+
     deltas: list[DeltaOut]
     load: Load
     events: list[KvEvent] = field(default_factory=list)
+    rids: list[str] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+
+    def items(self) -> list[DeltaOut]:
+        """Every delta, in the order the core produced them."""
+        if not self.rids:
+            return self.deltas
+        others = iter(self.deltas).__next__
+        return [
+            others()
+            if token is None
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None))
+            for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
+        ]
 
 
 @dataclass

@@ -80,19 +80,22 @@ def _wants_input(s: SampleState) -> bool:
 def chunk(
     s: SampleState, rid: str, tokens: list[int], lps: list, with_logprobs: bool
 ) -> pb.GenerateResponse:
-    c = pb.GenerateStreamChunk(
-        token_ids=tokens,
-        prompt_tokens=len(s.prompt_ids),
-        completion_tokens=len(s.output_ids),
-        cached_tokens=s.cached_tokens,
-        index=s.index,
-    )
+    # Filled in place: building the chunk apart and passing it to the
+    # response's constructor copies it (twice the cost, once per token streamed).
+    r = pb.GenerateResponse(request_id=rid)
+    c = r.chunk
+    c.SetInParent()
+    c.token_ids.extend(tokens)
+    c.prompt_tokens = len(s.prompt_ids)
+    c.completion_tokens = len(s.output_ids)
+    c.cached_tokens = s.cached_tokens
+    c.index = s.index
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
     if _wants_input(s) and tokens:
         c.input_logprobs.CopyFrom(input_logprobs(s))
         s.prompt_logprobs_sent = True
-    return pb.GenerateResponse(request_id=rid, chunk=c)
+    return r
 
 
 def complete(

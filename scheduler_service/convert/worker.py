@@ -155,8 +155,17 @@ class WorkerCodec:
             raise WorkerProtocolError(
                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sent.sampled)} entries"
             )
-        outputs: list[RequestOutput] = []
         wants = self._wants_logprobs
+        if not msg.prompt_logprobs and (not wants or wants.keys().isdisjoint(sent.sampled)):
+            # No logprob payloads (the common decode step): one output per
+            # sampling entry, each rid once, so nothing to merge.
+            return StepResult(
+                msg.step_id,
+                list(map(RequestOutput, sent.sampled, msg.token_ids)),
+                msg.forward_ms,
+                msg.idle_ms,
+            )
+        outputs: list[RequestOutput] = []
         top_at = ids_at = 0
         tops, idss = msg.top_counts, msg.ids_counts
         for i, (rid, token) in enumerate(zip(sent.sampled, msg.token_ids, strict=True)):

@@ -70,6 +70,7 @@ class RunningBatch:
         retract_chunked: Callable[[], bool],
         abort_oom: Callable[[Request], None],
         results_pending: bool,
+        candidates: list[Request] | None = None,
     ) -> tuple[int, bool]:
         """Retract requests until the next decode step's pages fit.
 
@@ -79,11 +80,16 @@ class RunningBatch:
         waits for them; otherwise the request is aborted. Requests only
         waiting for their last token are left alone.
 
+        ``candidates``: ``decode_candidates()`` if the caller has them; when
+        nothing is retracted and the decode can run, they are still the batch's
+        candidates afterwards.
+
         Returns (requests retracted, whether the decode can run now).
         """
         kv = self.kv
         page_size = kv.page_size
-        candidates = self.decode_candidates()
+        if candidates is None:
+            candidates = self.decode_candidates()
         needed = self.pages_needed(candidates)
         if needed <= kv.available_pages():
             return 0, True
@@ -114,12 +120,12 @@ class RunningBatch:
         take = iter(fresh).__next__
         for r in reqs:
             pos = r.kv_len
-            if pos % page_size == 0:
+            if pos % page_size:
+                new_pages = []
+            else:
                 page = take()
                 r.pages.append(page)
                 new_pages = [page]
-            else:
-                new_pages = []
             append(ScheduledRequest(r.rid, pos, None, new_pages, True))
             r.kv_len = pos + 1
             r.pending += 1

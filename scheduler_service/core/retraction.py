@@ -17,8 +17,9 @@ class RetractionMixin(SchedulerBase):
         if not self.running:
             return []
         cfg = self.config
+        candidates = self.running.decode_candidates()
         retracted, ready = self.running.make_room_for_decode(
-            self._retract, self._retract_chunked, self._abort_oom, bool(self._inflight)
+            self._retract, self._retract_chunked, self._abort_oom, bool(self._inflight), candidates
         )
         if retracted:
             reqs = self.running.reqs()
@@ -38,7 +39,8 @@ class RetractionMixin(SchedulerBase):
             )
         if not ready:
             return []
-        candidates = self.running.decode_candidates()
+        if retracted:  # otherwise the batch, and so its candidates, did not change
+            candidates = self.running.decode_candidates()
         return self.running.prepare_decode(candidates) if candidates else []
 
     def _requeue(self, req: Request) -> None:

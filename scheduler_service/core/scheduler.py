@@ -128,18 +128,50 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
                 f"{record.expected_tokens} sampling entries"
             )
         now = self._clock()
+        entries = record.entries
+        stats = self.stats
+        outbox = self._outbox
+        eos_ids = self.config.eos_token_ids
+        checks_strings = self._stop_strings is not None
         for out in result.outputs:
-            item = record.entries.get(out.rid)
+            item = entries.get(out.rid)
             if item is None:
                 raise ProtocolError(f"step {record.step_id} has no entry for {out.rid!r}")
             req, epoch, samples = item
-            if samples != (out.token_id is not None):
+            token = out.token_id
+            if samples != (token is not None):
                 raise ProtocolError(f"step {record.step_id}: {out.rid} sampled {samples=}")
             if req.epoch != epoch:
                 if samples:
-                    self.stats.discarded_tokens += 1
+                    stats.discarded_tokens += 1
                 continue
-            self._apply_output(req, out, now)
+            if token is None or out.prompt_logprobs:
+                self._apply_output(req, out, now)
+                continue
+            # A plain sampled token (the decode case): _apply_output inlined,
+            # check_finish only called when one of its conditions can hold.
+            delta = RequestDelta(req, [token], [out.logprobs])
+            req.pending -= 1
+            output_ids = req.output_ids
+            output_ids.append(token)
+            stats.generated_tokens += 1
+            times = req.times
+            if times.first_token is None:
+                times.first_token = now
+            outbox.append(delta)
+            sp = req.sampling
+            n = len(output_ids)
+            if n >= sp.max_new_tokens or (
+                n > sp.min_new_tokens
+                and (
+                    (checks_strings and sp.stop_strs)
+                    or (not sp.ignore_eos and (token in sp.stop_token_ids or token in eos_ids))
+                )
+            ):
+                reason = check_finish(req, token, eos_ids, self._stop_strings)
+                if reason is not None:
+                    delta.finished = True
+                    self._finish(req, reason, emit=False)
         for req, epoch in record.prefill_only:
             if req.epoch == epoch:
                 self._finish(req, FinishLength(req.sampling.max_new_tokens))
