@@ -105,6 +105,13 @@ def add_scheduler_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         type=float,
         default=default("schedule-conservativeness", d.schedule_conservativeness),
     )
+    add(
+        "--prefix-hold-tokens",
+        type=int,
+        default=default("prefix-hold-tokens", d.prefix_hold_tokens),
+        help="a request sharing at least this many uncached prompt tokens with one admitted "
+        "in the same step waits a step and reads them from the cache (0: off)",
+    )
 
 
 def scheduler_overrides(args: argparse.Namespace) -> dict:
@@ -119,6 +126,7 @@ def scheduler_overrides(args: argparse.Namespace) -> dict:
         "schedule_low_priority_values_first": args.schedule_low_priority_values_first,
         "priority_preemption_threshold": args.priority_scheduling_preemption_threshold,
         "schedule_conservativeness": args.schedule_conservativeness,
+        "prefix_hold_tokens": args.prefix_hold_tokens,
     }
 
 

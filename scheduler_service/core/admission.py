@@ -9,10 +9,37 @@ import structlog
 from scheduler_service.core.plan import JoinRequest, ScheduledRequest, StepPlan
 from scheduler_service.core.policy import request_tokens
 from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
+from scheduler_service.core.radix_cache import RadixCache
 from scheduler_service.core.request import FinishAbort, Request, RequestState
 from scheduler_service.core.scheduler_base import InFlight, SchedulerBase
 
 logger = structlog.get_logger(__name__)
+
+
+class _InBatchPrefixes:
+    """The prompts admitted in this step, so that a request sharing a long
+    uncached prefix with one of them can wait a step and then find it cached
+    (``SchedulerConfig.prefix_hold_tokens``)."""
+
+    def __init__(self, hold_tokens: int, admitted: list[tuple[Request, int]]) -> None:
+        self.hold = hold_tokens
+        self.tree: RadixCache | None = None
+        for req, _ in admitted:
+            self.add(req)
+
+    def add(self, req: Request) -> None:
+        if not self.hold:
+            return
+        if self.tree is None:
+            self.tree = RadixCache(page_size=1)
+        tokens = request_tokens(req)
+        self.tree.insert(tokens, [0] * len(tokens), req.extra_key)
+
+    def should_wait(self, req: Request) -> bool:
+        if self.tree is None:  # nothing admitted yet (or holding is off)
+            return False
+        shared = self.tree.match(request_tokens(req), req.extra_key, touch=False).length
+        return shared - req.match_len >= self.hold
 
 
 class AdmissionMixin(SchedulerBase):
@@ -36,6 +63,7 @@ class AdmissionMixin(SchedulerBase):
         else:
             result = AddResult.CONTINUE
         if result is AddResult.CONTINUE:
+            held = _InBatchPrefixes(cfg.prefix_hold_tokens, adder.admitted)
             for req in self.waiting:
                 full = len(adder.admitted) >= cfg.max_running_requests - len(self.running)
                 if full and not (
@@ -43,8 +71,12 @@ class AdmissionMixin(SchedulerBase):
                 ):
                     break
                 self._match(req)
+                if held.should_wait(req):
+                    continue
                 result = adder.add_one_req(req)
                 taken = bool(adder.admitted) and adder.admitted[-1][0] is req
+                if taken:
+                    held.add(req)
                 if (
                     not taken
                     and result is AddResult.NO_TOKEN

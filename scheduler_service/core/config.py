@@ -44,6 +44,12 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     random_seed: int = 0
     enable_kv_events: bool = False
+    # A waiting request that shares at least this many tokens beyond its cached
+    # prefix with a request admitted in the same step waits one step: by then
+    # those tokens are in the cache (computed prefixes are cached when planned)
+    # and it prefills only its own suffix. 0 admits it at once (SGLang's way:
+    # the shared tokens are computed once per request).
+    prefix_hold_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -54,6 +60,8 @@ class SchedulerConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.prefix_hold_tokens < 0:
+            raise ValueError("prefix_hold_tokens must be >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:

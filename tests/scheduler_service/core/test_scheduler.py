@@ -320,3 +320,28 @@ def test_new_token_ratio_decays_per_decode_step_and_resets_when_idle():
     drive(sched, worker, [])
     sched.step()
     assert sched.new_token_ratio == start
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_requests_sharing_an_uncached_prefix_wait_a_step_and_read_it_from_the_cache(lag):
+    shared = [t % 60 + 1 for t in range(64)]
+    reqs = [req(f"r{i}", shared + [i + 1] * 8, max_new=4) for i in range(4)]
+    sched, _, _ = run(cfg(page_size=4), 256, reqs, overlap=lag)
+    # The first computes the 64 shared tokens; the others wait one step and
+    # find them cached, whatever the overlap depth (prefixes are cached when
+    # planned, and the worker runs plans in order).
+    assert sorted(r.cached_tokens for r in reqs) == [0, 64, 64, 64]
+    assert sched.stats.cached_tokens == 3 * 64
+
+    reqs = [req(f"s{i}", shared + [i + 1] * 8, max_new=4) for i in range(4)]
+    sched, _, _ = run(cfg(page_size=4, prefix_hold_tokens=0), 256, reqs, overlap=lag)
+    assert [r.cached_tokens for r in reqs] == [0, 0, 0, 0]  # all admitted at once
+
+
+def test_a_short_shared_prefix_is_not_worth_a_wait():
+    shared = list(range(1, 17))  # 16 < the default 32 tokens
+    reqs = [req(f"r{i}", shared + [i + 1] * 8, max_new=4) for i in range(3)]
+    run(cfg(page_size=4), 256, reqs)
+    assert [r.cached_tokens for r in reqs] == [0, 0, 0]
+    with pytest.raises(ValueError, match="prefix_hold_tokens"):
+        cfg(prefix_hold_tokens=-1)
