@@ -24,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from worker_service.transfer import to_device
 
 if TYPE_CHECKING:
     from worker_service.sampler import SampleRow
@@ -58,7 +61,7 @@ def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device
     flat_ids = torch.cat(parts)
     flat_rows = torch.repeat_interleave(torch.arange(len(parts)), lengths)
     keep = (flat_ids >= 0) & (flat_ids < vocab)
-    flat_ids, flat_rows = flat_ids[keep].to(device), flat_rows[keep].to(device)
+    flat_ids, flat_rows = to_device([flat_ids[keep].numpy(), flat_rows[keep].numpy()], device)
     ones = torch.ones(flat_ids.shape, dtype=torch.float32, device=device)
     counts.index_put_((flat_rows, flat_ids), ones, accumulate=True)
     return counts
@@ -81,7 +84,7 @@ def _pairs(
 def _apply_penalties(out: torch.Tensor, rows: Sequence[SampleRow], idx: list[int]) -> None:
     """Repetition, frequency and presence penalties on ``out[idx]``, in place."""
     dev, vocab = out.device, out.shape[1]
-    sel = torch.tensor(idx, dtype=torch.long, device=dev)
+    (sel,) = to_device([np.array(idx, np.int64)], dev)
     sub = out.index_select(0, sel)
     specs = [rows[i].sampling for i in idx]
     counts = token_counts([rows[i].output_ids for i in idx], vocab, dev)
@@ -92,7 +95,7 @@ def _apply_penalties(out: torch.Tensor, rows: Sequence[SampleRow], idx: list[int
         pairs = zip(idx, rep_vals, strict=True)
         prompts = [rows[i].prompt_ids if r != 1.0 else () for i, r in pairs]
         seen = (counts > 0) | (token_counts(prompts, vocab, dev) > 0)
-        rep = torch.tensor(rep_vals, dtype=torch.float32, device=dev).unsqueeze(1)
+        (rep,) = to_device([np.array(rep_vals, np.float32).reshape(-1, 1)], dev)
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
 
@@ -100,8 +103,9 @@ def _apply_penalties(out: torch.Tensor, rows: Sequence[SampleRow], idx: list[int
     pres_vals = [s.presence_penalty for s in specs]
     # Decided on the Python lists so that no device sync is needed.
     if any(freq_vals) or any(pres_vals):
-        freq = torch.tensor(freq_vals, dtype=torch.float32, device=dev).unsqueeze(1)
-        pres = torch.tensor(pres_vals, dtype=torch.float32, device=dev).unsqueeze(1)
+        freq, pres = to_device(
+            [np.array(v, np.float32).reshape(-1, 1) for v in (freq_vals, pres_vals)], dev
+        )
         sub = sub - freq * counts - pres * (counts > 0).float()
     out.index_copy_(0, sel, sub)
 
@@ -132,12 +136,14 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
 
     out = logits.clone()
     if bias_rows:
-        where = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev))
-        vals = torch.tensor(bias_vals, dtype=out.dtype, device=dev)
-        out.index_put_(where, vals, accumulate=True)
+        b_rows, b_ids = to_device(
+            [np.array(bias_rows, np.int64), np.array(bias_ids, np.int64)], dev
+        )
+        (vals,) = to_device([np.array(bias_vals, np.float64)], dev)
+        out.index_put_((b_rows, b_ids), vals.to(out.dtype), accumulate=True)
     if pen_idx:
         _apply_penalties(out, rows, pen_idx)
     if mask_rows:
-        where = (torch.tensor(mask_rows, device=dev), torch.tensor(mask_ids, device=dev))
-        out.index_put_(where, torch.tensor(float("-inf"), dtype=out.dtype, device=dev))
+        where = to_device([np.array(mask_rows, np.int64), np.array(mask_ids, np.int64)], dev)
+        out.index_put_(tuple(where), torch.full((), float("-inf"), dtype=out.dtype, device=dev))
     return out

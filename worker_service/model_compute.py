@@ -7,9 +7,11 @@ sampling request, and the prompt positions whose logprobs were asked for
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
@@ -20,6 +22,7 @@ from worker_service.kv_cache import KvCache
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.plan import PromptLogprobOut
 from worker_service.sampler import Sampler, SampleRow, token_logprobs
+from worker_service.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -80,8 +83,11 @@ class ModelCompute:
             s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
         ]
         spans, prompt_rows = self._prompt_spans(work, batch.seqs, len(sample_rows))
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=device)
-        logits = self.model.logits(hidden[rows]) if len(rows) else None
+        rows = sample_rows + prompt_rows
+        logits = None
+        if rows:
+            (index,) = to_device([np.array(rows, dtype=np.int64)], device)
+            logits = self.model.logits(hidden.index_select(0, index))
 
         out = ComputeOutput()
         if sample_rows:
@@ -92,29 +98,43 @@ class ModelCompute:
 
     # ------------------------------------------------------------- batch
     def _batch(self, work: list[SeqWork], num_extends: int) -> tuple[AttentionBatch, torch.Tensor]:
-        device, page_size = self.device, self.page_size
+        """The step's layout, built with numpy on the host and sent to the device
+        in one non-blocking copy from pinned memory (no stream synchronisation)."""
+        page_size, n = self.page_size, len(work)
         seqs: list[SequenceSlice] = []
-        flat: list[int] = []
-        positions, pages, offsets = [], [], []
+        tables: list[list[int]] = []
+        q_start = 0
         for w in work:
-            n = len(w.inputs)
-            kv_len = w.start + n
+            q_len = len(w.inputs)
+            kv_len = w.start + q_len
             table = w.state.pages[: -(-kv_len // page_size)]
-            seqs.append(SequenceSlice(len(flat), n, kv_len, table))
-            flat.extend(w.inputs)
-            pos = torch.arange(w.start, kv_len, dtype=torch.long)
-            positions.append(pos)
-            pages.append(torch.tensor(table, dtype=torch.long)[pos // page_size])
-            offsets.append(pos % page_size)
+            if len(table) * page_size < kv_len:
+                raise ValueError(f"slot {w.slot}: its pages do not cover {kv_len} positions")
+            seqs.append(SequenceSlice(q_start, q_len, kv_len, table))
+            tables.append(table)
+            q_start += q_len
+        starts = np.fromiter((w.start for w in work), np.int64, n)
+        q_lens = np.fromiter((s.q_len for s in seqs), np.int64, n)
+        n_pages = np.fromiter((len(t) for t in tables), np.int64, n)
+        seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
+        first_row = np.cumsum(q_lens) - q_lens
+        positions = np.arange(q_start, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
+        flat_tables = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
+        table_base = np.cumsum(n_pages) - n_pages
+        pages = flat_tables[table_base[seq_of] + positions // page_size]
+        ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
+        pos_t, pages_t, offsets_t, ids_t = to_device(
+            [positions, pages, positions % page_size, ids], self.device
+        )
         batch = AttentionBatch(
             seqs=seqs,
             num_extends=num_extends,
-            positions=torch.cat(positions).to(device),
-            write_pages=torch.cat(pages).to(device),
-            write_offsets=torch.cat(offsets).to(device),
+            positions=pos_t,
+            write_pages=pages_t,
+            write_offsets=offsets_t,
             page_size=page_size,
         )
-        return batch, torch.tensor(flat, dtype=torch.long, device=device)
+        return batch, ids_t
 
     def _prompt_spans(
         self, work: list[SeqWork], seqs: list[SequenceSlice], first_row: int
@@ -177,7 +197,7 @@ class ModelCompute:
         rows = logits[span.row : span.row + n]
         scored = token_logprobs(
             rows,
-            torch.tensor(targets, dtype=torch.long, device=rows.device),
+            to_device([np.array(targets, dtype=np.int64)], rows.device)[0],
             lp.top_logprobs_num,
             lp.token_ids_logprob,
         )

@@ -22,13 +22,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from worker_service import logit_processors, sampling_filters
 from worker_service.logprobs import TokenLogprobs, logprob_tensors, token_logprobs
 from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.transfer import to_device, to_host
 
 # token_logprobs (prompt logprobs) is re-exported: callers import it with the sampler.
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p")
+
 __all__ = ["SampleOutput", "SampleRow", "Sampler", "TokenLogprobs", "token_logprobs"]
 
 
@@ -105,11 +109,14 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         if not rows:
             return SampleOutput()
-        raw = logits[:, : self.vocab_size].float()
+        # bf16 -> fp32 is exact, so the argmax (ties included) and logprob_tensors
+        # (which computes in fp32 chunk by chunk) need no fp32 copy of the logits.
+        raw = logits[:, : self.vocab_size]
 
         if all(_is_plain_greedy(r) for r in rows):
             chosen = raw.argmax(dim=-1)
         else:
+            raw = raw.float()
             chosen = self._choose(raw, rows)
         return self._with_logprobs(raw, chosen, rows)
 
@@ -122,18 +129,27 @@ class Sampler:
             return processed.argmax(dim=-1)
         dev = raw.device
         chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
-        if greedy:
-            g = torch.tensor(greedy, dtype=torch.long, device=dev)
-            chosen[g] = processed.index_select(0, g).argmax(dim=-1)
-        d = torch.tensor(drawn, dtype=torch.long, device=dev)
         specs = [rows[i].sampling for i in drawn]
+        # Indices and parameters go up in one pinned, non-blocking copy per dtype.
+        g, d, top_k = to_device(
+            [np.array(greedy, np.int64), np.array(drawn, np.int64)]
+            + [np.array([s.top_k for s in specs], np.int64)],
+            dev,
+        )
+        temperature, top_p, min_p, u = to_device(
+            [np.array([getattr(s, f) for s in specs], np.float32) for f in _FLOAT_PARAMS]
+            + [self._uniforms([rows[i] for i in drawn]).numpy()],
+            dev,
+        )
+        if greedy:
+            chosen[g] = processed.index_select(0, g).argmax(dim=-1)
         chosen[d] = sampling_filters.draw(
             processed.index_select(0, d),
-            temperature=torch.tensor([s.temperature for s in specs], device=dev),
-            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.long, device=dev),
-            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=dev),
-            u=self._uniforms([rows[i] for i in drawn]).to(dev),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            u=u,
         )
         return chosen
 
@@ -156,20 +172,29 @@ class Sampler:
         # Column 0 is the chosen token, then each row's requested ids padded
         # with -1 (which logprob_tensors turns into NaN, then we slice it off).
         width = max(len(r.logprobs.token_ids_logprob) for r in rows)
-        ids = torch.full((len(rows), 1 + width), -1, dtype=torch.long)
-        for i, r in enumerate(rows):
-            req = r.logprobs.token_ids_logprob
-            if req:
-                ids[i, 1 : 1 + len(req)] = torch.tensor(req, dtype=torch.long)
-        ids = ids.to(raw.device)
-        ids[:, 0] = chosen
+        if width:
+            host_ids = np.full((len(rows), 1 + width), -1, dtype=np.int64)
+            for i, r in enumerate(rows):
+                req = r.logprobs.token_ids_logprob
+                host_ids[i, 1 : 1 + len(req)] = req
+            (ids,) = to_device([host_ids], raw.device)
+            ids[:, 0] = chosen
+        else:
+            ids = chosen.view(-1, 1)
         top_n = max(max(r.logprobs.top_logprobs_num for r in rows), 0)
         lp = logprob_tensors(raw, ids, top_n=top_n)
 
-        lp_rows = lp.logprobs.tolist()
-        top_ids = lp.top_ids.tolist()
-        top_lps = lp.top_logprobs.tolist()
-        out = SampleOutput(token_ids=chosen.tolist(), logprobs=[row[0] for row in lp_rows])
+        # The step's one wait for the device: every result comes back together.
+        if top_n:
+            chosen_h, lp_h, top_ids_h, top_lps_h = to_host(
+                chosen, lp.logprobs, lp.top_ids, lp.top_logprobs
+            )
+            top_ids, top_lps = top_ids_h.tolist(), top_lps_h.tolist()
+        else:
+            chosen_h, lp_h = to_host(chosen, lp.logprobs)
+            top_ids = top_lps = [[] for _ in rows]
+        lp_rows = lp_h.tolist()
+        out = SampleOutput(token_ids=chosen_h.tolist(), logprobs=[row[0] for row in lp_rows])
         for i, r in enumerate(rows):
             n = max(r.logprobs.top_logprobs_num, 0)
             out.top_ids.append(top_ids[i][:n])
