@@ -4,68 +4,8 @@ OpenAI API: /v1/chat/completions and /v1/completions, streamed and not."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-
-import pytest
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-
-from tests.e2e.system import free_port, stub
-
-SMG = Path(sys.executable).parent / "smg"
-
-
-@pytest.fixture(scope="module")
-def gateway(smollm2_address, tmp_path_factory):
-    if not SMG.exists() and shutil.which("smg") is None:
-        pytest.fail("the smg gateway is not installed (make setup installs it)")
-    port, metrics = free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            str(SMG if SMG.exists() else "smg"),
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            f"grpc://{smollm2_address}",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(metrics),
-            "--shutdown-grace-period-secs",
-            "0",
-            "--worker-startup-check-interval",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(base + "/readiness", timeout=2).status == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"smg did not become ready: {Path(log.name).read_text()}")
-            time.sleep(0.3)
-        model = stub(smollm2_address).GetModelInfo(pb.GetModelInfoRequest()).served_model_name
-        yield base, model
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def post(url: str, body: dict) -> dict:

@@ -1,0 +1,1 @@
+"""radixserve-bench: a serving benchmark (workloads, drivers, report, baseline)."""

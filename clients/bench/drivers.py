@@ -1,0 +1,142 @@
+"""How the benchmark talks to a server: our gRPC client, or an OpenAI API
+(the SMG gateway's /v1/completions). A driver sends one request and fills in
+its RequestRecord: the time of every output token, the ids when it sees
+them, and the prompt tokens the server served from its cache."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Protocol
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from clients.bench.records import BenchRequest, RequestRecord
+from clients.client import AsyncRadixClient, build_request
+from clients.results import Sampling
+from clients.tokenizer_bundle import TokenizerBundle
+
+
+class Driver(Protocol):
+    name: str
+
+    async def vocab_size(self) -> int | None: ...
+
+    async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _sampling(req: BenchRequest) -> Sampling:
+    """Greedy, exactly ``output_len`` tokens (EOS ignored), as the baseline."""
+    return Sampling(max_new_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+
+
+class RadixDriver:
+    """radixserve's public gRPC API through clients.client (token ids in,
+    streamed token ids out; ``cached_tokens`` from the final message)."""
+
+    name = "radixserve"
+
+    def __init__(self, address: str, **connection) -> None:
+        self.client = AsyncRadixClient(address, **connection)
+
+    async def vocab_size(self) -> int | None:
+        info = await self.client.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=30, metadata=self.client.metadata
+        )
+        return info.vocab_size or None
+
+    async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
+        message = build_request(None, req.prompt_ids, _sampling(req), True, f"bench-{req.index}")
+        call = self.client.stub.Generate(message, metadata=self.client.metadata)
+        async for resp in call:
+            now = time.perf_counter() - t0
+            if resp.HasField("chunk"):
+                ids = resp.chunk.token_ids
+                record.output_ids.extend(ids)
+                record.token_times.extend([now] * len(ids))
+            else:
+                record.cached_tokens = resp.complete.cached_tokens
+                record.prompt_tokens = resp.complete.prompt_tokens or record.prompt_tokens
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAIDriver:
+    """An OpenAI-compatible /v1/completions endpoint (the SMG gateway), streamed.
+
+    The SMG gateway takes text prompts only, so the workload's ids go as the
+    text ``tokenizer`` decodes them to (the server re-tokenizes it: its usage
+    block's ``prompt_tokens`` is what is reported). Chunks carry text, not
+    ids: each chunk with text counts as one token, and the usage block's
+    ``completion_tokens`` corrects the count (extra tokens are dated at the
+    last chunk)."""
+
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer: TokenizerBundle,
+        model: str | None = None,
+        api_key: str | None = None,
+    ):
+        import httpx  # the bench extra; only this driver needs it
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=httpx.Timeout(None)
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+
+    async def vocab_size(self) -> int | None:
+        if self.model is None:
+            resp = await self.http.get("/v1/models")
+            resp.raise_for_status()
+            self.model = resp.json()["data"][0]["id"]
+        return self.tokenizer.tokenizer.get_vocab_size()
+
+    async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
+        body = {
+            "model": self.model,
+            "prompt": self.tokenizer.decode(req.prompt_ids),
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        usage: dict | None = None
+        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    raise RuntimeError(str(event["error"]))
+                now = time.perf_counter() - t0
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    record.token_times.append(now)
+                usage = event.get("usage") or usage
+        if usage:
+            n = usage.get("completion_tokens") or 0
+            times = record.token_times
+            if times and n > len(times):
+                times.extend([times[-1]] * (n - len(times)))
+            elif n and n < len(times):
+                del times[n:]
+            record.prompt_tokens = usage.get("prompt_tokens") or record.prompt_tokens
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens") or 0
+
+    async def close(self) -> None:
+        await self.http.aclose()

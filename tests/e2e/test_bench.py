@@ -1,0 +1,152 @@
+"""radixserve-bench against running servers: the simulated-worker system
+(fast: every dataset, arrival mode and output), the real default model with
+the Hugging Face baseline in the same invocation, and the SMG gateway's
+OpenAI API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.sim_server import VOCAB, simulated_server
+
+BENCH = [sys.executable, "-m", "clients.bench.cli"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*BENCH, "--no-progress", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def sim_address(tmp_path_factory):
+    with simulated_server(tmp_path_factory.mktemp("sim"), num_pages=512, page_size=4) as addr:
+        yield addr
+
+
+def test_shared_prefix_report_json_and_plots(sim_address, tmp_path):
+    out = tmp_path / "report.json"
+    plots = tmp_path / "plots"
+    r = bench(
+        "--address", sim_address, "--dataset", "generated-shared-prefix",
+        "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4",
+        "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "6",
+        "--max-concurrency", "1", "--output-json", str(out), "--plots-dir", str(plots),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "output tokens/s" in r.stdout and "TTFT p99 (ms)" in r.stdout
+    report = json.loads(out.read_text())
+    s = report["results"]["radixserve"]
+    assert (s["completed"], s["failed"]) == (12, 0)
+    assert s["output_tokens"] == 12 * 6 and s["input_tokens"] == 12 * 72
+    # One at a time: each group's later prompts find its 64-token system
+    # prompt cached (whole pages of 4), the first ones find nothing.
+    assert s["cached_tokens"] >= 3 * 3 * 64
+    assert s["cache_hit_rate"] == pytest.approx(s["cached_tokens"] / s["input_tokens"])
+    assert s["mean_concurrency"] <= 1.01
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = s[key]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], key
+    assert s["e2e_ms"]["p50"] > s["ttft_ms"]["p50"]
+    for name in ("latency_cdf.png", "throughput.png"):
+        assert (plots / name).read_bytes()[:8] == PNG
+        assert (plots / name).stat().st_size > 10_000
+    assert json.loads(r.stdout.strip().splitlines()[-1])["results"]["radixserve"]["completed"] == 12
+
+
+def test_random_dataset_at_a_poisson_rate_then_replayed_from_its_trace(sim_address, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    out = tmp_path / "a.json"
+    r = bench(
+        "--address", sim_address, "--dataset", "random", "--num-prompts", "30",
+        "--random-input-len", "40", "--random-output-len", "10", "--random-range-ratio", "0.5",
+        "--request-rate", "40", "--save-trace", str(trace), "--output-json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(lines) == 30 and all(0 <= t < VOCAB for x in lines for t in x["prompt_ids"])
+    expected_out = sum(x["output_len"] for x in lines)
+    assert json.loads(out.read_text())["results"]["radixserve"]["output_tokens"] == expected_out
+    # 30 requests at 40/s take about 0.75 s to arrive: the run cannot be shorter.
+    assert json.loads(out.read_text())["results"]["radixserve"]["duration_s"] > 0.3
+
+    # Replay with timestamps 0.2 s apart: the replay lasts at least 29 * 0.2 s.
+    stamped = tmp_path / "stamped.jsonl"
+    stamped.write_text(
+        "".join(json.dumps({**x, "timestamp": 0.2 * i}) + "\n" for i, x in enumerate(lines))
+    )
+    out2 = tmp_path / "b.json"
+    r = bench("--address", sim_address, "--trace", str(stamped), "--output-json", str(out2))
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out2.read_text())["results"]["radixserve"]
+    assert s["completed"] == 30 and s["output_tokens"] == expected_out
+    assert s["duration_s"] >= 29 * 0.2
+    assert s["mean_concurrency"] < 3  # sent one by one, not all at once
+
+
+def test_bad_traces_and_unreachable_servers_give_clear_errors(sim_address, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [1, 2], "output_len": 2}\n{"prompt_ids": [99999999]}\n')
+    r = bench("--address", sim_address, "--trace", str(bad))
+    assert r.returncode == 2
+    assert f"{bad}:2: prompt_ids must lie in [0, {VOCAB})" in r.stderr
+    r = bench("--address", sim_address, "--trace", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "missing.jsonl" in r.stderr
+
+
+def test_smollm2_with_the_hf_baseline_in_the_same_run(smollm2_address, tmp_path):
+    out = tmp_path / "report.json"
+    r = bench(
+        "--address", smollm2_address,
+        "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
+        "--gsp-system-prompt-len", "96", "--gsp-question-len", "8", "--gsp-output-len", "6",
+        "--max-concurrency", "3", "--baseline", "hf", "--output-json", str(out),
+        "--plots-dir", str(tmp_path / "plots"),
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    header = r.stdout.splitlines()[0].split()
+    assert header == ["figure", "radixserve", "hf", "ratio"]
+    report = json.loads(out.read_text())
+    ours, hf = report["results"]["radixserve"], report["results"]["hf"]
+    assert ours["completed"] == hf["completed"] == 6
+    assert ours["output_tokens"] == hf["output_tokens"] == 36
+    assert hf["cache_hit_rate"] == 0 and ours["cached_tokens"] > 0
+    assert report["baseline"]["batch_size"] == 3
+    assert report["ratios"]["output_tokens_per_s"] == pytest.approx(
+        ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    )
+    # Both greedy on the same weights in fp32: the same tokens.
+    assert report["agreement"]["compared"] == 6
+    assert report["agreement"]["same_first_token"] == 1.0
+    assert report["agreement"]["identical"] >= 5 / 6
+    assert "greedy outputs identical to the baseline's" in r.stdout
+    assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:8] == PNG
+
+
+def test_openai_backend_through_the_gateway(gateway, tmp_path):
+    base, model = gateway
+    out = tmp_path / "report.json"
+    r = bench(
+        "--backend", "openai", "--base-url", base, "--dataset", "random",
+        "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5",
+        "--random-range-ratio", "1", "--max-concurrency", "3", "--output-json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())["results"]["openai"]
+    assert s["completed"] == 6 and s["output_tokens"] == 30  # from the usage blocks
+    assert s["input_tokens"] > 0 and s["ttft_ms"]["p50"] > 0
+    assert json.loads(out.read_text())["config"]["model"] is None  # found via /v1/models
+    assert model
+
+
+def test_module_runs_as_the_console_script():
+    script = Path(sys.executable).parent / "radixserve-bench"
+    r = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--baseline" in r.stdout
