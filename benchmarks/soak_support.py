@@ -154,15 +154,29 @@ class Server:
 def growth_report(
     samples: list[tuple[float, dict[str, int]]], warm_t: float, max_growth: float
 ) -> tuple[bool, list[str]]:
-    """RSS of each process at the first sample past ``warm_t`` against the
-    last sample; the start is warm-up (pools, caches and the radix tree fill)."""
+    """Peak RSS of each process over the first third of the samples past
+    ``warm_t`` against the peak over the last third; the start is warm-up
+    (pools, caches and the radix tree fill). Peaks, not single samples: a
+    process whose garbage collector runs every few tens of seconds saws up
+    and down by megabytes, and two samples would compare its phases."""
     if len(samples) < 2:
         return False, ["memory: fewer than 2 samples, no growth figure"]
-    base_t, base = next((s for s in samples if s[0] >= warm_t), samples[-2])
-    end_t, end = samples[-1]
-    ok, lines = True, [f"memory growth, {base_t:.0f} s -> {end_t:.0f} s (limit {max_growth:.0%}):"]
-    for name in sorted(set(base) | set(end)):
-        a, b = base.get(name, 0), end.get(name, 0)
+    post = [s for s in samples if s[0] >= warm_t]
+    if len(post) < 2:
+        post = samples[-2:]
+    k = max(1, len(post) // 3)
+    first, last = post[:k], post[-k:]
+    names = sorted({n for _, rss in post for n in rss})
+    ok, lines = (
+        True,
+        [
+            f"memory growth, peak over {first[0][0]:.0f}-{first[-1][0]:.0f} s -> peak over "
+            f"{last[0][0]:.0f}-{last[-1][0]:.0f} s (limit {max_growth:.0%}):"
+        ],
+    )
+    for name in names:
+        a = max(rss.get(name, 0) for _, rss in first)
+        b = max(rss.get(name, 0) for _, rss in last)
         growth = b / a - 1 if a else float("inf")
         ok = ok and growth <= max_growth
         lines.append(f"  {name:>8}: {a / 2**20:7.1f} MiB -> {b / 2**20:7.1f} MiB ({growth:+.1%})")

@@ -20,7 +20,6 @@ import math
 import os
 import random
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from clients.bench.drivers import Driver, OpenAIDriver, RadixDriver
@@ -273,20 +272,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots_dir:
         report["plots"] = [str(x) for x in save_plots(runs, args.plots_dir)]
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2, default=_json_default))
-    print(
-        json.dumps(
-            {"results": summaries, **{k: report[k] for k in ("ratios",) if k in report}},
-            default=_json_default,
-        )
-    )
+        Path(args.output_json).write_text(strict_json(report, indent=2))
+    last = {"results": summaries, **{k: report[k] for k in ("ratios",) if k in report}}
+    print(strict_json(last))
     return 0 if summaries[args.backend]["completed"] else 1
 
 
-def _json_default(obj: object) -> object:
-    if hasattr(obj, "__dataclass_fields__"):
-        return asdict(obj)  # type: ignore[arg-type]
-    return str(obj)
+def strict_json(value: object, indent: int | None = None) -> str:
+    """JSON that strict readers accept: NaN and infinities become null."""
+
+    def clean(v: object) -> object:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(value), indent=indent, allow_nan=False, default=str)
 
 
 if __name__ == "__main__":

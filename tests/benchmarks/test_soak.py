@@ -37,6 +37,18 @@ def test_growth_report_compares_after_warm_up_with_the_end():
     assert ok
 
 
+def test_growth_report_compares_peaks_so_a_garbage_collector_sawtooth_is_not_growth():
+    report = _support().growth_report
+    mib = 2**20
+    saw = [94, 100, 106] * 6  # a collection every third sample, no growth
+    samples = [(10.0 * i, {"core": v * mib}) for i, v in enumerate(saw)]
+    ok, lines = report(samples, warm_t=0.0, max_growth=0.05)
+    assert ok and "+0.0%" in lines[1]
+    rising = [(10.0 * i, {"core": (v + 2 * i) * mib}) for i, v in enumerate(saw)]
+    ok, lines = report(rising, warm_t=0.0, max_growth=0.05)
+    assert not ok  # the same sawtooth on a leak of 0.2 MiB/s
+
+
 @pytest.mark.slow
 def test_a_short_soak_passes_and_prints_its_table():
     # 15 s is too short for a memory verdict (the pools are still warming at

@@ -28,15 +28,13 @@ from clients.bench.workloads import (
 
 
 def test_shared_prefix_workload_groups_share_their_system_prompt():
-    reqs = shared_prefix_workload(
-        1000,
-        seed=3,
-        num_groups=3,
-        prompts_per_group=4,
-        system_prompt_len=20,
-        question_len=5,
-        output_len=7,
-    )
+    def workload(seed):
+        return shared_prefix_workload(
+            1000, seed, num_groups=3, prompts_per_group=4, system_prompt_len=20,
+            question_len=5, output_len=7,
+        )  # fmt: skip
+
+    reqs = workload(3)
     assert len(reqs) == 12
     assert [r.index for r in reqs] == list(range(12))
     assert all(len(r.prompt_ids) == 25 and r.output_len == 7 for r in reqs)
@@ -46,26 +44,8 @@ def test_shared_prefix_workload_groups_share_their_system_prompt():
         assert len(members) == 4
         assert len({tuple(r.prompt_ids[:20]) for r in members}) == 1
         assert len({tuple(r.prompt_ids[20:]) for r in members}) == 4
-    again = shared_prefix_workload(
-        1000,
-        seed=3,
-        num_groups=3,
-        prompts_per_group=4,
-        system_prompt_len=20,
-        question_len=5,
-        output_len=7,
-    )
-    assert [r.prompt_ids for r in again] == [r.prompt_ids for r in reqs]
-    other = shared_prefix_workload(
-        1000,
-        seed=4,
-        num_groups=3,
-        prompts_per_group=4,
-        system_prompt_len=20,
-        question_len=5,
-        output_len=7,
-    )
-    assert [r.prompt_ids for r in other] != [r.prompt_ids for r in reqs]
+    assert [r.prompt_ids for r in workload(3)] == [r.prompt_ids for r in reqs]
+    assert [r.prompt_ids for r in workload(4)] != [r.prompt_ids for r in reqs]
 
 
 def test_random_workload_lengths_lie_in_the_range():
@@ -233,3 +213,11 @@ def test_bad_arguments_are_refused(argv, message, capsys):
         check_args(p, p.parse_args(argv))
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_json_report_is_strict_json():
+    from clients.bench.cli import strict_json
+
+    text = strict_json({"rate": math.inf, "hit": math.nan, "xs": [1.5, -math.inf], "n": 3})
+    assert json.loads(text) == {"rate": None, "hit": None, "xs": [1.5, None], "n": 3}
+    assert "Infinity" not in text and "NaN" not in text
