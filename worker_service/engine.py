@@ -11,6 +11,7 @@ from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.distributed import TensorParallel, init_tensor_parallel
+from worker_service.dtypes import resolve_dtype
 from worker_service.executor import Executor
 from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.model_compute import ModelCompute
@@ -24,7 +25,6 @@ logger = structlog.get_logger(__name__)
 
 CPU_KV_MEMORY = 1 << 30
 GPU_KV_FRACTION = 0.9
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -45,12 +45,6 @@ class Worker:
         if self.source is None:
             raise LookupError("the simulated model has no tokenizer")
         return self.source.tokenizer_files()
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def build_worker(cfg: WorkerConfig) -> Worker:

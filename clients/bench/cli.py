@@ -35,6 +35,7 @@ from clients.bench.workloads import (
     write_trace,
 )
 from clients.tokenizer_bundle import TokenizerBundle
+from observability.logging_setup import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--output-json", default=None)
     o.add_argument("--plots-dir", default=None)
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--log-level", default="warning", help="of the messages on stderr")
     return p
 
 
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     check_args(p, args)
+    # Stdout carries the table and the JSON line; the model-loading code's
+    # structlog messages would land there too by default.
+    configure_logging(args.log_level)
     try:
         requests, run = asyncio.run(serve_run(args))
     except (WorkloadError, OSError) as e:

@@ -50,9 +50,10 @@ from transformers import (
 )
 
 from clients.bench.records import BenchRequest, RequestRecord
+from worker_service.dtypes import resolve_dtype
+from worker_service.weights import open_model
+from worker_service.weights.random_shapes import PREFIX as RANDOM_PREFIX
 
-RANDOM_PREFIX = "random:"  # worker_service.weights.random_shapes.PREFIX
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_PROMPT_LEN = 8
 WARMUP_NEW_TOKENS = 2
 
@@ -66,43 +67,19 @@ class BaselineRun:
     dtype: str
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The worker's rule: "auto" is float32 on CPU, bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
 def _model_location(model: str) -> tuple[Path, str | None]:
-    """(directory, gguf file name or None) for ``from_pretrained``, resolved as
-    the server resolves its model argument."""
+    """(directory, gguf file name or None) for ``from_pretrained``: the model
+    argument resolved exactly as the server resolves it."""
     if model.startswith(RANDOM_PREFIX):
         raise ValueError(
             f"model {model!r} has random weights of a made-up shape, which transformers "
             "cannot build; the HF baseline needs a real model (default, a HF directory or "
             "a .gguf file)"
         )
-    if model == "default":
-        from worker_service.weights import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {path} does not exist (expected a Hugging Face model directory "
-            "or a .gguf file)"
-        )
-    if path.is_dir():
-        return path, None
-    if path.suffix == ".gguf":
-        return path.parent, path.name
-    raise FileNotFoundError(
-        f"{path} is neither a model directory nor a .gguf file; pass the directory "
-        "holding config.json, or the .gguf file"
-    )
+    source = open_model(model)
+    if source.kind == "hf":
+        return source.path, None
+    return source.path.parent, source.path.name
 
 
 def load_hf_model(

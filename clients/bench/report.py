@@ -99,28 +99,30 @@ def save_plots(
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 ax.step(xs, ys, where="post", label=name)
-        ax.set_title(title)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of requests" if title != "inter-token latency" else "fraction")
+        ylabel = "fraction of requests" if title != "inter-token latency" else "fraction"
+        _label(ax, title, "ms", ylabel)
         ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    cdf = directory / "latency_cdf.png"
-    fig.savefig(cdf, dpi=110)
-    plt.close(fig)
+    cdf = _save(plt, fig, directory / "latency_cdf.png")
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for name, (records, duration) in runs.items():
         xs, ys = throughput_over_time(records, duration)
         ax.plot(xs, ys, label=name)
-    ax.set_title("output tokens/s over the run")
-    ax.set_xlabel("seconds since the run began")
-    ax.set_ylabel("tokens/s")
+    _label(ax, "output tokens/s over the run", "seconds since the run began", "tokens/s")
+    tput = _save(plt, fig, directory / "throughput.png")
+    return [cdf, tput]
+
+
+def _label(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend()
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    tput = directory / "throughput.png"
-    fig.savefig(tput, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [cdf, tput]
+    return path

@@ -139,6 +139,7 @@ def test_openai_backend_through_the_gateway(gateway, tmp_path):
         "--random-range-ratio", "1", "--max-concurrency", "3", "--output-json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].split() == ["figure", "openai"]  # no log lines on stdout
     s = json.loads(out.read_text())["results"]["openai"]
     assert s["completed"] == 6 and s["output_tokens"] == 30  # from the usage blocks
     assert s["input_tokens"] > 0 and s["ttft_ms"]["p50"] > 0
