@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from protos import worker_pb2 as pb
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.core.plan import ForwardMode
-from scheduler_service.engine import Engine
+from scheduler_service.engine.loop import Engine
 
 PARTS = ("step", "encode", "decode", "update", "publish", "api_unpickle")
 
@@ -50,7 +50,8 @@ def measure(batch: int, steps: int) -> dict:
     )
     sched = Scheduler(cfg, 65536)
     conn = PickledConn()
-    engine = Engine(sched, None, conn)  # only its codec and _publish are used
+    # only its codec and _publish are used
+    engine = Engine(sched, None, conn, overlap_depth=1, recovery_timeout_s=60)
     codec = engine.codec
     for i in range(batch):
         sched.add_request(

@@ -39,10 +39,10 @@ from scheduler_service.core import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
-    SimulatedWorker,
 )
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.testing.simulated_worker import SimulatedWorker
 
 VOCAB = 128256
 TARGET_REPLAY_REQ_PER_S = 4000

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from clients.detokenizer import IncrementalDetokenizer, trim_stop
 from clients.tokenizer_bundle import TokenizerBundle
-from scheduler_service.detokenizer import IncrementalDetokenizer, trim_stop
 
 
 @dataclass

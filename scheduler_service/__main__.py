@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 
 from observability.logging_setup import configure_logging
+from scheduler_service.api.server import STARTUP_ERRORS, serve
 from scheduler_service.config import load_config
 from scheduler_service.gc_tuning import tune_gc
-from scheduler_service.server import STARTUP_ERRORS, serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:

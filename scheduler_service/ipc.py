@@ -19,11 +19,11 @@ from scheduler_service.core.request import Request
 # ----------------------------------------------------------- API -> core
 @dataclass
 class Submit:
+    """One Generate call's samples. Each carries what the core needs beyond its
+    tokens: its trace context (``Request.trace_context``) and, for n > 1, the
+    sample whose prefill it waits for (``Request.waits_for``)."""
+
     requests: list[Request]
-    # n > 1: the first request prefills the shared prompt; the others join once
-    # its prefill is planned, so they read the prompt's KV from the cache.
-    share_prompt: bool = False
-    traces: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,8 +97,8 @@ class Load:
     worker_connected: bool = True
     worker_losses: int = 0  # times the worker group's streams broke
     worker_recoveries: int = 0  # times it came back and serving resumed
-    # requests the core holds any state for (scheduler, held n > 1 siblings,
-    # trace contexts): 0 when idle, or something leaked
+    # requests the core holds any state for (the scheduler's request table,
+    # which includes held n > 1 siblings): 0 when idle, or something leaked
     tracked: int = 0
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import structlog
 
 from observability.logging_setup import configure_logging
+from scheduler_service.api.server import STARTUP_ERRORS
+from scheduler_service.api.server import serve as serve_scheduler
 from scheduler_service.config import add_service_flags, check_security_flags, service_config
-from scheduler_service.server import STARTUP_ERRORS
-from scheduler_service.server import serve as serve_scheduler
 
 logger = structlog.get_logger(__name__)
 

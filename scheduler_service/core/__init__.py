@@ -2,7 +2,8 @@
 
 Queues, the radix prefix cache, KV-page metadata, scheduling policies,
 admission, the running batch, and the step/update loop body that turns
-requests into transport-neutral step plans.
+requests into transport-neutral step plans. Its test oracle, the in-process
+simulated worker, lives apart in scheduler_service/testing/.
 """
 
 from scheduler_service.core.config import SchedulerConfig
@@ -30,7 +31,6 @@ from scheduler_service.core.request import (
 )
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
 from scheduler_service.core.scheduler import ProtocolError, Scheduler
-from scheduler_service.core.simulated_worker import SimulatedWorker
 
 __all__ = [
     "AllBlocksCleared",
@@ -57,7 +57,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
-    "SimulatedWorker",
     "StepPlan",
     "StepResult",
     "StopStringChecker",

@@ -1,19 +1,43 @@
-"""Prefill steps: order the queue, admit under the budgets, plan the chunks."""
+"""Prefill admission: which waiting requests run this step, and how far.
+
+``plan_admission`` walks the (already ordered) waiting queue through a
+``PrefillAdder`` and returns a ``PrefillDecision``; it moves no request
+between queues. The scheduler applies the decision. What admission does
+touch is KV bookkeeping: it locks matched prefixes and attaches them to the
+admitted requests' tables, and it releases the KV of the running requests
+it preempts at once, because the pages they free count for the requests
+admitted after them in the same step.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass, field
 
-import structlog
-
-from scheduler_service.core.plan import JoinRequest, ScheduledRequest, StepPlan
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.policy import request_tokens
 from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
 from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.request import FinishAbort, Request, RequestState
-from scheduler_service.core.scheduler_base import InFlight, SchedulerBase
+from scheduler_service.core.request import Request
 
-logger = structlog.get_logger(__name__)
+
+@dataclass(slots=True)
+class PrefillDecision:
+    """What one step's admission decided, for the scheduler to apply."""
+
+    # (request, end of the positions it computes this step), in plan order:
+    # the chunked request continuing first, then the newly admitted ones.
+    admitted: list[tuple[Request, int]] = field(default_factory=list)
+    # The request whose prefill continues next step (None: none).
+    chunked: Request | None = None
+    # Running requests preempted for higher-priority ones; their KV is
+    # already released, they go back to wait.
+    preempted: list[Request] = field(default_factory=list)
+    # Nothing runs and nothing was admitted: the request first in line cannot
+    # fit even in an empty pool (an idle scheduler admits whatever fits).
+    stuck: bool = False
+    # Prompt tokens the admitted requests found in the cache.
+    hit_tokens: int = 0
 
 
 class _InBatchPrefixes:
@@ -42,144 +66,61 @@ class _InBatchPrefixes:
         return shared - req.match_len >= self.hold
 
 
-class AdmissionMixin(SchedulerBase):
-    def _schedule_prefill(self, mixed_tokens: int) -> list[tuple[Request, int]]:
-        cfg = self.config
-        self._admission_stuck = False
-        if not self.waiting and self.chunked is None:
-            return []
-        priority = cfg.enable_priority_scheduling
-        if len(self.running) >= cfg.max_running_requests and self.chunked is None and not priority:
-            return []
-        if self.waiting:
-            self.policy.order(self.waiting, self.running)
-        adder = PrefillAdder(cfg, self.kv, self.running.reqs(), self.new_token_ratio, mixed_tokens)
-        if self.chunked is not None:
-            result = adder.add_chunked_req(self.chunked)
-            if not adder.admitted:
-                # First in line and out of memory: nobody overtakes it.
-                self._admission_stuck = adder.nothing_running
-                return []
-        else:
-            result = AddResult.CONTINUE
-        if result is AddResult.CONTINUE:
-            held = _InBatchPrefixes(cfg.prefix_hold_tokens, adder.admitted)
-            for req in self.waiting:
-                full = len(adder.admitted) >= cfg.max_running_requests - len(self.running)
-                if full and not (
-                    priority and adder.preempt_to_schedule(req, self.running.reqs(), self._preempt)
-                ):
-                    break
-                self._match(req)
-                if held.should_wait(req):
-                    continue
+def match_prefix(cache: RadixCache, req: Request) -> None:
+    """Record in ``req.match_*`` the longest cached prefix it may use."""
+    m = cache.match(request_tokens(req), req.extra_key, limit=req.max_prefix_len())
+    req.match_pages, req.match_len, req.match_node = m.pages, m.length, m.node
+
+
+def plan_admission(
+    config: SchedulerConfig,
+    kv: KvManager,
+    waiting: list[Request],
+    running: list[Request],
+    chunked: Request | None,
+    new_token_ratio: float,
+    mixed_tokens: int,
+) -> PrefillDecision:
+    """Admit from ``waiting`` (in the order given) under the step's budgets."""
+    priority = config.enable_priority_scheduling
+    adder = PrefillAdder(config, kv, running, new_token_ratio, mixed_tokens)
+    if chunked is not None:
+        result = adder.add_chunked_req(chunked)
+        if not adder.admitted:
+            # First in line and out of memory: nobody overtakes it.
+            return PrefillDecision(chunked=chunked, stuck=adder.nothing_running)
+    else:
+        result = AddResult.CONTINUE
+    if result is AddResult.CONTINUE:
+        held = _InBatchPrefixes(config.prefix_hold_tokens, adder.admitted)
+        room = config.max_running_requests - len(running)
+        for req in waiting:
+            full = len(adder.admitted) >= room + len(adder.preempted)
+            if full and not (priority and adder.preempt_to_schedule(req, running)):
+                break
+            match_prefix(kv.cache, req)
+            if held.should_wait(req):
+                continue
+            result = adder.add_one_req(req)
+            taken = bool(adder.admitted) and adder.admitted[-1][0] is req
+            if taken:
+                held.add(req)
+            if (
+                not taken
+                and result is AddResult.NO_TOKEN
+                and priority
+                and adder.preempt_to_schedule(req, running)
+            ):
+                match_prefix(kv.cache, req)
                 result = adder.add_one_req(req)
-                taken = bool(adder.admitted) and adder.admitted[-1][0] is req
-                if taken:
-                    held.add(req)
-                if (
-                    not taken
-                    and result is AddResult.NO_TOKEN
-                    and priority
-                    and adder.preempt_to_schedule(req, self.running.reqs(), self._preempt)
-                ):
-                    self._match(req)
-                    result = adder.add_one_req(req)
-                if result is not AddResult.CONTINUE:
-                    break
-        admitted = adder.admitted
+            if result is not AddResult.CONTINUE:
+                break
+    return PrefillDecision(
+        admitted=adder.admitted,
+        chunked=adder.new_chunked,
+        preempted=adder.preempted,
         # An idle scheduler admits whatever fits; if it admitted nothing, the
-        # request first in line can never fit (see _abort_unschedulable).
-        self._admission_stuck = adder.nothing_running and not admitted
-        if admitted:
-            taken = {id(r) for r, _ in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in taken]
-        self.waiting.extend(adder.preempted)
-        self.chunked = adder.new_chunked
-        self.stats.cached_tokens += adder.hit_tokens
-        return admitted
-
-    def _match(self, req: Request) -> None:
-        m = self.cache.match(request_tokens(req), req.extra_key, limit=req.max_prefix_len())
-        req.match_pages, req.match_len, req.match_node = m.pages, m.length, m.node
-
-    def _plan_prefill(
-        self, admitted: list[tuple[Request, int]], plan: StepPlan, record: InFlight
-    ) -> None:
-        now = self._clock()
-        kv = self.kv
-        for req, end in admitted:
-            start = req.kv_len
-            # A joining request's table starts empty on the worker: send it all,
-            # the cached prefix's pages included.
-            known = len(req.pages) if req.on_worker else 0
-            if kv.grow(req, end) is None:
-                raise RuntimeError(f"prefill of {req.rid} lacks pages the adder counted")
-            new_pages = req.pages[known:]
-            tokens = request_tokens(req)
-            if req.state is not RequestState.PREFILLING:
-                req.move_to(RequestState.PREFILLING)
-                req.cached_tokens += start
-                if req.times.first_scheduled is None:
-                    req.times.first_scheduled = now
-                    self.stats.prompt_tokens += len(req.prompt_ids)
-            if not req.on_worker:
-                plan.joins.append(self._join(req, tokens, start))
-                req.on_worker = True
-            final = end == req.num_tokens
-            sample = final and len(req.output_ids) < req.sampling.max_new_tokens
-            entry = ScheduledRequest(req.rid, start, tokens[start:end], new_pages, sample)
-            if req.prompt_logprobs_pending and end < len(req.prompt_ids):
-                entry.next_token = tokens[end]
-            plan.entries.append(entry)
-            record.entries[req.rid] = (req, req.epoch, sample)
-            req.kv_len = end
-            if sample:
-                record.expected_tokens += 1
-                req.move_to(RequestState.DECODING)
-                req.pending = 1
-                self.running.merge([req])
-            elif final:
-                record.prefill_only.append((req, req.epoch))
-        for req, _ in admitted:
-            kv.cache_computed_prefix(req)
-
-    @staticmethod
-    def _join(req: Request, tokens: list[int], start: int) -> JoinRequest:
-        logprobs = req.logprobs
-        if logprobs.wants_prompt_logprobs and not req.prompt_logprobs_pending:
-            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
-        return JoinRequest(
-            rid=req.rid,
-            sampling=req.sampling,
-            logprobs=logprobs,
-            prompt_len=len(req.prompt_ids),
-            prefix_ids=tokens[:start],
-            num_output_tokens=len(req.output_ids),
-        )
-
-    def _abort_unschedulable(self) -> None:
-        """Nothing runs and nothing is in flight, yet nothing was admitted: an
-        idle scheduler admits any request that fits, so the one first in line
-        cannot fit even in an empty pool (a retracted request that grew), and
-        waiting longer cannot help."""
-        if self.running or self._inflight or not self._admission_stuck:
-            return
-        head = self.chunked if self.chunked is not None else (self.waiting or [None])[0]
-        if head is None:
-            return
-        capacity = self.pool.num_pages * self.pool.page_size
-        logger.warning(
-            "request does not fit the KV pool",
-            request_id=head.rid,
-            trace_id=head.trace_id,
-            tokens=head.num_tokens,
-        )
-        self._finish(
-            head,
-            FinishAbort(
-                f"out of memory: the request needs {head.num_tokens + 1} tokens of KV cache "
-                f"and the pool holds {capacity}"
-            ),
-        )
-        self.stats.oom_aborts += 1
+        # request first in line can never fit.
+        stuck=adder.nothing_running and not adder.admitted,
+        hit_tokens=adder.hit_tokens,
+    )

@@ -12,11 +12,26 @@ scheduled again: it only waits for its last result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-from scheduler_service.core.kv_ownership import KvManager
+from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.plan import ScheduledRequest
 from scheduler_service.core.request import Request
+
+
+@dataclass(slots=True)
+class DecodeRoom:
+    """What making room for a decode step decided (see make_room_for_decode)."""
+
+    # Running requests whose KV was released, least progress last: back to wait.
+    retracted: list[Request] = field(default_factory=list)
+    # The chunked prefill's KV was released too: it goes back, first in line.
+    chunked_released: bool = False
+    # Requests that cannot fit even alone, with no result in flight: abort.
+    out_of_memory: list[Request] = field(default_factory=list)
+    # Whether the decode can run now.
+    ready: bool = False
 
 
 class RunningBatch:
@@ -66,47 +81,44 @@ class RunningBatch:
 
     def make_room_for_decode(
         self,
-        retract: Callable[[Request], None],
-        retract_chunked: Callable[[], bool],
-        abort_oom: Callable[[Request], None],
+        candidates: list[Request],
+        chunked: Request | None,
         results_pending: bool,
-        candidates: list[Request] | None = None,
-    ) -> tuple[int, bool]:
-        """Retract requests until the next decode step's pages fit.
+    ) -> DecodeRoom:
+        """Decide which requests give up their KV so the next decode fits.
 
-        Keeps at least one request; if even that one cannot fit, the chunked
-        prefill in progress is put back. If it still cannot fit and results
-        are in flight (which may finish requests and free pages), decoding
-        waits for them; otherwise the request is aborted. Requests only
-        waiting for their last token are left alone.
+        Retracts least progress first, keeping at least one request; if even
+        that one cannot fit, the chunked prefill in progress gives up its KV
+        too. If it still cannot fit and results are in flight (which may
+        finish requests and free pages), decoding waits for them; otherwise
+        the requests left are out of memory. Requests only waiting for their
+        last token (not among ``candidates``) are left alone.
 
-        ``candidates``: ``decode_candidates()`` if the caller has them; when
-        nothing is retracted and the decode can run, they are still the batch's
-        candidates afterwards.
-
-        Returns (requests retracted, whether the decode can run now).
+        The KV of every request named in the answer is released here (each
+        release changes what the next one must free); taking the requests
+        out of the batch and sending them back to wait is the scheduler's.
         """
         kv = self.kv
         page_size = kv.page_size
-        if candidates is None:
-            candidates = self.decode_candidates()
+        room = DecodeRoom()
         needed = self.pages_needed(candidates)
         if needed <= kv.available_pages():
-            return 0, True
+            room.ready = True
+            return room
         order = self.retraction_order(candidates)
-        retracted = 0
         while len(order) > 1 and needed > kv.available_pages():
             victim = order.pop()
             needed -= victim.kv_len % page_size == 0
-            retract(victim)
-            retracted += 1
-        if needed <= kv.available_pages() or (retract_chunked() and needed <= kv.available_pages()):
-            return retracted, True
-        if results_pending:
-            return retracted, False
-        for r in order:
-            abort_oom(r)
-        return retracted, False
+            kv.release(victim, cache_tokens=True)
+            room.retracted.append(victim)
+        if needed > kv.available_pages() and chunked is not None:
+            kv.release(chunked, cache_tokens=True)
+            room.chunked_released = True
+        if needed <= kv.available_pages():
+            room.ready = True
+        elif not results_pending:
+            room.out_of_memory = order
+        return room
 
     def prepare_decode(self, reqs: list[Request]) -> list[ScheduledRequest]:
         """One decode entry per request; the caller made sure the pages fit."""
@@ -114,7 +126,7 @@ class RunningBatch:
         needed = self.pages_needed(reqs)
         fresh = self.kv.alloc(needed)
         if fresh is None:
-            raise RuntimeError(f"decode needs {needed} pages that make_room_for_decode promised")
+            raise RuntimeError(f"decode needs {needed} pages that make_room_for_decode found")
         entries: list[ScheduledRequest] = []
         append = entries.append
         take = iter(fresh).__next__

@@ -6,8 +6,8 @@ params, sequence so far, last sampled token), so a plan carries deltas only:
 - ``joins``: requests the worker does not hold yet, with their parameters
   and the tokens before their first scheduled position (served from the
   prefix cache, so never sent as inputs);
-- ``leaves``: requests whose state the worker must drop (finished, aborted,
-  retracted), applied before the joins;
+- ``departures``: requests whose state the worker must drop (finished,
+  aborted, retracted), applied before the joins;
 - ``entries``: for each scheduled request, the tokens to compute from
   ``start_pos`` (``input_ids is None`` means "my last sampled token", which
   lets the scheduler send plan N+1 before result N arrives) and the page ids
@@ -45,6 +45,8 @@ class JoinRequest:
     # Output tokens already generated (a retracted request resuming): they sit
     # at positions >= prompt_len and count for penalties and seeded sampling.
     num_output_tokens: int = 0
+    # (traceparent, tracestate) of a traced request: its step spans link to it.
+    trace_context: tuple[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -69,7 +71,7 @@ class StepPlan:
     mode: ForwardMode
     entries: list[ScheduledRequest] = field(default_factory=list)
     joins: list[JoinRequest] = field(default_factory=list)
-    leaves: list[str] = field(default_factory=list)
+    departures: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

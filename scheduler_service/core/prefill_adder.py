@@ -19,10 +19,9 @@ here on matched prefixes keep them out of the evictable budget.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 from scheduler_service.core.config import CLIP_MAX_NEW_TOKENS, SchedulerConfig
-from scheduler_service.core.kv_ownership import KvManager
+from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.request import Request
 
 
@@ -183,17 +182,15 @@ class PrefillAdder:
         return self.budget_state()
 
     # -------------------------------------------------------- preemption
-    def preempt_to_schedule(
-        self,
-        req: Request,
-        running: list[Request],
-        preempt: Callable[[Request], None],
-    ) -> bool:
+    def preempt_to_schedule(self, req: Request, running: list[Request]) -> bool:
         """Preempt lower-priority running requests to make room for ``req``.
 
         Candidates are taken lowest priority first (newest first among
         equals) while their priority is more than the threshold below
-        ``req``'s, until their expected need covers ``req``'s.
+        ``req``'s, until their expected need covers ``req``'s. The chosen
+        ones' KV is released at once (their pages count for this step's
+        admission) and they are listed in ``preempted``: moving them back to
+        the waiting queue is the scheduler's.
         """
         sign = 1 if self.config.schedule_low_priority_values_first else -1
         candidates = sorted(
@@ -214,6 +211,6 @@ class PrefillAdder:
             return False
         for r in chosen:
             self.rem_total_offset -= self.running_need(r)
-            preempt(r)
+            self.kv.release(r, cache_tokens=True)
         self.preempted.extend(chosen)
         return True

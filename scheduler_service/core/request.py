@@ -98,13 +98,19 @@ class Request:
     extra_key: str | None = None
     routing_key: str | None = None
     trace_id: str = ""  # for log lines (the service sets it from the trace context)
+    # W3C (traceparent, tracestate) of the request's traced Generate call: the
+    # core's spans hang under it and the worker's step spans link to it.
+    trace_context: tuple[str, str] | None = None
+    # n > 1: the rid of the sample that prefills the shared prompt. This one is
+    # held until that prefill is planned, then reads the prompt from the cache.
+    waits_for: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
-    # --- KV holdings, owned by the scheduler (see kv_ownership.py) ---
+    # --- KV holdings, owned by the scheduler (see kv_manager.py) ---
     # Page table: page i holds positions [i * page_size, (i + 1) * page_size).
     pages: list[int] = field(default_factory=list)
     # The first `tree_pages` pages belong to the radix cache and are kept alive

@@ -1,4 +1,12 @@
-"""The scheduler's loop body: ``step() -> StepPlan`` and ``update(StepResult)``.
+"""The Scheduler: ``step() -> StepPlan`` and ``update(StepResult)``.
+
+It owns every request's place (the request table; the waiting queue; n > 1
+siblings held until their shared prompt is planned; the running batch; the
+request whose prefill is chunked; the plans in flight) and makes every move
+between them. Its collaborators decide and report: admission
+(admission.py) says which waiting requests run and which running ones are
+preempted, the running batch (batch.py) says which requests must give up
+their KV for a decode to fit, the KV manager (kv_manager.py) owns pages.
 
 Each step is a prefill (admit waiting requests, continue a chunked one),
 optionally mixed with the decode batch, or else a decode of the running
@@ -13,22 +21,81 @@ token discarded (a finished one's extra step only wrote a page that is freed).
 
 from __future__ import annotations
 
-from scheduler_service.core.admission import AdmissionMixin
-from scheduler_service.core.finish import check_finish
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+from scheduler_service.core.admission import plan_admission
+from scheduler_service.core.batch import RunningBatch
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.finish import StopStringChecker, check_finish
+from scheduler_service.core.inflight import InFlight, ProtocolError
 from scheduler_service.core.integrity import check_scheduler_integrity
-from scheduler_service.core.outputs import RequestDelta
-from scheduler_service.core.plan import ForwardMode, RequestOutput, StepPlan, StepResult
-from scheduler_service.core.request import FinishAbort, FinishLength, Request, RequestState
-from scheduler_service.core.retraction import RetractionMixin
+from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.outputs import RequestDelta, SchedulerStats, take_prompt_logprobs
+from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.plan import (
+    ForwardMode,
+    JoinRequest,
+    RequestOutput,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
+from scheduler_service.core.policy import SchedulePolicy, request_tokens
+from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.request import (
+    FinishAbort,
+    FinishLength,
+    FinishReason,
+    Request,
+    RequestState,
+)
 from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.core.scheduler_base import InFlight, ProtocolError
-from scheduler_service.core.worker_loss import WorkerLossMixin
+
+logger = structlog.get_logger(__name__)
 
 
-class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_pages: int,
+        stop_strings: StopStringChecker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.pool = PagePool(num_pages, config.page_size)
+        self.cache = RadixCache(config.page_size, self.pool, enable_events=config.enable_kv_events)
+        self.kv = KvManager(self.pool, self.cache)
+        self.policy = SchedulePolicy(config, self.cache)
+        # Where each live request is: exactly one of these (check_integrity).
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.held: list[Request] = []  # n > 1 siblings, until their leader is planned
+        self.running = RunningBatch(self.kv)
+        self.chunked: Request | None = None
+        self._inflight: deque[InFlight] = deque()  # plans sent, oldest first
+        self.new_token_ratio = config.start_new_token_ratio
+        self.stats = SchedulerStats()
+        self._stop_strings = stop_strings
+        self._clock = clock
+        self._step_id = 0
+        self._departures: list[str] = []  # rids whose worker state the next plan drops
+        self._outbox: list[RequestDelta] = []
+        self._admission_stuck = False
+        # Told (request, "retraction" | "preemption" | "worker loss") whenever
+        # a request is sent back to wait; the service's tracing listens.
+        self.on_requeue: Callable[[Request, str], None] | None = None
+
     # ============================================================ requests
     def add_request(self, req: Request) -> None:
-        """Queue a request; raise InvalidRequestError if it can never run."""
+        """Queue a request; raise InvalidRequestError if it can never run.
+        A request that ``waits_for`` a live sibling is held until that
+        sibling's prompt is planned (and so cached)."""
         if req.rid in self.requests:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use")
         if req.state is not RequestState.WAITING or req.output_ids or req.pages:
@@ -42,8 +109,12 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
             )
         now = self._clock()
         req.times.arrival = req.times.queue_entry = now
-        self.waiting.append(req)
         self.requests[req.rid] = req
+        if req.waits_for is not None and not self._leader_planned(req):
+            self.held.append(req)
+        else:
+            req.waits_for = None
+            self.waiting.append(req)
 
     def abort(self, rid: str, message: str = "aborted by the client", emit: bool = True) -> bool:
         """Finish a live request at once, freeing its pages; False if unknown.
@@ -64,11 +135,31 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
         return len(self._inflight)
 
     def is_idle(self) -> bool:
-        return not (self.requests or self._inflight or self._leaves)
+        return not (self.requests or self._inflight or self._departures)
+
+    def _leader_planned(self, req: Request) -> bool:
+        leader = self.requests.get(req.waits_for)
+        return leader is None or (
+            leader.state is not RequestState.WAITING and leader.kv_len >= len(leader.prompt_ids)
+        )
+
+    def _release_held(self) -> None:
+        """Held siblings join the queue once their leader's prompt is planned."""
+        still = []
+        for req in self.held:
+            if self._leader_planned(req):
+                req.waits_for = None
+                req.times.queue_entry = self._clock()
+                self.waiting.append(req)
+            else:
+                still.append(req)
+        self.held = still
 
     # ================================================================ step
     def step(self) -> StepPlan | None:
         """Plan the next forward; None when there is nothing to send."""
+        if self.held:
+            self._release_held()
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
         decode_reqs = self.running.decode_candidates() if mixed else []
         prefill = self._schedule_prefill(len(decode_reqs))
@@ -76,11 +167,13 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
             decode_entries = self._schedule_decode()
             if not decode_entries:
                 return self._idle_plan()
-            plan = StepPlan(self._next_step_id(), ForwardMode.DECODE, leaves=self._take_leaves())
+            plan = StepPlan(self._next_step_id(), ForwardMode.DECODE, departures=self._depart_now())
             record = InFlight(plan.step_id, {}, 0)
             self.stats.decode_steps += 1
         else:
-            plan = StepPlan(self._next_step_id(), ForwardMode.PREFILL, leaves=self._take_leaves())
+            plan = StepPlan(
+                self._next_step_id(), ForwardMode.PREFILL, departures=self._depart_now()
+            )
             record = InFlight(plan.step_id, {}, 0)
             self._plan_prefill(prefill, plan, record)
             # Decode the batch in the same forward if its pages fit after the
@@ -104,15 +197,195 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
         self.stats.steps += 1
         return plan
 
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _depart_now(self) -> list[str]:
+        departures, self._departures = self._departures, []
+        return departures
+
     def _idle_plan(self) -> StepPlan | None:
         if not self.running and not self.waiting and self.chunked is None:
             self.new_token_ratio = self.config.start_new_token_ratio
         self._abort_unschedulable()
-        if not self._leaves:
+        if not self._departures:
             return None
-        plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=self._take_leaves())
+        plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, departures=self._depart_now())
         self._inflight.append(InFlight(plan.step_id, {}, 0))
         return plan
+
+    # ------------------------------------------------------------- prefill
+    def _schedule_prefill(self, mixed_tokens: int) -> list[tuple[Request, int]]:
+        """Admit what the budgets allow and apply the decision."""
+        cfg = self.config
+        self._admission_stuck = False
+        if not self.waiting and self.chunked is None:
+            return []
+        full = len(self.running) >= cfg.max_running_requests and self.chunked is None
+        if full and not cfg.enable_priority_scheduling:
+            return []
+        if self.waiting:
+            self.policy.order(self.waiting, self.running)
+        decision = plan_admission(
+            cfg,
+            self.kv,
+            self.waiting,
+            self.running.reqs(),
+            self.chunked,
+            self.new_token_ratio,
+            mixed_tokens,
+        )
+        self._admission_stuck = decision.stuck
+        if decision.admitted:
+            taken = {id(r) for r, _ in decision.admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+        for req in decision.preempted:
+            self.running.remove(req)
+            self._requeue(req, "preemption")
+            req.preemptions += 1
+            self.stats.preemptions += 1
+            self.waiting.append(req)
+        self.chunked = decision.chunked
+        self.stats.cached_tokens += decision.hit_tokens
+        return decision.admitted
+
+    def _plan_prefill(
+        self, admitted: list[tuple[Request, int]], plan: StepPlan, record: InFlight
+    ) -> None:
+        now = self._clock()
+        kv = self.kv
+        for req, end in admitted:
+            start = req.kv_len
+            # A joining request's table starts empty on the worker: send it all,
+            # the cached prefix's pages included.
+            known = len(req.pages) if req.on_worker else 0
+            if kv.grow(req, end) is None:
+                raise RuntimeError(f"prefill of {req.rid} lacks pages the adder counted")
+            new_pages = req.pages[known:]
+            tokens = request_tokens(req)
+            if req.state is not RequestState.PREFILLING:
+                req.move_to(RequestState.PREFILLING)
+                req.cached_tokens += start
+                if req.times.first_scheduled is None:
+                    req.times.first_scheduled = now
+                    self.stats.prompt_tokens += len(req.prompt_ids)
+            if not req.on_worker:
+                plan.joins.append(self._join(req, tokens, start))
+                req.on_worker = True
+            final = end == req.num_tokens
+            sample = final and len(req.output_ids) < req.sampling.max_new_tokens
+            entry = ScheduledRequest(req.rid, start, tokens[start:end], new_pages, sample)
+            if req.prompt_logprobs_pending and end < len(req.prompt_ids):
+                entry.next_token = tokens[end]
+            plan.entries.append(entry)
+            record.entries[req.rid] = (req, req.epoch, sample)
+            req.kv_len = end
+            if sample:
+                record.expected_tokens += 1
+                req.move_to(RequestState.DECODING)
+                req.pending = 1
+                self.running.merge([req])
+            elif final:
+                record.prefill_only.append((req, req.epoch))
+        for req, _ in admitted:
+            kv.cache_computed_prefix(req)
+
+    @staticmethod
+    def _join(req: Request, tokens: list[int], start: int) -> JoinRequest:
+        logprobs = req.logprobs
+        if logprobs.wants_prompt_logprobs and not req.prompt_logprobs_pending:
+            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
+        return JoinRequest(
+            rid=req.rid,
+            sampling=req.sampling,
+            logprobs=logprobs,
+            prompt_len=len(req.prompt_ids),
+            prefix_ids=tokens[:start],
+            num_output_tokens=len(req.output_ids),
+            trace_context=req.trace_context,
+        )
+
+    def _abort_unschedulable(self) -> None:
+        """Nothing runs and nothing is in flight, yet nothing was admitted: an
+        idle scheduler admits any request that fits, so the one first in line
+        cannot fit even in an empty pool (a retracted request that grew), and
+        waiting longer cannot help."""
+        if self.running or self._inflight or not self._admission_stuck:
+            return
+        head = self.chunked if self.chunked is not None else (self.waiting or [None])[0]
+        if head is None:
+            return
+        capacity = self.pool.num_pages * self.pool.page_size
+        logger.warning(
+            "request does not fit the KV pool",
+            request_id=head.rid,
+            trace_id=head.trace_id,
+            tokens=head.num_tokens,
+        )
+        self._finish(
+            head,
+            FinishAbort(
+                f"out of memory: the request needs {head.num_tokens + 1} tokens of KV cache "
+                f"and the pool holds {capacity}"
+            ),
+        )
+        self.stats.oom_aborts += 1
+
+    # -------------------------------------------------------------- decode
+    def _schedule_decode(self) -> list[ScheduledRequest]:
+        if not self.running:
+            return []
+        cfg = self.config
+        candidates = self.running.decode_candidates()
+        room = self.running.make_room_for_decode(candidates, self.chunked, bool(self._inflight))
+        for req in room.retracted:
+            self.running.remove(req)
+            self._retracted(req)
+            self.waiting.append(req)
+        if room.chunked_released:
+            req, self.chunked = self.chunked, None
+            self._retracted(req)
+            self.waiting.insert(0, req)
+        for req in room.out_of_memory:
+            self._abort_oom(req)
+        if room.retracted:
+            reqs = self.running.reqs()
+            decoded = sum(len(r.output_ids) for r in reqs)
+            budget = sum(r.sampling.max_new_tokens for r in reqs)
+            estimate = min(1.0, (decoded + cfg.retract_decode_steps * len(reqs)) / max(budget, 1))
+            self.new_token_ratio = max(self.new_token_ratio, estimate)
+            logger.info(
+                "retracted requests to fit decode",
+                retracted=len(room.retracted),
+                running=len(reqs),
+                new_token_ratio=round(self.new_token_ratio, 3),
+            )
+        else:
+            self.new_token_ratio = max(
+                self.new_token_ratio - cfg.new_token_ratio_decay, cfg.min_new_token_ratio
+            )
+        if not room.ready:
+            return []
+        if room.retracted:  # otherwise the batch, and so its candidates, did not change
+            candidates = self.running.decode_candidates()
+        return self.running.prepare_decode(candidates) if candidates else []
+
+    def _abort_oom(self, req: Request) -> None:
+        logger.warning(
+            "out of memory even after retraction",
+            request_id=req.rid,
+            trace_id=req.trace_id,
+            tokens=req.num_tokens,
+        )
+        self.stats.oom_aborts += 1
+        self._finish(
+            req,
+            FinishAbort(
+                "out of memory: the KV cache cannot hold this request even after retracting "
+                "all others"
+            ),
+        )
 
     # ============================================================== update
     def update(self, result: StepResult) -> None:
@@ -180,13 +453,13 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
         token = out.token_id
         if token is None:  # a prefill chunk: only prompt logprobs can come back
             delta = RequestDelta(req, [], [])
-            self._take_prompt_logprobs(req, out, delta)
+            take_prompt_logprobs(req, out, delta)
             if delta.prompt_logprobs:
                 self._outbox.append(delta)
             return
         delta = RequestDelta(req, [token], [out.logprobs])
         if out.prompt_logprobs:
-            self._take_prompt_logprobs(req, out, delta)
+            take_prompt_logprobs(req, out, delta)
         req.pending -= 1
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
@@ -198,28 +471,132 @@ class Scheduler(AdmissionMixin, RetractionMixin, WorkerLossMixin):
             delta.finished = True
             self._finish(req, reason, emit=False)
 
-    @staticmethod
-    def _take_prompt_logprobs(req: Request, out: RequestOutput, delta: RequestDelta) -> None:
-        """Deliver each prompt position once, even if a retracted request's
-        re-prefill computes it again."""
-        logprobs = out.prompt_logprobs or []
-        start = out.prompt_logprobs_start
-        skip = max(0, req.prompt_logprobs_sent - start)
-        logprobs = logprobs[skip:]
-        start += skip
-        if not logprobs:
-            return
-        req.prompt_logprobs_sent = start + len(logprobs)
-        if req.prompt_logprobs_sent >= len(req.prompt_ids):
-            req.prompt_logprobs_pending = False
-        delta.prompt_logprobs = logprobs
-        delta.prompt_logprobs_start = start
+    # =============================================================== moves
+    def _depart(self, req: Request) -> None:
+        """The next plan tells the worker to drop ``req``'s state."""
+        if req.on_worker:
+            self._departures.append(req.rid)
+            req.on_worker = False
 
+    def _requeue(self, req: Request, why: str) -> None:
+        """Turn a request whose KV was released into one waiting again (the
+        caller takes it out of where it was and puts it in the queue)."""
+        self._depart(req)
+        req.move_to(RequestState.RETRACTED)
+        req.epoch += 1
+        req.pending = 0
+        req.times.queue_entry = self._clock()
+        if self.on_requeue is not None:
+            self.on_requeue(req, why)
+
+    def _retracted(self, req: Request) -> None:
+        self._requeue(req, "retraction")
+        req.retractions += 1
+        self.stats.retractions += 1
+
+    def _finish(self, req: Request, reason: FinishReason, emit: bool = True) -> None:
+        """Finish ``req`` wherever it is, cache its tokens and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
+        elif req.waits_for is not None:
+            self.held.remove(req)
+        elif req.state in (RequestState.WAITING, RequestState.RETRACTED):
+            self.waiting.remove(req)
+        self.kv.release(req, cache_tokens=True)
+        self._depart(req)
+        req.finish(reason, self._clock())
+        del self.requests[req.rid]
+        kinds = self.stats.finished
+        kinds[reason.kind] = kinds.get(reason.kind, 0) + 1
+        if emit:
+            self._outbox.append(RequestDelta(req, [], finished=True))
+
+    # ========================================================= worker loss
+    def reset_after_worker_loss(self, num_pages: int | None = None) -> list[Request]:
+        """The worker group was lost with its KV pages, but every request's
+        tokens are here: drop the radix cache, the page pool's state and the
+        plans in flight, and send every request that holds KV back to wait
+        with the output it has, exactly like a retracted one. Tokens that were
+        in flight are sampled again on the same context, and nothing is
+        delivered twice (deliveries only come from ``update()``).
+
+        ``num_pages``: the pool size of the worker group that came back (None:
+        unchanged). Safe to call again while nothing ran in between. Returns
+        the requests sent back to wait.
+        """
+        holders: list[Request] = self.running.reqs()
+        if self.chunked is not None:
+            holders.append(self.chunked)
+        # max_new_tokens == 0 requests whose prefill was in flight sit in no
+        # queue: only the in-flight record knows them.
+        for rec in self._inflight:
+            holders.extend(
+                r
+                for r, epoch in rec.prefill_only
+                if r.epoch == epoch and r.state is RequestState.PREFILLING
+            )
+        for req in self.running.reqs():
+            self.running.remove(req)
+        self.chunked = None
+        now = self._clock()
+        for req in holders:
+            # No release: the pool and the cache are wiped below, and
+            # inserting pages whose contents are gone would poison the cache.
+            req.pages = []
+            req.tree_pages = 0
+            req.last_node = None
+            req.kv_len = 0
+            req.on_worker = False
+            req.move_to(RequestState.RETRACTED)
+            req.epoch += 1  # anything still arriving for the old plans is stale
+            req.pending = 0
+            req.times.queue_entry = now
+        # The oldest first, ahead of the requests that never ran.
+        holders.sort(key=lambda r: r.times.arrival)
+        self.waiting[:0] = holders
+        for req in self.waiting:  # matches point into the cache being dropped
+            req.match_pages, req.match_node, req.match_len = [], None, 0
+        self._inflight.clear()
+        self._departures.clear()  # the new worker holds no request state to drop
+        self._admission_stuck = False
+        self.cache.reset()  # emits AllBlocksCleared for the cache-aware router
+        self.pool.reset(num_pages)
+        self.stats.worker_losses += 1
+        self.stats.worker_loss_requeues += len(holders)
+        if self.on_requeue is not None:
+            for req in holders:
+                self.on_requeue(req, "worker loss")
+        logger.info(
+            "worker state dropped",
+            requeued=len(holders),
+            waiting=len(self.waiting),
+            num_pages=self.pool.num_pages,
+        )
+        return holders
+
+    def resize_pool(self, num_pages: int) -> None:
+        """Take the page count of the worker group that came back; only while
+        nothing holds KV (between reset_after_worker_loss and the next step)."""
+        if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
+            raise RuntimeError("the page pool can only be resized while it is empty")
+        self.pool.reset(num_pages)
+
+    # ========================================================== invariants
     def check_integrity(self) -> None:
         """Every page is exactly one of free, cached-unlocked, or held (by a
         request's own pages or a locked cache node); every live request is in
         exactly one place, in a state that fits it."""
-        check_scheduler_integrity(self)
+        check_scheduler_integrity(
+            self.kv,
+            self.requests,
+            self.waiting,
+            self.held,
+            self.running,
+            self.chunked,
+            self._inflight,
+        )
 
 
 __all__ = ["ProtocolError", "Scheduler"]

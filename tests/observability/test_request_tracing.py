@@ -5,8 +5,8 @@ chunked prefill, against the simulated worker."""
 from __future__ import annotations
 
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
-from scheduler_service.core.simulated_worker import expected_output
-from scheduler_service.request_tracing import RequestTracer
+from scheduler_service.engine.request_tracing import RequestTracer
+from scheduler_service.testing.simulated_worker import expected_output
 from tests.scheduler_service.core.sim_driver import check_drained, make_pair
 
 V = 64
@@ -24,8 +24,9 @@ class Driver:
 
     def add(self, *reqs: Request) -> None:
         for r in reqs:
+            r.trace_context = (f"00-{CALLER_TRACE}-{GENERATE_SPAN}-01", "")
             self.sched.add_request(r)
-            self.tracer.submitted(r, f"00-{CALLER_TRACE}-{GENERATE_SPAN}-01", "")
+            self.tracer.submitted(r)
 
     def until_idle(self) -> None:
         sched, tracer = self.sched, self.tracer
@@ -119,8 +120,9 @@ def test_untraced_and_unsampled_requests_make_no_spans(span_exporter):
     driver = Driver(SchedulerConfig(page_size=4), 64)
     driver.sched.add_request(Request("plain", [1, 2, 3], SamplingParams(max_new_tokens=2)))
     r = Request("unsampled", [4, 5, 6], SamplingParams(max_new_tokens=2))
+    r.trace_context = (f"00-{CALLER_TRACE}-{GENERATE_SPAN}-00", "")
     driver.sched.add_request(r)
-    driver.tracer.submitted(r, f"00-{CALLER_TRACE}-{GENERATE_SPAN}-00", "")
+    driver.tracer.submitted(r)
     driver.until_idle()
     assert span_exporter.get_finished_spans() == ()
     assert r.trace_id == CALLER_TRACE  # log lines still name the caller's trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.auth import ApiKeyFileError, key_matches, load_api_keys, presented_key
+from scheduler_service.api.auth import ApiKeyFileError, key_matches, load_api_keys, presented_key
 from scheduler_service.config import load_config
 
 

@@ -8,13 +8,13 @@ import pickle
 
 from protos import worker_pb2 as pb
 from scheduler_service import ipc
-from scheduler_service.convert.worker import WorkerCodec
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine import Engine
+from scheduler_service.engine.loop import Engine
+from scheduler_service.engine.worker_codec import WorkerCodec
 
 
 class FakeConn:
@@ -56,7 +56,7 @@ def _engine(n: int, logprob_rids: set[str] = frozenset()) -> tuple[Engine, FakeC
             Request(rid, [10 + i, 11, 12], SamplingParams(max_new_tokens=3), logprobs=lp)
         )
     conn = FakeConn()
-    return Engine(sched, None, conn), conn
+    return Engine(sched, None, conn, overlap_depth=1, recovery_timeout_s=60), conn
 
 
 def _run_steps(eng: Engine, tokens: list[int]) -> list[ipc.DeltaOut]:

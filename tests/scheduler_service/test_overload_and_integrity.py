@@ -1,4 +1,4 @@
-"""The API process's bound on queued samples (Hub) and the core's integrity
+"""The API process's bound on queued samples (CoreClient) and the core's integrity
 switch (Engine), without processes: fake pipe ends stand in for the other side."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from scheduler_service import ipc
+from scheduler_service.api.core_client import CoreBroken, CoreClient, QueueFull
 from scheduler_service.config import ServiceConfig, load_config
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine import Engine
-from scheduler_service.hub import CoreBroken, Hub, QueueFull
+from scheduler_service.engine.loop import Engine
 
 
 class FakeConn:
@@ -30,10 +30,10 @@ def _req(rid: str) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=2))
 
 
-def _hub(limit: int) -> Hub:
-    hub = Hub(ServiceConfig(max_queued_requests=limit))
-    hub._conn = FakeConn()
-    return hub
+def _core(limit: int) -> CoreClient:
+    core = CoreClient(ServiceConfig(max_queued_requests=limit))
+    core._conn = FakeConn()
+    return core
 
 
 def _load() -> ipc.Load:
@@ -41,40 +41,40 @@ def _load() -> ipc.Load:
 
 
 def test_samples_count_until_their_first_output_or_until_forgotten():
-    hub = _hub(3)
-    a = hub.submit([_req("a-0"), _req("a-1")], share_prompt=True)
-    hub.submit([_req("b")], share_prompt=False)
-    assert hub.queued == 3
+    core = _core(3)
+    a = core.submit([_req("a-0"), _req("a-1")])
+    core.submit([_req("b")])
+    assert core.queued == 3
     with pytest.raises(QueueFull, match=r"the limit \(--max-queued-requests\) is 3"):
-        hub.submit([_req("c")], share_prompt=False)
-    assert "c" not in hub._calls  # refused before anything was recorded
-    hub._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [5])], _load()))
-    hub._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [6])], _load()))  # counted once
-    assert hub.queued == 2
-    hub.submit([_req("c")], share_prompt=False)
-    hub.forget(a)  # a-1 never started: the call ended (e.g. client cancel)
-    hub._dispatch(ipc.Rejected("b", "bad"))
-    assert hub.queued == 1
+        core.submit([_req("c")])
+    assert "c" not in core._calls  # refused before anything was recorded
+    core._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [5])], _load()))
+    core._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [6])], _load()))  # counted once
+    assert core.queued == 2
+    core.submit([_req("c")])
+    core.forget(a)  # a-1 never started: the call ended (e.g. client cancel)
+    core._dispatch(ipc.Rejected("b", "bad"))
+    assert core.queued == 1
     # health probes are never refused
-    hub.submit([_req("p1"), _req("p2"), _req("p3")], share_prompt=False, bounded=False)
+    core.submit([_req("p1"), _req("p2"), _req("p3")], bounded=False)
 
 
 @pytest.mark.parametrize("limit", [0, -1])
 def test_zero_or_negative_means_unbounded(limit):
-    hub = _hub(limit)
+    core = _core(limit)
     for i in range(100):
-        hub.submit([_req(f"r{i}")], share_prompt=False)
-    assert hub.queued == 100
+        core.submit([_req(f"r{i}")])
+    assert core.queued == 100
 
 
 def test_an_internal_failure_reaches_calls_and_new_submits_as_internal():
-    hub = _hub(0)
-    call = hub.submit([_req("a")], share_prompt=False)
-    hub._dispatch(ipc.Failed("scheduler integrity check failed after a step: x", "INTERNAL"))
+    core = _core(0)
+    call = core.submit([_req("a")])
+    core._dispatch(ipc.Failed("scheduler integrity check failed after a step: x", "INTERNAL"))
     err = call.queue.get_nowait()
     assert isinstance(err, CoreBroken) and err.code == "INTERNAL"
     with pytest.raises(CoreBroken, match="integrity"):
-        hub.submit([_req("b")], share_prompt=False)
+        core.submit([_req("b")])
 
 
 def test_flags_and_environment(monkeypatch):
@@ -95,8 +95,9 @@ class IdleGroup:
 def test_a_broken_invariant_stops_the_core_with_an_internal_failure():
     sched = Scheduler(SchedulerConfig(page_size=4), 16)
     conn = FakeConn()
-    engine = Engine(sched, IdleGroup(), conn)
-    engine.check_integrity = True
+    engine = Engine(
+        sched, IdleGroup(), conn, overlap_depth=1, recovery_timeout_s=60, check_integrity=True
+    )
     sched.pool._free.append(sched.pool._free[0])  # a double free
     engine.run()
     (failed,) = [m for m in conn.sent if isinstance(m, ipc.Failed)]

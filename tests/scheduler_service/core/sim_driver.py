@@ -17,9 +17,8 @@ from scheduler_service.core import (
     Request,
     Scheduler,
     SchedulerConfig,
-    SimulatedWorker,
 )
-from scheduler_service.core.simulated_worker import expected_output
+from scheduler_service.testing.simulated_worker import SimulatedWorker, expected_output
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.kv_ownership import KvManager
+from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
 from scheduler_service.core.radix_cache import RadixCache
@@ -119,6 +119,8 @@ def test_priority_preemption_needs_a_gap_past_the_threshold(gap, preempts):
     adder = PrefillAdder(config, kv, run, new_token_ratio=1.0)
     req = waiting(kv, "high", 20, max_new=20, priority=gap)
     assert adder.add_one_req(req) is AddResult.NO_TOKEN  # 59 - 99 leaves no room
-    released = []
-    assert adder.preempt_to_schedule(req, run, released.append) is preempts
-    assert [r.rid for r in released] == (["low"] if preempts else [])
+    assert run[0].pages
+    assert adder.preempt_to_schedule(req, run) is preempts
+    assert [r.rid for r in adder.preempted] == (["low"] if preempts else [])
+    # A preempted request's KV is released at once; only the move is left to the scheduler.
+    assert (run[0].pages == []) is preempts

@@ -22,7 +22,7 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.kv_events import BlockStored
-from scheduler_service.core.simulated_worker import expected_output
+from scheduler_service.testing.simulated_worker import expected_output
 from tests.scheduler_service.core.sim_driver import (
     check_drained,
     check_outputs,
@@ -123,7 +123,7 @@ def test_abort_frees_pages_at_once_and_tells_the_worker():
     (delta,) = [d for d in sched.drain() if d.finished]
     assert isinstance(delta.req.finish_reason, FinishAbort)
     plan = sched.step()
-    assert plan.mode is ForwardMode.IDLE and plan.leaves == ["r"]
+    assert plan.mode is ForwardMode.IDLE and plan.departures == ["r"]
     sched.update(worker.execute(plan))
     assert not worker.reqs and not sched.abort("r")
     check_drained(sched, worker)
@@ -345,3 +345,48 @@ def test_a_short_shared_prefix_is_not_worth_a_wait():
     assert [r.cached_tokens for r in reqs] == [0, 0, 0]
     with pytest.raises(ValueError, match="prefix_hold_tokens"):
         cfg(prefix_hold_tokens=-1)
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_siblings_wait_for_the_leaders_prefill_and_read_the_prompt_from_the_cache(lag):
+    prompt = list(range(1, 41))
+    leader = req("n-0", prompt, max_new=6)
+    siblings = [req(f"n-{i}", prompt, max_new=6) for i in (1, 2)]
+    for s in siblings:
+        s.waits_for = "n-0"
+    sched, worker = make_pair(cfg(page_size=4), 64, V)
+    for r in (leader, *siblings):
+        sched.add_request(r)
+    assert sched.held == siblings and sched.waiting == [leader]
+    sched.check_integrity()  # held requests are placed, and nowhere else
+    plan = sched.step()
+    assert [j.rid for j in plan.joins] == ["n-0"]  # the siblings are still held
+    sched.check_integrity()
+    sched.update(worker.execute(plan))
+    first = sched.drain()
+    log = drive(sched, worker, [], overlap=lag)
+    log.deltas["n-0"][:0] = first[0].new_token_ids
+    check_outputs([leader, *siblings], sched.config, V, log)
+    check_drained(sched, worker)
+    # Each sibling computed only the prompt's last (uncachable) page.
+    assert [s.cached_tokens for s in siblings] == [36, 36]
+    assert not sched.held
+
+
+def test_an_aborted_held_sibling_finishes_and_a_leaders_abort_releases_the_rest():
+    prompt = list(range(1, 21))
+    leader, sib, other = req("n-0", prompt), req("n-1", prompt), req("n-2", prompt)
+    sib.waits_for = other.waits_for = "n-0"
+    sched, worker = make_pair(cfg(page_size=4), 64, V)
+    for r in (leader, sib, other):
+        sched.add_request(r)
+    assert sched.abort("n-1", "client gone")
+    assert sched.held == [other] and isinstance(sib.finish_reason, FinishAbort)
+    (gone,) = sched.drain()
+    assert gone.req is sib and gone.finished
+    sched.check_integrity()
+    sched.abort("n-0")  # the leader never ran: its sibling is free to prefill itself
+    log = drive(sched, worker, [])
+    assert not sched.held and other.finished and other.cached_tokens == 0
+    check_outputs([other], sched.config, V, log)
+    check_drained(sched, worker)

@@ -17,9 +17,9 @@ from scheduler_service.core import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
-    SimulatedWorker,
 )
 from scheduler_service.core.kv_events import AllBlocksCleared
+from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.sim_driver import (
     DriveLog,
     check_drained,

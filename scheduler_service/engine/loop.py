@@ -21,13 +21,14 @@ import structlog
 from observability import tracing
 from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
-from scheduler_service.convert.worker import WorkerCodec
-from scheduler_service.core.request import FinishStop, RequestState
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import FinishStop, Request
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine_recovery import WorkerRecoveryMixin
-from scheduler_service.request_tracing import RequestTracer
-from scheduler_service.workers import WorkerError, WorkerGroup
+from scheduler_service.engine.recovery import WorkerRecovery
+from scheduler_service.engine.request_tracing import RequestTracer
+from scheduler_service.engine.worker_codec import WorkerCodec
+from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
 
@@ -39,14 +40,15 @@ class IntegrityFailure(RuntimeError):
     """The scheduler's pages or requests are inconsistent (a bug)."""
 
 
-class Engine(WorkerRecoveryMixin):
+class Engine:
     def __init__(
         self,
         sched: Scheduler,
         group: WorkerGroup,
         conn: Connection,
-        overlap_depth: int = 1,
-        recovery_timeout_s: float = 60.0,
+        overlap_depth: int,
+        recovery_timeout_s: float,
+        check_integrity: bool = False,
     ) -> None:
         self.sched = sched
         self.group = group
@@ -55,17 +57,12 @@ class Engine(WorkerRecoveryMixin):
         # every result before planning (no overlap), 1 is SGLang's overlap.
         self.lag = overlap_depth
         # Debug (--check-integrity): check pool and cache after every step and update.
-        self.check_integrity = False
+        self.check_integrity = check_integrity
         self.codec = WorkerCodec()
-        self.inflight: deque[int] = deque()
-        # n > 1: rid of the leader -> siblings waiting for its prefill to be planned
-        self.held: dict[str, list] = {}
+        self.inflight: deque[int] = deque()  # step ids sent, oldest first
         self.running = True
-        # Worker loss (engine_recovery.py): how long requests wait for the group.
-        self.recovery_timeout_s = recovery_timeout_s
-        self.worker_connected = True
-        self.worker_losses = 0
-        self.worker_recoveries = 0
+        self.recovery = WorkerRecovery(sched, group, recovery_timeout_s)
+        self.loss_error = ""  # why the worker streams broke, for the log
         self.busy_ms = 0.0
         self.idle_ms = 0.0
         self._cpu_read_at = 0.0
@@ -80,8 +77,8 @@ class Engine(WorkerRecoveryMixin):
     def run(self) -> None:
         self.group.open()
         try:
-            # A lost worker group is waited for (engine_recovery.py): the
-            # requests live on here and resume once it is back.
+            # A lost worker group is waited for (recovery.py): the requests
+            # live on here and resume once it is back.
             while not self._loop_until_worker_loss():
                 if not self._recover():
                     self._publish()
@@ -113,8 +110,7 @@ class Engine(WorkerRecoveryMixin):
     def _loop(self) -> None:
         sched = self.sched
         while self.running:
-            self._read_inbox(block=not self.inflight and sched.is_idle() and not self.held)
-            self._release_held()
+            self._read_inbox(block=not self.inflight and sched.is_idle())
             plan = sched.step()
             if self.check_integrity:
                 self._check("a step")
@@ -141,6 +137,36 @@ class Engine(WorkerRecoveryMixin):
                 self._read_inbox(block=True, timeout=0.005)
         self._publish()
 
+    def _recover(self) -> bool:
+        """Survive the loss of the worker group; True once it serves again,
+        False if the service is shutting down meanwhile."""
+        recovery = self.recovery
+        self.inflight.clear()
+        self.codec.forget_worker()
+        if self.tracer is not None:
+            self.tracer.forget_steps()
+        recovery.lost(self.loss_error)
+        self._publish()  # AllBlocksCleared and the load go out now
+        while self.running:
+            if recovery.try_reconnect():
+                return True
+            if recovery.expired():
+                self._fail_all(recovery.message)
+            self._read_inbox(block=True, timeout=recovery.wait_s())
+        return False
+
+    def _fail_all(self, message: str) -> None:
+        """End every request the core holds with UNAVAILABLE (the calls end
+        with a status, not a finish)."""
+        sched = self.sched
+        rids = list(sched.requests)
+        for rid in rids:
+            req = sched.requests[rid]
+            sched.abort(rid, message, emit=False)
+            self._finished(req)
+        if rids:
+            self.conn.send(ipc.Unavailable(rids, message))
+
     # ---------------------------------------------------------------- inbox
     def _read_inbox(self, block: bool, timeout: float = IDLE_WAIT_S) -> None:
         conn = self.conn
@@ -156,7 +182,7 @@ class Engine(WorkerRecoveryMixin):
             self._submit(msg)
         elif isinstance(msg, ipc.Abort):
             for rid in msg.rids:
-                self._abort(rid, msg.reason)
+                self.sched.abort(rid, msg.reason)
         elif isinstance(msg, ipc.FlushCache):
             self.conn.send(self._flush(msg.token))
         elif isinstance(msg, ipc.Shutdown):
@@ -165,59 +191,27 @@ class Engine(WorkerRecoveryMixin):
             logger.error("unknown message from the API process", kind=type(msg).__name__)
 
     def _submit(self, msg: ipc.Submit) -> None:
-        self.codec.traces.update(msg.traces)
-        if self.tracer is not None and msg.traces:
+        """One call's samples; with n > 1 the later ones wait for the first's
+        prefill (``Request.waits_for``), which the scheduler handles."""
+        if self.tracer is not None:
             for r in msg.requests:
-                if r.rid in msg.traces:
-                    self.tracer.submitted(r, *msg.traces[r.rid])
+                if r.trace_context is not None:
+                    self.tracer.submitted(r)
         first, *rest = msg.requests
         if not self._add(first):
             for r in rest:
                 self.conn.send(ipc.Rejected(r.rid, "the request's first sample was refused"))
             return
-        if msg.share_prompt and rest:
-            self.held[first.rid] = rest
-        else:
-            for r in rest:
-                self._add(r)
+        for r in rest:
+            self._add(r)
 
-    def _add(self, req) -> bool:
+    def _add(self, req: Request) -> bool:
         try:
             self.sched.add_request(req)
         except InvalidRequestError as e:
             self.conn.send(ipc.Rejected(req.rid, str(e)))
             return False
         return True
-
-    def _release_held(self) -> None:
-        """Siblings join once the leader's prompt is planned (and so cached)."""
-        if not self.held:
-            return
-        for rid in list(self.held):
-            leader = self.sched.requests.get(rid)
-            planned = leader is None or (
-                leader.state is not RequestState.WAITING and leader.kv_len >= len(leader.prompt_ids)
-            )
-            if planned:
-                for r in self.held.pop(rid):
-                    self._add(r)
-
-    def _abort(self, rid: str, reason: str) -> None:
-        # Held siblings never reached the scheduler: they finish here, as
-        # aborted (a Rejected would tell the client its request was invalid).
-        dropped = self.held.pop(rid, [])
-        for siblings in self.held.values():
-            for r in list(siblings):
-                if r.rid == rid:
-                    siblings.remove(r)
-                    dropped.append(r)
-        if dropped:
-            finish = ipc.Finish("abort", message=reason)
-            deltas = [ipc.DeltaOut(r.rid, [], finish=finish) for r in dropped]
-            for r in dropped:
-                self.codec.traces.pop(r.rid, None)
-            self.conn.send(ipc.Outputs(deltas, self.load()))
-        self.sched.abort(rid, reason)
 
     def _flush(self, token: int) -> ipc.Flushed:
         sched = self.sched
@@ -256,17 +250,15 @@ class Engine(WorkerRecoveryMixin):
                 add_cached(req.cached_tokens)
         self.conn.send(ipc.Outputs(out, self.load(), events, rids, tokens, cached))
 
-    def _finished(self, req) -> None:
+    def _finished(self, req: Request) -> None:
         times = req.times
         if times.first_scheduled is not None:
             self.queue_time.observe(times.first_scheduled - times.arrival)
             self._queue_time_changed = True
         if self.tracer is not None:
             self.tracer.finished(req)
-        # Only a join reads it; a request aborted while waiting never joins.
-        self.codec.traces.pop(req.rid, None)
 
-    def _delta(self, d) -> ipc.DeltaOut:
+    def _delta(self, d: RequestDelta) -> ipc.DeltaOut:
         req = d.req
         finish = None
         if d.finished:
@@ -308,9 +300,10 @@ class Engine(WorkerRecoveryMixin):
         if self._queue_time_changed:  # only when a request finished since the last snapshot
             self._queue_time_changed = False
             queue_time = self.queue_time.snapshot()
+        recovery = self.recovery
         return ipc.Load(
             running=len(sched.running) + (sched.chunked is not None),
-            waiting=len(sched.waiting) + sum(len(v) for v in self.held.values()),
+            waiting=len(sched.waiting) + len(sched.held),
             used_tokens=used,
             total_tokens=pool.num_pages * page,
             cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
@@ -323,10 +316,8 @@ class Engine(WorkerRecoveryMixin):
             retractions=stats.retractions,
             preemptions=stats.preemptions,
             queue_time=queue_time,
-            worker_connected=self.worker_connected,
-            worker_losses=self.worker_losses,
-            worker_recoveries=self.worker_recoveries,
-            tracked=len(sched.requests)
-            + sum(len(v) for v in self.held.values())
-            + len(self.codec.traces),
+            worker_connected=recovery.connected,
+            worker_losses=recovery.losses,
+            worker_recoveries=recovery.recoveries,
+            tracked=len(sched.requests),
         )

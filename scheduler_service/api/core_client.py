@@ -51,7 +51,7 @@ class QueueFull(RuntimeError):
     """Too many samples wait for their first token (--max-queued-requests)."""
 
 
-class Hub:
+class CoreClient:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.ready: ipc.Ready | None = None
@@ -75,7 +75,7 @@ class Hub:
     # ------------------------------------------------------------ process
     async def start(self, timeout_s: float = 900.0) -> ipc.Ready:
         """Spawn the core process and wait until it has reached the workers."""
-        from scheduler_service.core_process import core_main
+        from scheduler_service.engine.main import core_main
 
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
@@ -184,13 +184,7 @@ class Hub:
             call.queue.put_nowait(self.error())
 
     # ------------------------------------------------------------ requests
-    def submit(
-        self,
-        requests: list[Request],
-        share_prompt: bool,
-        traces: dict | None = None,
-        bounded: bool = True,
-    ) -> Call:
+    def submit(self, requests: list[Request], bounded: bool = True) -> Call:
         """``bounded=False`` (health probes) skips --max-queued-requests: a
         busy server must not look dead to its probes."""
         call = Call([r.rid for r in requests])
@@ -208,7 +202,7 @@ class Hub:
         call.unstarted.update(call.rids)
         self.queued += len(call.rids)
         try:
-            self._send(ipc.Submit(requests, share_prompt, traces or {}))
+            self._send(ipc.Submit(requests))
         except Exception:
             self.forget(call)
             raise

@@ -1,4 +1,5 @@
-"""SimulatedWorker: executes StepPlans without a model (tests and benchmarks).
+"""SimulatedWorker: executes the core's StepPlans in process, without a
+model or a network (the scheduler core's tests and benchmarks).
 
 It is the oracle of the scheduler's tests:
 
@@ -7,17 +8,18 @@ It is the oracle of the scheduler's tests:
   request's page table back and checks it yields exactly the request's
   tokens so far, so any page handed to two owners, freed too early, or
   named wrongly in a plan is caught at the step that reads it;
-- the token it samples is a hash of the request's whole context
-  (``next_token``), so the correct output of any request is known in advance
-  whatever the batching, caching, chunking or retraction (``expected_output``).
+- the token it samples follows the simulated model's rule
+  (common/simulated_model.py, shared with ``--model simulated``), so the
+  correct output of any request is known in advance whatever the batching,
+  caching, chunking or retraction (``expected_output``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.simulated_model import absorb, expected_output, token_of
 from scheduler_service.core.plan import (
     JoinRequest,
     RequestOutput,
@@ -26,59 +28,16 @@ from scheduler_service.core.plan import (
     TokenLogprobs,
 )
 
-_MASK = (1 << 64) - 1
-
 
 class SimulatedWorkerError(AssertionError):
     pass
-
-
-def _absorb(state: int, token: int) -> int:
-    return ((state ^ (token + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
-
-
-def _finalize(state: int) -> int:
-    z = (state ^ (state >> 31)) * 0x94D049BB133111EB & _MASK
-    return z ^ (z >> 29)
-
-
-def next_token(state: int, vocab_size: int) -> int:
-    return _finalize(state) % vocab_size
-
-
-def context_state(tokens: list[int], state: int = 0) -> int:
-    for t in tokens:
-        state = _absorb(state, t)
-    return state
-
-
-def expected_output(
-    prompt: list[int],
-    max_new_tokens: int,
-    vocab_size: int,
-    stop_ids: frozenset[int] = frozenset(),
-    min_new_tokens: int = 0,
-    stops: Callable[[list[int]], bool] | None = None,
-) -> list[int]:
-    """What any correct scheduler makes the simulated worker generate for a
-    prompt: it stops after a stop id, or once ``stops(output)`` holds (say a
-    stop string showed up), when more than min_new_tokens tokens exist."""
-    state = context_state(prompt)
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        tok = next_token(state, vocab_size)
-        out.append(tok)
-        state = _absorb(state, tok)
-        if len(out) > min_new_tokens and (tok in stop_ids or (stops is not None and stops(out))):
-            break
-    return out
 
 
 @dataclass(slots=True)
 class _SimRequest:
     prompt_len: int
     tokens: list[int]  # the whole sequence as far as the worker knows it
-    state: int  # context_state(tokens)
+    state: int  # absorb(0, tokens)
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
 
@@ -106,7 +65,7 @@ class SimulatedWorker:
             raise SimulatedWorkerError(f"join of {join.rid}, which the worker already holds")
         tokens = list(join.prefix_ids)
         self.reqs[join.rid] = _SimRequest(
-            join.prompt_len, tokens, context_state(tokens), kv_len=len(tokens)
+            join.prompt_len, tokens, absorb(0, tokens), kv_len=len(tokens)
         )
 
     def _slot(self, r: _SimRequest, pos: int, rid: str) -> int:
@@ -121,9 +80,9 @@ class SimulatedWorker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        for rid in plan.leaves:
+        for rid in plan.departures:
             if self.reqs.pop(rid, None) is None:
-                raise SimulatedWorkerError(f"leave of {rid}, which the worker does not hold")
+                raise SimulatedWorkerError(f"departure of {rid}, which the worker does not hold")
         for join in plan.joins:
             self._join(join)
         outputs: list[RequestOutput] = []
@@ -145,7 +104,7 @@ class SimulatedWorker:
                 if len(r.tokens) != r.kv_len:
                     raise SimulatedWorkerError(f"{e.rid}: prefill after a sampled token")
                 r.tokens.extend(inputs)
-                r.state = context_state(inputs, r.state)
+                r.state = absorb(r.state, inputs)
             if self.check_reads:
                 self._check_context(e.rid, r, e.start_pos)
             slots = self.slots
@@ -153,9 +112,9 @@ class SimulatedWorker:
                 slots[self._slot(r, e.start_pos + i, e.rid)] = tok
             r.kv_len = e.start_pos + len(inputs)
             if e.sample:
-                tok = next_token(r.state, self.vocab_size)
+                tok = token_of(r.state, self.vocab_size)
                 r.tokens.append(tok)
-                r.state = _absorb(r.state, tok)
+                r.state = absorb(r.state, (tok,))
                 outputs.append(RequestOutput(e.rid, tok, TokenLogprobs(logprob=-1.0)))
             else:
                 outputs.append(RequestOutput(e.rid, None))
@@ -176,3 +135,6 @@ class SimulatedWorker:
                     f"{rid}: KV at position {pos} holds token {got}, expected {r.tokens[pos]} "
                     "(page reused or misnamed)"
                 )
+
+
+__all__ = ["SimulatedWorker", "SimulatedWorkerError", "expected_output"]

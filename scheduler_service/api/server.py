@@ -18,14 +18,12 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from observability import health_port, tracing
-from scheduler_service.api import SchedulerServicer
-from scheduler_service.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
+from scheduler_service.api.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
+from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.api.metrics import SchedulerMetrics, start_metrics
+from scheduler_service.api.model_info import ModelContext
+from scheduler_service.api.servicer import SchedulerServicer
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
-from scheduler_service.hub import CoreUnavailable, Hub
-from scheduler_service.kv_publisher import KvEventPublisher
-from scheduler_service.metrics import SchedulerMetrics, start_metrics
-from scheduler_service.model_info import ModelContext
-from scheduler_service.throughput import Throughput
 from scheduler_service.tls import TlsConfigError, public_server_credentials
 
 logger = structlog.get_logger(__name__)
@@ -48,16 +46,13 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         interceptors.append(ApiKeyInterceptor(SERVICE_NAME, digests))
         logger.info("API keys required on the public API", keys=len(digests))
     tracing.setup_tracing(TRACING_SERVICE_NAME)
-    hub = Hub(config)
+    core = CoreClient(config)
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     try:
-        ready = await hub.start()
+        ready = await core.start()
         model = ModelContext.build(ready, config, workdir)
-        metrics = SchedulerMetrics(hub) if config.metrics_port is not None else None
-        servicer = SchedulerServicer(hub, model, metrics)
-        servicer.throughput = Throughput()
-        hub.on_load(servicer.throughput.observe)
-        servicer.kv_events = KvEventPublisher(hub, servicer.throughput)
+        metrics = SchedulerMetrics(core) if config.metrics_port is not None else None
+        servicer = SchedulerServicer(core, model, metrics)
         limit = config.max_message_mb << 20
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -106,13 +101,13 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         print(f"radixserve-scheduler listening on {config.host}:{port}", flush=True)
         await stop.wait()
         logger.info("shutting down")
-        servicer.shutting_down = True
+        servicer.begin_shutdown()
         await health.enter_graceful_shutdown()
         await server.stop(grace=5)
         if health_server is not None:
             await health_server.stop(grace=None)
     finally:
-        hub.stop()  # the core process flushes its spans as it exits
+        core.stop()  # the core process flushes its spans as it exits
         tracing.shutdown_tracing()
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -21,11 +21,11 @@ from observability.logging_setup import configure_logging
 from scheduler_service import ipc
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine import Engine
+from scheduler_service.engine.loop import Engine
+from scheduler_service.engine.stop_strings import StopStringMatcher
+from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 from scheduler_service.gc_tuning import tune_gc
-from scheduler_service.stop_strings import StopStringMatcher
 from scheduler_service.tls import TlsConfigError, worker_channel_credentials
-from scheduler_service.workers import WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
 
@@ -115,8 +115,8 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
         conn,
         overlap_depth=config.overlap_depth,
         recovery_timeout_s=config.worker_recovery_timeout_s,
+        check_integrity=config.check_integrity,
     )
-    engine.check_integrity = config.check_integrity
     tune_gc()
     try:
         if os.environ.get(PROFILE_ENV):  # measure before optimizing: cProfile of the loop

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from observability.histograms import REQUEST_LATENCY_S, STEP_LATENCY_S, HistogramCollector
 from observability.metrics_server import new_registry, serve_metrics
 from scheduler_service import ipc
-from scheduler_service.hub import Hub
+from scheduler_service.api.core_client import CoreClient
 
 FINISH_REASONS = ("stop", "length", "abort")
 # gRPC status names a Generate call can end with (pre-created so rates exist at 0).
@@ -33,8 +33,8 @@ ERROR_CODES = (
 
 
 class SchedulerMetrics(Collector):
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(self, core: CoreClient) -> None:
+        self.core = core
         self.histograms = HistogramCollector()
         h = self.histograms.add
         self.ttft = h(
@@ -62,7 +62,7 @@ class SchedulerMetrics(Collector):
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_tokens = 0
-        hub.on_load(self._take_load)
+        core.on_load(self._take_load)
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self.histograms)
@@ -101,8 +101,8 @@ class SchedulerMetrics(Collector):
             "Prompt tokens served from the prefix cache.",
             self.cached_tokens,
         )
-        load = self.hub.load
-        ready = self.hub.ready
+        load = self.core.load
+        ready = self.core.ready
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
@@ -159,10 +159,10 @@ class SchedulerMetrics(Collector):
             "1 while the worker's stream is up.",
             labels=["worker"],
         )
-        up = 1.0 if ready is not None and not self.hub.failed else 0.0
+        up = 1.0 if ready is not None and not self.core.failed else 0.0
         if load is not None and not load.worker_connected:
             up = 0.0  # lost, being reconnected
-        for address in self.hub.config.workers:
+        for address in self.core.config.workers:
             connected.add_metric([address], up)
         yield connected
 

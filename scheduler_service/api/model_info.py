@@ -13,8 +13,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from scheduler_service import ipc
+from scheduler_service.api.convert.public import Limits
 from scheduler_service.config import ServiceConfig
-from scheduler_service.convert.public import Limits
 
 
 @dataclass

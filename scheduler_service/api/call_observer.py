@@ -18,8 +18,8 @@ import structlog
 
 from observability import tracing
 from scheduler_service import ipc
-from scheduler_service.convert.public import GenerateCall
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.api.convert.public import GenerateCall
+from scheduler_service.api.metrics import SchedulerMetrics
 
 logger = structlog.get_logger(__name__)
 
@@ -93,15 +93,16 @@ class CallObserver:
         self.log = logger.bind(request_id=request_id, trace_id=self.trace_id)
 
     # --------------------------------------------------------------- start
-    def accepted(self, g: GenerateCall) -> dict[str, tuple[str, str]]:
-        """The call passed validation; returns the trace contexts for its samples."""
+    def accepted(self, g: GenerateCall) -> None:
+        """The call passed validation: its samples carry the Generate span's
+        context to the core (``Request.trace_context``) when it is recorded."""
         self.g = g
         self.request_id = g.rid
         self.log = logger.bind(request_id=g.rid, trace_id=self.trace_id)
         self.samples = {r.rid: _Sample() for r in g.requests}
         span = self.span
         if span is None or not span.is_recording():
-            return {}
+            return
         sp = g.requests[0].sampling
         span.set_attributes(
             {
@@ -116,7 +117,8 @@ class CallObserver:
             }
         )
         context = tracing.traceparent_of(span)
-        return {r.rid: context for r in g.requests}
+        for r in g.requests:
+            r.trace_context = context
 
     # -------------------------------------------------------------- deltas
     def delta(self, d: ipc.DeltaOut, now: float) -> None:

@@ -1,5 +1,7 @@
 """The public API's information and admin RPCs: GetModelInfo, GetServerInfo,
-GetLoads, FlushCache, GetTokenizer, SubscribeKvEvents."""
+GetLoads, FlushCache, GetTokenizer, SubscribeKvEvents (the servicer hands
+them here). It also owns what only they read: the generation throughput
+over the core's load snapshots and the KV event publisher."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 import grpc
 import structlog
@@ -17,7 +19,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from scheduler_service.hub import CoreUnavailable
+from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.api.kv_publisher import KvEventPublisher
+from scheduler_service.api.model_info import ModelContext
+from scheduler_service.api.throughput import Throughput
 
 VERSION = "radixserve-0.1.0"
 TOKENIZER_CHUNK = 64 << 10
@@ -34,11 +39,16 @@ def _struct(values: dict) -> Struct:
     return s
 
 
-class AdminMixin:
-    """Mixed into SchedulerServicer (needs self.hub, self.model, self.started,
-    self.throughput, self.kv_events)."""
+class AdminRpcs:
+    def __init__(self, core: CoreClient, model: ModelContext) -> None:
+        self.core = core
+        self.model = model
+        self.started = time.time()
+        self.throughput = Throughput()
+        core.on_load(self.throughput.observe)
+        self.publisher = KvEventPublisher(core, self.throughput)
 
-    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+    def model_info(self) -> pb.GetModelInfoResponse:
         m, r = self.model, self.model.ready
         eos = list(r.eos_token_ids)
         return pb.GetModelInfoResponse(
@@ -56,8 +66,8 @@ class AdminMixin:
             architectures=[r.architecture],
         )
 
-    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
-        r, cfg = self.model.ready, self.hub.config
+    def server_info(self) -> pb.GetServerInfoResponse:
+        r, cfg = self.model.ready, self.core.config
         args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         args.pop("scheduler")
         args |= cfg.scheduler
@@ -70,7 +80,7 @@ class AdminMixin:
             "grammar_backend": "none",
         }
         start = Timestamp(seconds=int(self.started))
-        load = self.hub.load
+        load = self.core.load
         return pb.GetServerInfoResponse(
             server_args=_struct(args),
             scheduler_info=_struct(
@@ -84,11 +94,11 @@ class AdminMixin:
                     "core_cpu_s": load.core_cpu_s if load else 0.0,
                     # leak checks: API-process samples with no output yet, and
                     # requests the core holds any state for (both 0 when idle)
-                    "queued_requests": self.hub.queued,
+                    "queued_requests": self.core.queued,
                     "core_requests": load.tracked if load else 0,
                 }
             ),
-            active_requests=self.hub.active_requests,
+            active_requests=self.core.active_requests,
             is_paused=False,
             last_receive_timestamp=time.time(),
             uptime_seconds=time.time() - self.started,
@@ -98,7 +108,7 @@ class AdminMixin:
             max_total_num_tokens=r.num_pages * r.page_size,
         )
 
-    async def GetLoads(self, request, context) -> pb.GetLoadsResponse:
+    async def loads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
         include = set(request.include) or {"all"}
         bad = sorted(include - set(LOAD_SECTIONS))
         if bad:
@@ -106,7 +116,7 @@ class AdminMixin:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"Invalid include sections: {bad}. Valid options: {list(LOAD_SECTIONS)}",
             )
-        load, r = self.hub.load, self.model.ready
+        load, r = self.core.load, self.model.ready
         total = r.num_pages * r.page_size
         running = load.running if load else 0
         waiting = load.waiting if load else 0
@@ -131,7 +141,7 @@ class AdminMixin:
         if every or "queues" in include:
             s.queues.waiting = waiting
         return pb.GetLoadsResponse(
-            timestamp=datetime.now(UTC).isoformat(),
+            timestamp=datetime.now(timezone.utc).isoformat(),
             version=VERSION,
             dp_rank_count=1,
             loads=[s],
@@ -145,13 +155,13 @@ class AdminMixin:
             ),
         )
 
-    async def FlushCache(self, request, context) -> cpb.FlushCacheResponse:
+    async def flush_cache(self, request: cpb.FlushCacheRequest, context) -> cpb.FlushCacheResponse:
         """timeout_s 0: flush now (refused while requests are in flight);
         otherwise wait up to timeout_s for the scheduler to go idle."""
         deadline = time.monotonic() + max(request.timeout_s, 0.0)
         try:
             while True:
-                result = await self.hub.flush()
+                result = await self.core.flush()
                 if result.success or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.05)
@@ -160,7 +170,7 @@ class AdminMixin:
         message = "Cache flushed successfully" if result.success else result.message
         return cpb.FlushCacheResponse(success=result.success, message=message)
 
-    async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
+    async def tokenizer(self, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
         data = self.model.ready.tokenizer_zip
         if not data:
             await context.abort(
@@ -173,7 +183,9 @@ class AdminMixin:
                 data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
             )
 
-    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
+    async def kv_events(
+        self, request: cpb.SubscribeKvEventsRequest, context
+    ) -> AsyncIterator[cpb.KvEventBatch]:
         if request.start_sequence_number:
             await context.abort(
                 grpc.StatusCode.OUT_OF_RANGE,
@@ -182,7 +194,7 @@ class AdminMixin:
         # A cache-aware router (the SMG gateway) subscribes once per scheduler.
         logger.info("KV event subscriber joined", peer=context.peer())
         try:
-            async for batch in self.kv_events.subscribe():
+            async for batch in self.publisher.subscribe():
                 yield batch
         finally:
             logger.info("KV event subscriber left", peer=context.peer())

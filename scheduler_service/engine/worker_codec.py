@@ -75,11 +75,10 @@ class WorkerCodec:
         self._sent: dict[int, _Sent] = {}
         # rids whose outputs need logprob payloads (chosen, top-k, token ids)
         self._wants_logprobs: dict[str, LogprobOptions] = {}
-        self.traces: dict[str, tuple[str, str]] = {}  # rid -> (traceparent, tracestate)
 
     def forget_worker(self) -> None:
         """The worker group was lost: its slots and the plans sent to it are
-        gone (the traces stay: the requests rejoin the new group)."""
+        gone (the requests rejoin the new group)."""
         self._slots.clear()
         self._free.clear()
         self._next_slot = 0
@@ -95,12 +94,11 @@ class WorkerCodec:
     def encode(self, plan: StepPlan) -> pb.StepPlan:
         msg = pb.StepPlan(step_id=plan.step_id, mode=_MODES[plan.mode])
         slots = self._slots
-        for rid in plan.leaves:
+        for rid in plan.departures:
             slot = slots.pop(rid)
             heapq.heappush(self._free, slot)
             msg.leaves.append(slot)
             self._wants_logprobs.pop(rid, None)
-            self.traces.pop(rid, None)
         for join in plan.joins:
             self._join(join, msg.joins.add())
         sampled: list[str] = []
@@ -137,8 +135,8 @@ class WorkerCodec:
         m.prompt_len = join.prompt_len
         m.prefix_ids.extend(join.prefix_ids)
         m.num_output_tokens = join.num_output_tokens
-        if join.rid in self.traces:
-            m.trace.traceparent, m.trace.tracestate = self.traces[join.rid]
+        if join.trace_context is not None:
+            m.trace.traceparent, m.trace.tracestate = join.trace_context
         lp = join.logprobs
         if lp.return_logprob:
             self._wants_logprobs[join.rid] = lp

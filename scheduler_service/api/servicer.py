@@ -1,8 +1,10 @@
 """The public API: sglang.grpc.scheduler.SglangScheduler (smg-grpc-proto's stubs).
 
 Thin: requests are converted in convert/public.py, responses built in
-convert/responses.py, execution happens in the core process behind the Hub.
-RPCs radixserve does not implement answer UNIMPLEMENTED with a message.
+convert/responses.py, execution happens in the core process behind the
+CoreClient; the information and admin RPCs are answered by ``AdminRpcs``
+(admin.py). RPCs radixserve does not implement answer UNIMPLEMENTED with a
+message.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from scheduler_service import ipc
-from scheduler_service.api_admin import AdminMixin
-from scheduler_service.call_observer import CallObserver
-from scheduler_service.convert.public import GenerateCall, generate_call
-from scheduler_service.convert.responses import SampleState, chunk, complete
+from scheduler_service.api.admin import AdminRpcs
+from scheduler_service.api.call_observer import CallObserver
+from scheduler_service.api.convert.public import GenerateCall, generate_call
+from scheduler_service.api.convert.responses import SampleState, chunk, complete
+from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
+from scheduler_service.api.metrics import SchedulerMetrics
+from scheduler_service.api.model_info import ModelContext
 from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.hub import Call, CoreUnavailable, Hub, QueueFull
-from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.model_info import ModelContext
 
 logger = structlog.get_logger(__name__)
 
@@ -50,15 +52,19 @@ def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
     return "UNAVAILABLE", f"no worker can serve: {e}"
 
 
-class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
+class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(
-        self, hub: Hub, model: ModelContext, metrics: SchedulerMetrics | None = None
+        self, core: CoreClient, model: ModelContext, metrics: SchedulerMetrics | None = None
     ) -> None:
-        self.hub = hub
+        self.core = core
         self.model = model
         self.metrics = metrics
-        self.started = time.time()
+        self.admin = AdminRpcs(core, model)
         self.shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """From now on HealthCheck says the server is going away."""
+        self.shutting_down = True
 
     # ------------------------------------------------------------ Generate
     async def Generate(
@@ -76,8 +82,8 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
                 g = generate_call(
                     request, self.model.limits, self.model.encode, self.model.has_tokenizer
                 )
-                traces = obs.accepted(g)
-                call = self.hub.submit(g.requests, share_prompt=len(g.requests) > 1, traces=traces)
+                obs.accepted(g)
+                call = self.core.submit(g.requests)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -92,16 +98,16 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
                     yield response
             except (asyncio.CancelledError, GeneratorExit):
                 code, message = code or "CANCELLED", message or "client disconnected"
-                self.hub.abort(call.rids, "client disconnected")
+                self.core.abort(call.rids, "client disconnected")
                 raise
             except BaseException as e:
                 # e.g. one sample refused: its siblings must not run on alone
                 if code is None and obs.abort_code is None:
                     code, message = _status_of(e), str(e)
-                self.hub.abort(call.rids, "the call ended with an error")
+                self.core.abort(call.rids, "the call ended with an error")
                 raise
             finally:
-                self.hub.forget(call)
+                self.core.forget(call)
         finally:
             code = code or obs.abort_code
             obs.end(code, message or obs.abort_message)
@@ -151,9 +157,9 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
 
     # --------------------------------------------------------------- Abort
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        call = self.hub.find(request.request_id)
+        call = self.core.find(request.request_id)
         if call is not None:
-            self.hub.abort(call.rids, request.reason or "aborted by the client")
+            self.core.abort(call.rids, request.reason or "aborted by the client")
         # Like SGLang: success whether or not the id was known.
         return pb.AbortResponse(success=True, message=f"Request {request.request_id} aborted")
 
@@ -161,8 +167,8 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
         if self.shutting_down:
             return pb.HealthCheckResponse(healthy=False, message="Server is shutting down")
-        if self.hub.failed:
-            return pb.HealthCheckResponse(healthy=False, message=self.hub.failed)
+        if self.core.failed:
+            return pb.HealthCheckResponse(healthy=False, message=self.core.failed)
         probe = pb.GenerateRequest(
             request_id=f"HEALTH_CHECK_{time.time_ns()}",
             tokenized=pb.TokenizedInput(input_ids=[0]),
@@ -171,7 +177,7 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
         )
         try:
             g = generate_call(probe, self.model.limits, self.model.encode, False)
-            call = self.hub.submit(g.requests, share_prompt=False, bounded=False)
+            call = self.core.submit(g.requests, bounded=False)
         except (CoreUnavailable, ValueError) as e:
             return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")
         try:
@@ -184,13 +190,34 @@ class SchedulerServicer(AdminMixin, pb_grpc.SglangSchedulerServicer):
                         healthy=False, message="Health check probe failed"
                     )
         except TimeoutError:
-            self.hub.abort(call.rids, "health check timed out")
+            self.core.abort(call.rids, "health check timed out")
             return pb.HealthCheckResponse(
                 healthy=False,
                 message=f"Health check timeout after {self.model.health_timeout_s:g}s",
             )
         finally:
-            self.hub.forget(call)
+            self.core.forget(call)
+
+    # ------------------------------------------------- information and admin
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        return self.admin.model_info()
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        return self.admin.server_info()
+
+    async def GetLoads(self, request, context) -> pb.GetLoadsResponse:
+        return await self.admin.loads(request, context)
+
+    async def FlushCache(self, request, context) -> cpb.FlushCacheResponse:
+        return await self.admin.flush_cache(request, context)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        async for piece in self.admin.tokenizer(context):
+            yield piece
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
+        async for batch in self.admin.kv_events(request, context):
+            yield batch
 
     # ------------------------------------------------------- unimplemented
     async def _unimplemented(self, name: str, context) -> None:

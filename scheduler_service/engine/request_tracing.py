@@ -40,9 +40,11 @@ class RequestTracer:
         # step id -> (request, start_pos, tokens computed, samples, plan sent at)
         self._chunks: dict[int, list[tuple[_Traced, int, int, bool, int]]] = {}
 
-    def submitted(self, req: Request, traceparent: str, tracestate: str) -> None:
+    def submitted(self, req: Request) -> None:
+        """Track ``req`` if its Generate span (``req.trace_context``) is sampled."""
         from opentelemetry.trace import get_current_span
 
+        traceparent, tracestate = req.trace_context
         req.trace_id = tracing.trace_id_of_traceparent(traceparent)
         ctx = tracing.context_from_traceparent(traceparent, tracestate)
         span_ctx = get_current_span(ctx).get_span_context()

@@ -11,22 +11,22 @@ from collections.abc import AsyncIterator
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from scheduler_service import ipc
-from scheduler_service.convert.kv_events import engine_load, kv_event
-from scheduler_service.hub import Hub
-from scheduler_service.throughput import Throughput
+from scheduler_service.api.convert.kv_events import engine_load, kv_event
+from scheduler_service.api.core_client import CoreClient
+from scheduler_service.api.throughput import Throughput
 
 HEARTBEAT_S = 1.0
 QUEUE_LIMIT = 10_000  # a subscriber that falls this far behind is cut off
 
 
 class KvEventPublisher:
-    def __init__(self, hub: Hub, throughput: Throughput) -> None:
-        self.hub = hub
+    def __init__(self, core: CoreClient, throughput: Throughput) -> None:
+        self.core = core
         self.throughput = throughput
         self.sequence = 0
         self.event_id = 0
         self._subscribers: set[asyncio.Queue] = set()
-        hub.on_events(self._publish)
+        core.on_events(self._publish)
 
     def _publish(self, events: list, load: ipc.Load) -> None:
         if not events or not self._subscribers:
@@ -59,12 +59,12 @@ class KvEventPublisher:
                 sample += 1
                 rate = self.throughput.rate()
                 if item == "heartbeat":
-                    if self.hub.load is None:
+                    if self.core.load is None:
                         continue
                     yield cpb.KvEventBatch(
                         sequence_number=self.sequence,
                         timestamp=time.time(),
-                        load=engine_load(self.hub.load, sample, rate, load_only=True),
+                        load=engine_load(self.core.load, sample, rate, load_only=True),
                     )
                     continue
                 seq, ts, msgs, load = item

@@ -4,7 +4,7 @@ import pytest
 
 from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
 from scheduler_service.core.sampling import NO_LOGPROBS, SamplingParams
-from scheduler_service.core.simulated_worker import (
+from scheduler_service.testing.simulated_worker import (
     SimulatedWorker,
     SimulatedWorkerError,
     expected_output,
@@ -60,7 +60,7 @@ def test_a_page_overwritten_by_another_request_is_caught():
     ("plan", "needle"),
     [
         (StepPlan(1, ForwardMode.DECODE, [ScheduledRequest("x", 0, None, [0], True)]), "unknown"),
-        (StepPlan(1, ForwardMode.IDLE, leaves=["x"]), "does not hold"),
+        (StepPlan(1, ForwardMode.IDLE, departures=["x"]), "does not hold"),
         (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 2, [1], [0])], [join("a")]), "starts at 2"),
         (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1, 2, 3], [0])], [join("a")]), "past"),
         (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1], [99])], [join("a")]), "outside"),

@@ -195,7 +195,12 @@ def generate_call(
     )
     rid = m.request_id or uuid.uuid4().hex
     rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-    requests = [Request(r, list(ids), sp, lp, extra_key=m.lora_id or None) for r in rids]
+    # n > 1: the first sample prefills the shared prompt; the others wait for
+    # that prefill to be planned and read the prompt's KV from the cache.
+    requests = [
+        Request(r, list(ids), sp, lp, extra_key=m.lora_id or None, waits_for=rids[0] if i else None)
+        for i, r in enumerate(rids)
+    ]
     for r in requests:
         r.validate(limits.vocab_size, limits.context_len)
     return GenerateCall(rid, m.stream, requests, len(ids), lp)

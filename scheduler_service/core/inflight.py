@@ -1,0 +1,22 @@
+"""What the scheduler remembers of a plan until its result comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.request import Request
+
+
+class ProtocolError(RuntimeError):
+    """A step result that does not fit the plan it answers."""
+
+
+@dataclass(slots=True)
+class InFlight:
+    step_id: int
+    # rid -> (request, its epoch when planned, whether the entry samples)
+    entries: dict[str, tuple[Request, int, bool]]
+    expected_tokens: int
+    # Requests whose prefill completes in this step without sampling
+    # (max_new_tokens == 0): they finish when the step's result arrives.
+    prefill_only: list[tuple[Request, int]] = field(default_factory=list)
