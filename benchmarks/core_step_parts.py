@@ -46,7 +46,11 @@ class PickledConn:
 
 def measure(batch: int, steps: int) -> dict:
     cfg = SchedulerConfig(
-        page_size=16, max_running_requests=batch, vocab_size=32000, eos_token_ids=frozenset({2})
+        page_size=16,
+        max_running_requests=batch,
+        schedule_policy="fcfs",
+        vocab_size=32000,
+        eos_token_ids=frozenset({2}),
     )
     sched = Scheduler(cfg, 65536)
     conn = PickledConn()

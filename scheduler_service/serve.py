@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -23,10 +24,18 @@ from pathlib import Path
 
 import structlog
 
+from common.settings import add_flags, build
 from observability.logging_setup import configure_logging
 from scheduler_service.api.server import STARTUP_ERRORS
 from scheduler_service.api.server import serve as serve_scheduler
-from scheduler_service.config import add_service_flags, check_security_flags, service_config
+from scheduler_service.config import (
+    ServiceConfig,
+    add_service_flags,
+    check_security_flags,
+    service_config,
+)
+from worker_service.config import ENV_PREFIX as WORKER_ENV_PREFIX
+from worker_service.config import WorkerConfig
 
 logger = structlog.get_logger(__name__)
 
@@ -42,47 +51,40 @@ RESTART_MAX_S = 30.0  # backoff cap for a group that keeps dying
 STABLE_S = 60.0  # a group up this long is healthy again: the backoff starts over
 
 
+# The worker settings `radixserve serve` takes (declared in WorkerConfig) and
+# passes on to each rank; --threads is --worker-threads here.
+WORKER_FLAGS = frozenset({"model", "device", "tp_size", "page_size", "kv_memory", "threads"})
+WORKER_FLAG_NAMES = {"threads": "--worker-threads"}
+
+
 def _worker_args(
-    args: argparse.Namespace, rank: int, port_file: Path, dist: str, port: int
+    worker: WorkerConfig,
+    service: ServiceConfig,
+    rank: int,
+    port_file: Path,
+    dist: str,
+    port: int,
 ) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "worker_service",
-        "--model",
-        args.model,
-        "--device",
-        args.device,
-        "--page-size",
-        str(args.page_size),
-        "--port",
-        str(port),
-        "--port-file",
-        str(port_file),
-        "--tp-size",
-        str(args.tp_size),
-        "--tp-rank",
-        str(rank),
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-    ]
-    if args.metrics_port is not None:
-        cmd += ["--metrics-port", str(args.metrics_port + 1 + rank)]
-    if args.tp_size > 1:
+    cmd = [sys.executable, "-m", "worker_service", "--model", worker.model]
+    cmd += ["--device", worker.device, "--page-size", str(worker.page_size)]
+    cmd += ["--kv-memory", worker.kv_memory, "--port", str(port), "--port-file", str(port_file)]
+    cmd += ["--tp-size", str(worker.tp_size), "--tp-rank", str(rank)]
+    cmd += ["--log-level", service.log_level, "--log-format", service.log_format]
+    if service.api.metrics_port is not None:
+        cmd += ["--metrics-port", str(service.api.metrics_port + 1 + rank)]
+    if worker.tp_size > 1:
         cmd += ["--dist-addr", dist]
-    if args.worker_tls_ca:
+    security = service.security
+    if security.worker_tls_ca:
         # The workers serve the same certificate the scheduler presents to them
         # (it needs both the serverAuth and clientAuth usages, or neither).
-        cmd += ["--worker-tls-ca", args.worker_tls_ca, "--worker-tls-cert", args.worker_tls_cert]
-        cmd += ["--worker-tls-key", args.worker_tls_key]
-    if args.kv_memory:
-        cmd += ["--kv-memory", args.kv_memory]
-    if args.device == "cpu":
+        cmd += ["--worker-tls-ca", security.worker_tls_ca]
+        cmd += ["--worker-tls-cert", security.worker_tls_cert or ""]
+        cmd += ["--worker-tls-key", security.worker_tls_key or ""]
+    if worker.device == "cpu":
         # Leave a core to the scheduler: a busy core makes every small op of a
         # multi-threaded worker wait.
-        threads = args.worker_threads or max(1, (os.cpu_count() or 2) - 1)
+        threads = worker.threads or max(1, (os.cpu_count() or 2) - 1)
         cmd += ["--threads", str(threads)]
     return cmd
 
@@ -96,11 +98,12 @@ class WorkerProcesses:
     torch.distributed, which cannot take one member back.
     """
 
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        self.args = args
+    def __init__(self, worker: WorkerConfig, service: ServiceConfig, workdir: Path) -> None:
+        self.worker = worker
+        self.service = service
         self.procs: list[subprocess.Popen] = []
-        self.port_files = [workdir / f"worker{r}.port" for r in range(args.tp_size)]
-        self.ports = [_free_port() for _ in range(args.tp_size)]
+        self.port_files = [workdir / f"worker{r}.port" for r in range(worker.tp_size)]
+        self.ports = [_free_port() for _ in range(worker.tp_size)]
         self.restarts = 0
         self._lock = threading.Lock()  # no restart may race stop()
         self._stopping = threading.Event()
@@ -112,7 +115,8 @@ class WorkerProcesses:
         self.procs = []
         for rank, (pf, port) in enumerate(zip(self.port_files, self.ports, strict=True)):
             pf.unlink(missing_ok=True)
-            self.procs.append(subprocess.Popen(_worker_args(self.args, rank, pf, dist, port)))
+            cmd = _worker_args(self.worker, self.service, rank, pf, dist, port)
+            self.procs.append(subprocess.Popen(cmd))
         self._started_at = time.monotonic()
 
     def watch(self) -> None:
@@ -183,14 +187,14 @@ class WorkerProcesses:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_format)
+    service = service_config(args, ())
+    configure_logging(service.log_level, service.log_format)
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-serve-"))
-    workers = WorkerProcesses(args, workdir)
+    workers = WorkerProcesses(build(WorkerConfig, args), service, workdir)
     try:
         addresses = workers.addresses()
         workers.watch()
-        config = service_config(args, addresses)
-        asyncio.run(serve_scheduler(config))
+        asyncio.run(serve_scheduler(dataclasses.replace(service, workers=tuple(addresses))))
     except STARTUP_ERRORS as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -208,16 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="radixserve", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model: a worker group and the scheduler")
-    s.add_argument(
-        "--model",
-        default="default",
-        help="HF model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or 'simulated'",
-    )
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--tp-size", type=int, default=1)
-    s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--kv-memory", default=None, help="KV cache memory per rank, e.g. 2GiB")
-    s.add_argument("--worker-threads", type=int, default=0)
+    add_flags(s, WorkerConfig, os.environ, WORKER_ENV_PREFIX, WORKER_FLAGS, WORKER_FLAG_NAMES)
     add_service_flags(s, os.environ)
     e = sub.add_parser("export-tokenizer", help="write the model's tokenizer files to DIR")
     e.add_argument("dir")

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from scheduler_service.config import ServiceConfig
+from scheduler_service.config import SecurityConfig
 
 logger = structlog.get_logger(__name__)
 
@@ -31,7 +31,7 @@ def read_pem(path: str, what: str) -> bytes:
     return data
 
 
-def public_server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+def public_server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
     """The public port's TLS credentials, or None to serve plaintext."""
     if not config.tls_cert:
         return None
@@ -41,7 +41,7 @@ def public_server_credentials(config: ServiceConfig) -> grpc.ServerCredentials |
 
 
 def worker_channel_credentials(
-    config: ServiceConfig,
+    config: SecurityConfig,
 ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
     """Credentials and extra channel options for the worker channels; (None, [])
     for plaintext. The scheduler presents its own certificate (mutual TLS) and

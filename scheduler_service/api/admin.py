@@ -6,7 +6,6 @@ over the core's load snapshots and the KV event publisher."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.settings import flatten
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
 from scheduler_service.api.kv_publisher import KvEventPublisher
 from scheduler_service.api.model_info import ModelContext
@@ -68,9 +68,7 @@ class AdminRpcs:
 
     def server_info(self) -> pb.GetServerInfoResponse:
         r, cfg = self.model.ready, self.core.config
-        args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        args.pop("scheduler")
-        args |= cfg.scheduler
+        args = flatten(cfg)
         args |= {
             "model_path": r.model_name,
             "served_model_name": self.model.served_model_name,

@@ -191,7 +191,7 @@ class CoreClient:
         for rid in call.rids:
             if rid in self._calls:
                 raise ValueError(f"request id {rid!r} is already in use")
-        limit = self.config.max_queued_requests
+        limit = self.config.limits.max_queued_requests
         if bounded and limit > 0 and self.queued + len(requests) > limit:
             raise QueueFull(
                 f"the server is overloaded: {self.queued} requests are queued, the limit "

@@ -4,6 +4,7 @@ and the names reported to clients and the gateway."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import tempfile
 import zipfile
@@ -39,11 +40,7 @@ class ModelContext:
         limits = Limits(
             vocab_size=ready.vocab_size,
             context_len=context,
-            max_n=config.max_n,
-            max_stop_strings=config.max_stop_strings,
-            max_stop_string_len=config.max_stop_string_len,
-            max_logit_bias=config.max_logit_bias,
-            max_top_logprobs=config.max_top_logprobs,
+            **dataclasses.asdict(config.limits),
         )
         tokenizer, tokenizer_dir = None, ""
         if ready.tokenizer_zip:
@@ -52,5 +49,5 @@ class ModelContext:
                 zf.extractall(target)
             tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
             tokenizer_dir = str(target)
-        name = config.served_model_name or Path(ready.model_name).stem or ready.model_name
+        name = config.api.served_model_name or Path(ready.model_name).stem or ready.model_name
         return cls(ready, limits, name, tokenizer, tokenizer_dir)

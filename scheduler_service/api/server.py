@@ -38,11 +38,12 @@ STARTUP_ERRORS = (TlsConfigError, ApiKeyFileError, CoreUnavailable)
 async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
     stop = stop or _stop_on_signals()
+    api = config.api
     # Security files first: a bad one stops the service before the core starts.
-    credentials = public_server_credentials(config)
+    credentials = public_server_credentials(config.security)
     interceptors = []
-    if config.api_key_file:
-        digests = load_api_keys(config.api_key_file)
+    if config.security.api_key_file:
+        digests = load_api_keys(config.security.api_key_file)
         interceptors.append(ApiKeyInterceptor(SERVICE_NAME, digests))
         logger.info("API keys required on the public API", keys=len(digests))
     tracing.setup_tracing(TRACING_SERVICE_NAME)
@@ -51,9 +52,9 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     try:
         ready = await core.start()
         model = ModelContext.build(ready, config, workdir)
-        metrics = SchedulerMetrics(core) if config.metrics_port is not None else None
+        metrics = SchedulerMetrics(core) if api.metrics_port is not None else None
         servicer = SchedulerServicer(core, model, metrics)
-        limit = config.max_message_mb << 20
+        limit = config.limits.max_message_mb << 20
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -74,21 +75,21 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             ),
             server,
         )
-        address = f"{config.host}:{config.port}"
+        address = f"{api.host}:{api.port}"
         if credentials is None:
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, credentials)
         await server.start()
         health_server = None
-        if config.health_port is not None:
-            health_server = await health_port.start_aio(health, config.host, config.health_port)
+        if api.health_port is not None:
+            health_server = await health_port.start_aio(health, api.host, api.health_port)
         if metrics is not None:
-            start_metrics(config.metrics_port, config.host, metrics)
+            start_metrics(api.metrics_port, api.host, metrics)
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if config.port_file:
-            Path(config.port_file).write_text(str(port))
+        if api.port_file:
+            Path(api.port_file).write_text(str(port))
         logger.info(
             "scheduler serving",
             port=port,
@@ -96,9 +97,9 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             pages=ready.num_pages,
             page_size=ready.page_size,
             tls=credentials is not None,
-            worker_mutual_tls=config.worker_tls_ca is not None,
+            worker_mutual_tls=config.security.worker_tls_ca is not None,
         )
-        print(f"radixserve-scheduler listening on {config.host}:{port}", flush=True)
+        print(f"radixserve-scheduler listening on {api.host}:{port}", flush=True)
         await stop.wait()
         logger.info("shutting down")
         servicer.begin_shutdown()

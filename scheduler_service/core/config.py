@@ -1,12 +1,17 @@
 """The scheduler core's settings (one frozen object, built once at start).
 
+Each scheduling knob is declared here once, with its flag's help text; the
+service generates its flags from these declarations (common/settings.py)
+and fills in what the worker group tells it (page size, vocabulary, ...).
 Defaults follow SGLang's server arguments and environment defaults where we
-have the same knob.
+have the same knob; the policy defaults to lpm, which SGLang used to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from common.settings import setting
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 
@@ -20,36 +25,68 @@ IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
 
 
+def _chunk_size(text: str) -> int | None:
+    size = int(text)
+    return None if size <= 0 else size
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    # Set from the worker group at start, not flags.
     page_size: int = 1
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384
-    # None disables chunking; otherwise the most prompt tokens prefilled per step.
-    chunked_prefill_size: int | None = 8192
-    schedule_policy: str = "fcfs"
-    enable_mixed_chunk: bool = False
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
-    priority_preemption_threshold: int = 10
-    schedule_conservativeness: float = 1.0
+    context_len: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    enable_kv_events: bool = False
+
+    # The scheduling knobs (flags of radixserve-scheduler and radixserve serve).
+    schedule_policy: str = setting(
+        "lpm", "order of the waiting queue before admission", choices=POLICIES
+    )
+    max_running_requests: int = setting(256, "most requests prefilling or decoding at once")
+    max_prefill_tokens: int = setting(16384, "most prompt tokens admitted in one step")
+    chunked_prefill_size: int | None = setting(
+        8192,
+        "most prompt tokens prefilled per step; a longer prompt continues next step "
+        "(-1 or 0: no chunking)",
+        parse=_chunk_size,
+    )
+    enable_mixed_chunk: bool = setting(
+        False, "run a prefill chunk and the decode batch in one forward"
+    )
+    enable_priority_scheduling: bool = setting(
+        False, "order by request priority first, and preempt lower-priority running requests"
+    )
+    schedule_low_priority_values_first: bool = setting(
+        False, "with priority scheduling, lower priority values run first"
+    )
+    priority_preemption_threshold: int = setting(
+        10,
+        "preempt only for a priority this much higher",
+        flag="--priority-scheduling-preemption-threshold",
+    )
+    schedule_conservativeness: float = setting(
+        1.0, "scales the expected need of running requests at admission (higher: admit fewer)"
+    )
+    # A waiting request that shares at least this many tokens beyond its cached
+    # prefix with a request admitted in the same step waits one step: by then
+    # those tokens are in the cache (computed prefixes are cached when planned)
+    # and it prefills only its own suffix. 0 admits it at once (SGLang's way:
+    # the shared tokens are computed once per request).
+    prefix_hold_tokens: int = setting(
+        32,
+        "a request sharing at least this many uncached prompt tokens with one admitted in "
+        "the same step waits a step and reads them from the cache (0: off)",
+    )
+
+    # Fixed (SGLang's defaults).
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
     # After a retraction, the ratio is estimated as if every remaining request
     # still decodes this many more steps.
     retract_decode_steps: int = 20
-    context_len: int | None = None
-    vocab_size: int | None = None
-    eos_token_ids: frozenset[int] = frozenset()
     random_seed: int = 0
-    enable_kv_events: bool = False
-    # A waiting request that shares at least this many tokens beyond its cached
-    # prefix with a request admitted in the same step waits one step: by then
-    # those tokens are in the cache (computed prefixes are cached when planned)
-    # and it prefills only its own suffix. 0 admits it at once (SGLang's way:
-    # the shared tokens are computed once per request).
-    prefix_hold_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:

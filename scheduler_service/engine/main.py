@@ -4,6 +4,7 @@ runs the Engine loop; talks to the API process over a pipe."""
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -61,15 +62,15 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     configure_logging(config.log_level, config.log_format)
     tracing.setup_tracing(TRACING_SERVICE_NAME)
     try:
-        credentials, options = worker_channel_credentials(config)
+        credentials, options = worker_channel_credentials(config.security)
     except TlsConfigError as e:
         conn.send(ipc.Failed(str(e)))
         return
-    group = WorkerGroup(list(config.workers), config.max_message_mb, credentials, options)
+    group = WorkerGroup(list(config.workers), config.limits.max_message_mb, credentials, options)
     try:
         info = group.connect()
-        if config.tokenizer:
-            archive = zip_directory(Path(config.tokenizer))
+        if config.api.tokenizer:
+            archive = zip_directory(Path(config.api.tokenizer))
         else:
             try:
                 archive = group.tokenizer_archive()
@@ -85,7 +86,8 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     tokenizer = load_tokenizer(archive)
     model = info.model
     sched = Scheduler(
-        config.scheduler_config(
+        dataclasses.replace(
+            config.scheduler,
             page_size=info.page_size,
             vocab_size=model.vocab_size,
             eos_token_ids=frozenset(model.eos_token_ids),
@@ -113,9 +115,9 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
         sched,
         group,
         conn,
-        overlap_depth=config.overlap_depth,
-        recovery_timeout_s=config.worker_recovery_timeout_s,
-        check_integrity=config.check_integrity,
+        overlap_depth=config.engine.overlap_depth,
+        recovery_timeout_s=config.engine.worker_recovery_timeout_s,
+        check_integrity=config.engine.check_integrity,
     )
     tune_gc()
     try:

@@ -73,9 +73,10 @@ def test_rendered_commands_parse_with_the_real_parsers(value_set, monkeypatch, t
             for key, value in env.items():
                 monkeypatch.setenv(key, value)
             cfg = scheduler_config.load_config(args)
-            assert cfg.port == int(c["ports"][0]["containerPort"])
-            assert cfg.log_format == "json" and cfg.scheduler["schedule_policy"] == "lpm"
-            assert cfg.max_queued_requests == 1024 and cfg.worker_recovery_timeout_s == 120
+            assert cfg.api.port == int(c["ports"][0]["containerPort"])
+            assert cfg.log_format == "json" and cfg.scheduler.schedule_policy == "lpm"
+            assert cfg.limits.max_queued_requests == 1024
+            assert cfg.engine.worker_recovery_timeout_s == 120
         elif component(w) == "worker":
             assert c["command"] == ["radixserve-worker"]
             cfg = worker_config.load_config(args, env)

@@ -59,8 +59,9 @@ def test_security_flags_from_the_environment(tmp_path):
         for name, value in env.items():
             mp.setenv(name, value)
         cfg = load_config(["--worker", "grpc://127.0.0.1:1"])
-    assert (cfg.tls_cert, cfg.tls_key, cfg.api_key_file) == (str(cert), str(key), str(keys))
-    assert cfg.worker_tls_ca is None and cfg.worker_tls_server_name is None
+    sec = cfg.security
+    assert (sec.tls_cert, sec.tls_key, sec.api_key_file) == (str(cert), str(key), str(keys))
+    assert sec.worker_tls_ca is None and sec.worker_tls_server_name is None
 
 
 @pytest.mark.parametrize(

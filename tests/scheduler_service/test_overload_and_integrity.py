@@ -7,7 +7,7 @@ import pytest
 
 from scheduler_service import ipc
 from scheduler_service.api.core_client import CoreBroken, CoreClient, QueueFull
-from scheduler_service.config import ServiceConfig, load_config
+from scheduler_service.config import LimitsConfig, ServiceConfig, load_config
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
@@ -31,7 +31,7 @@ def _req(rid: str) -> Request:
 
 
 def _core(limit: int) -> CoreClient:
-    core = CoreClient(ServiceConfig(max_queued_requests=limit))
+    core = CoreClient(ServiceConfig(limits=LimitsConfig(max_queued_requests=limit)))
     core._conn = FakeConn()
     return core
 
@@ -79,12 +79,13 @@ def test_an_internal_failure_reaches_calls_and_new_submits_as_internal():
 
 def test_flags_and_environment(monkeypatch):
     cfg = load_config(["--worker", "grpc://w:1", "--max-queued-requests", "-1"])
-    assert cfg.max_queued_requests == -1 and not cfg.check_integrity
-    assert cfg.max_message_mb == 64
+    assert cfg.limits.max_queued_requests == -1 and not cfg.engine.check_integrity
+    assert cfg.limits.max_message_mb == 64
     monkeypatch.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
     monkeypatch.setenv("RADIXSERVE_MAX_MESSAGE_MB", "2")
     cfg = load_config(["--worker", "grpc://w:1"])
-    assert cfg.check_integrity and cfg.max_message_mb == 2 and cfg.max_queued_requests == 1024
+    assert cfg.engine.check_integrity and cfg.limits.max_message_mb == 2
+    assert cfg.limits.max_queued_requests == 1024
 
 
 class IdleGroup:

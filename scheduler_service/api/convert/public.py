@@ -17,22 +17,17 @@ from dataclasses import dataclass
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from scheduler_service.config import LimitsConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
 
 
-@dataclass(frozen=True)
-class Limits:
+@dataclass(frozen=True, kw_only=True)
+class Limits(LimitsConfig):
+    """What a request is checked against: the service's limits and the model's."""
+
     vocab_size: int
-    context_len: int
-    max_n: int = 16
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256
-    max_logit_bias: int = 1024
-    max_top_logprobs: int = 64
-    max_token_ids_logprob: int = 1024
-    max_stop_token_ids: int = 1024
-    max_logit_bias_value: float = 100.0  # OpenAI's range; past it logits overflow
+    context_len: int  # the model's context, capped by the KV pool
 
 
 SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
