@@ -220,8 +220,6 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool =
             "--overlap-depth",
             str(depth),
         ]
-        if depth == 0:
-            sched.append("--disable-overlap")
         port = stack.enter_context(started(sched, tmp, "api", env, pids))
         address = f"127.0.0.1:{port}"
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(address))

@@ -3,14 +3,13 @@ tokenizer.json, tokenizer_config.json with the chat template, ...)."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import zipfile
 from collections.abc import Iterable
 
 import jinja2
 from tokenizers import Tokenizer
+
+from common import tokenizer_archive
 
 
 class TokenizerBundle:
@@ -30,13 +29,9 @@ class TokenizerBundle:
         self.eos_token = _token_text(cfg.get("eos_token"))
 
     @classmethod
-    def from_chunks(cls, chunks: Iterable) -> TokenizerBundle:
-        chunks = list(chunks)
-        data = b"".join(c.data for c in chunks)
-        if not chunks or hashlib.sha256(data).hexdigest() != chunks[-1].sha256:
-            raise ValueError("the tokenizer bundle from the server is corrupt (sha256 mismatch)")
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
-            return cls({name: zf.read(name) for name in zf.namelist()})
+    def from_chunks(cls, chunks: Iterable[tokenizer_archive.Chunk]) -> TokenizerBundle:
+        """From GetTokenizer's stream (ValueError if it is corrupt)."""
+        return cls(tokenizer_archive.unpack(tokenizer_archive.join(chunks)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

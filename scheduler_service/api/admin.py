@@ -6,7 +6,6 @@ over the core's load snapshots and the KV event publisher."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -18,6 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common import tokenizer_archive
 from common.settings import flatten
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
 from scheduler_service.api.kv_publisher import KvEventPublisher
@@ -174,12 +174,8 @@ class AdminRpcs:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer to serve"
             )
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), TOKENIZER_CHUNK):
-            last = start + TOKENIZER_CHUNK >= len(data)
-            yield cpb.GetTokenizerChunk(
-                data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
-            )
+        for piece, digest in tokenizer_archive.chunks(data, TOKENIZER_CHUNK):
+            yield cpb.GetTokenizerChunk(data=piece, sha256=digest)
 
     async def kv_events(
         self, request: cpb.SubscribeKvEventsRequest, context

@@ -5,14 +5,13 @@ and the names reported to clients and the gateway."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from common import tokenizer_archive
 from scheduler_service import ipc
 from scheduler_service.api.convert.public import Limits
 from scheduler_service.config import ServiceConfig
@@ -45,8 +44,8 @@ class ModelContext:
         tokenizer, tokenizer_dir = None, ""
         if ready.tokenizer_zip:
             target = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=workdir))
-            with zipfile.ZipFile(io.BytesIO(ready.tokenizer_zip)) as zf:
-                zf.extractall(target)
+            for name, data in tokenizer_archive.unpack(ready.tokenizer_zip).items():
+                (target / Path(name).name).write_bytes(data)
             tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
             tokenizer_dir = str(target)
         name = config.api.served_model_name or Path(ready.model_name).stem or ready.model_name

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import cProfile
 import dataclasses
-import io
 import json
 import os
 import signal
-import zipfile
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import structlog
 from google.protobuf.json_format import MessageToDict
 from tokenizers import Tokenizer
 
+from common import tokenizer_archive
 from observability import tracing
 from observability.logging_setup import configure_logging
 from scheduler_service import ipc
@@ -33,25 +32,15 @@ logger = structlog.get_logger(__name__)
 PROFILE_ENV = "RADIXSERVE_PROFILE_CORE"  # a path: write a cProfile of the core loop there
 
 
-def zip_directory(path: Path) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for f in sorted(path.iterdir()):
-            if f.is_file():
-                zf.write(f, f.name)
-    return buf.getvalue()
-
-
 def load_tokenizer(archive: bytes) -> Tokenizer | None:
+    """The tokenizer of an archive; None (token ids only) if it has none."""
     if not archive:
         return None
-    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
-        return Tokenizer.from_str(zf.read("tokenizer.json").decode())
-
-
-def has_tokenizer_json(archive: bytes) -> bool:
-    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
-        return "tokenizer.json" in zf.namelist()
+    files = tokenizer_archive.unpack(archive)
+    if tokenizer_archive.TOKENIZER_JSON not in files:
+        logger.warning("the model's files hold no tokenizer.json: serving token ids only")
+        return None
+    return Tokenizer.from_str(files[tokenizer_archive.TOKENIZER_JSON].decode())
 
 
 def core_main(conn: Connection, config: ServiceConfig) -> None:
@@ -70,7 +59,7 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     try:
         info = group.connect()
         if config.api.tokenizer:
-            archive = zip_directory(Path(config.api.tokenizer))
+            archive = tokenizer_archive.pack_directory(Path(config.api.tokenizer))
         else:
             try:
                 archive = group.tokenizer_archive()
@@ -80,10 +69,9 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     except WorkerError as e:
         conn.send(ipc.Failed(str(e)))
         return
-    if archive and not has_tokenizer_json(archive):
-        logger.warning("the model's files hold no tokenizer.json: serving token ids only")
-        archive = b""
     tokenizer = load_tokenizer(archive)
+    if tokenizer is None:
+        archive = b""
     model = info.model
     sched = Scheduler(
         dataclasses.replace(

@@ -9,7 +9,6 @@ computes N.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import queue
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 
@@ -184,12 +184,11 @@ class WorkerGroup:
 
     def tokenizer_archive(self) -> bytes:
         """The model's tokenizer files as a zip (from rank 0), checked against its sha256."""
-        chunks = list(self.ranks[0].stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=120))
-        data = b"".join(c.data for c in chunks)
-        digest = chunks[-1].sha256 if chunks else ""
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise WorkerError("the tokenizer archive from the worker is corrupt (sha256 mismatch)")
-        return data
+        pieces = self.ranks[0].stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=120)
+        try:
+            return tokenizer_archive.join(pieces)
+        except tokenizer_archive.ArchiveError as e:
+            raise WorkerError(f"from worker {self.ranks[0].address}: {e}") from e
 
     def close(self) -> None:
         for rank in self.ranks:
