@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.core.plan import RequestOutput, TokenLogprobs
+from scheduler_service.core.plan import TokenLogprobs
 from scheduler_service.core.request import Request
 
 
@@ -42,20 +42,3 @@ class SchedulerStats:
     worker_losses: int = 0  # times the worker group was lost and the KV state dropped
     worker_loss_requeues: int = 0  # requests sent back to wait by those losses
     finished: dict[str, int] = field(default_factory=dict)  # by finish kind
-
-
-def take_prompt_logprobs(req: Request, out: RequestOutput, delta: RequestDelta) -> None:
-    """Put ``out``'s prompt logprobs into ``delta``, each prompt position once,
-    even if a retracted request's re-prefill computes it again."""
-    logprobs = out.prompt_logprobs or []
-    start = out.prompt_logprobs_start
-    skip = max(0, req.prompt_logprobs_sent - start)
-    logprobs = logprobs[skip:]
-    start += skip
-    if not logprobs:
-        return
-    req.prompt_logprobs_sent = start + len(logprobs)
-    if req.prompt_logprobs_sent >= len(req.prompt_ids):
-        req.prompt_logprobs_pending = False
-    delta.prompt_logprobs = logprobs
-    delta.prompt_logprobs_start = start

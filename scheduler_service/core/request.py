@@ -163,6 +163,14 @@ class Request:
         self.epoch += 1
         self.pending = 0
 
+    def forget_kv(self) -> None:
+        """Drop every KV holding without giving anything back (the worker group
+        that held the pages is gone, and the pool and cache are wiped)."""
+        self.pages = []
+        self.tree_pages = 0
+        self.last_node = None
+        self.kv_len = 0
+
     # --------------------------------------------------------------- tokens
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,9 @@ request whose prefill is chunked; the plans in flight) and makes every move
 between them. Its collaborators decide and report: admission
 (admission.py) says which waiting requests run and which running ones are
 preempted, the running batch (batch.py) says which requests must give up
-their KV for a decode to fit, the KV manager (kv_manager.py) owns pages.
+their KV for a decode to fit, prefill_entries.py turns admissions into plan
+entries, results.py says what a result means for each request and which
+finished; the KV manager (kv_manager.py) owns pages.
 
 Each step is a prefill (admit waiting requests, continue a chunked one),
 optionally mixed with the decode batch, or else a decode of the running
@@ -21,7 +23,6 @@ token discarded (a finished one's extra step only wrote a page that is freed).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,21 +32,20 @@ import structlog
 from scheduler_service.core.admission import plan_admission
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.finish import StopStringChecker, check_finish
+from scheduler_service.core.finish import StopStringChecker
 from scheduler_service.core.inflight import InFlight, ProtocolError
 from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv_manager import KvManager
-from scheduler_service.core.outputs import RequestDelta, SchedulerStats, take_prompt_logprobs
+from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.plan import (
     ForwardMode,
-    JoinRequest,
-    RequestOutput,
     ScheduledRequest,
     StepPlan,
     StepResult,
 )
-from scheduler_service.core.policy import SchedulePolicy, request_tokens
+from scheduler_service.core.policy import SchedulePolicy
+from scheduler_service.core.prefill_entries import plan_prefill
 from scheduler_service.core.radix_cache import RadixCache
 from scheduler_service.core.request import (
     FinishAbort,
@@ -54,6 +54,7 @@ from scheduler_service.core.request import (
     Request,
     RequestState,
 )
+from scheduler_service.core.results import apply_result
 from scheduler_service.core.sampling import InvalidRequestError
 
 logger = structlog.get_logger(__name__)
@@ -175,7 +176,11 @@ class Scheduler:
                 self._next_step_id(), ForwardMode.PREFILL, departures=self._depart_now()
             )
             record = InFlight(plan.step_id, {}, 0)
-            self._plan_prefill(prefill, plan, record)
+            for req in plan_prefill(prefill, plan, record, self.kv, self._clock(), self.stats):
+                # Its prefill is done and it samples: from now on it decodes.
+                req.move_to(RequestState.DECODING)
+                req.pending = 1
+                self.running.merge([req])
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
             decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]
@@ -249,62 +254,6 @@ class Scheduler:
         self.chunked = decision.chunked
         self.stats.cached_tokens += decision.hit_tokens
         return decision.admitted
-
-    def _plan_prefill(
-        self, admitted: list[tuple[Request, int]], plan: StepPlan, record: InFlight
-    ) -> None:
-        now = self._clock()
-        kv = self.kv
-        for req, end in admitted:
-            start = req.kv_len
-            # A joining request's table starts empty on the worker: send it all,
-            # the cached prefix's pages included.
-            known = len(req.pages) if req.on_worker else 0
-            if kv.grow(req, end) is None:
-                raise RuntimeError(f"prefill of {req.rid} lacks pages the adder counted")
-            new_pages = req.pages[known:]
-            tokens = request_tokens(req)
-            if req.state is not RequestState.PREFILLING:
-                req.move_to(RequestState.PREFILLING)
-                req.cached_tokens += start
-                if req.times.first_scheduled is None:
-                    req.times.first_scheduled = now
-                    self.stats.prompt_tokens += len(req.prompt_ids)
-            if not req.on_worker:
-                plan.joins.append(self._join(req, tokens, start))
-                req.on_worker = True
-            final = end == req.num_tokens
-            sample = final and len(req.output_ids) < req.sampling.max_new_tokens
-            entry = ScheduledRequest(req.rid, start, tokens[start:end], new_pages, sample)
-            if req.prompt_logprobs_pending and end < len(req.prompt_ids):
-                entry.next_token = tokens[end]
-            plan.entries.append(entry)
-            record.entries[req.rid] = (req, req.epoch, sample)
-            req.kv_len = end
-            if sample:
-                record.expected_tokens += 1
-                req.move_to(RequestState.DECODING)
-                req.pending = 1
-                self.running.merge([req])
-            elif final:
-                record.prefill_only.append((req, req.epoch))
-        for req, _ in admitted:
-            kv.cache_computed_prefix(req)
-
-    @staticmethod
-    def _join(req: Request, tokens: list[int], start: int) -> JoinRequest:
-        logprobs = req.logprobs
-        if logprobs.wants_prompt_logprobs and not req.prompt_logprobs_pending:
-            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
-        return JoinRequest(
-            rid=req.rid,
-            sampling=req.sampling,
-            logprobs=logprobs,
-            prompt_len=len(req.prompt_ids),
-            prefix_ids=tokens[:start],
-            num_output_tokens=len(req.output_ids),
-            trace_context=req.trace_context,
-        )
 
     def _abort_unschedulable(self) -> None:
         """Nothing runs and nothing is in flight, yet nothing was admitted: an
@@ -394,82 +343,20 @@ class Scheduler:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
         record = self._inflight.popleft()
-        tokens = sum(1 for out in result.outputs if out.token_id is not None)
-        if tokens != record.expected_tokens:
-            raise ProtocolError(
-                f"step {record.step_id}: {tokens} sampled tokens for "
-                f"{record.expected_tokens} sampling entries"
-            )
-        now = self._clock()
-        entries = record.entries
-        stats = self.stats
-        outbox = self._outbox
-        eos_ids = self.config.eos_token_ids
-        checks_strings = self._stop_strings is not None
-        for out in result.outputs:
-            item = entries.get(out.rid)
-            if item is None:
-                raise ProtocolError(f"step {record.step_id} has no entry for {out.rid!r}")
-            req, epoch, samples = item
-            token = out.token_id
-            if samples != (token is not None):
-                raise ProtocolError(f"step {record.step_id}: {out.rid} sampled {samples=}")
-            if req.epoch != epoch:
-                if samples:
-                    stats.discarded_tokens += 1
-                continue
-            if token is None or out.prompt_logprobs:
-                self._apply_output(req, out, now)
-                continue
-            # A plain sampled token (the decode case): _apply_output inlined,
-            # check_finish only called when one of its conditions can hold.
-            delta = RequestDelta(req, [token], [out.logprobs])
-            req.pending -= 1
-            output_ids = req.output_ids
-            output_ids.append(token)
-            stats.generated_tokens += 1
-            times = req.times
-            if times.first_token is None:
-                times.first_token = now
-            outbox.append(delta)
-            sp = req.sampling
-            n = len(output_ids)
-            if n >= sp.max_new_tokens or (
-                n > sp.min_new_tokens
-                and (
-                    (checks_strings and sp.stop_strs)
-                    or (not sp.ignore_eos and (token in sp.stop_token_ids or token in eos_ids))
-                )
-            ):
-                reason = check_finish(req, token, eos_ids, self._stop_strings)
-                if reason is not None:
-                    delta.finished = True
-                    self._finish(req, reason, emit=False)
+        finished = apply_result(
+            record,
+            result,
+            self._clock(),
+            self.stats,
+            self._outbox,
+            self.config.eos_token_ids,
+            self._stop_strings,
+        )
+        for req, reason in finished:
+            self._finish(req, reason, emit=False)  # its delta says it finished
         for req, epoch in record.prefill_only:
             if req.epoch == epoch:
                 self._finish(req, FinishLength(req.sampling.max_new_tokens))
-
-    def _apply_output(self, req: Request, out: RequestOutput, now: float) -> None:
-        token = out.token_id
-        if token is None:  # a prefill chunk: only prompt logprobs can come back
-            delta = RequestDelta(req, [], [])
-            take_prompt_logprobs(req, out, delta)
-            if delta.prompt_logprobs:
-                self._outbox.append(delta)
-            return
-        delta = RequestDelta(req, [token], [out.logprobs])
-        if out.prompt_logprobs:
-            take_prompt_logprobs(req, out, delta)
-        req.pending -= 1
-        req.output_ids.append(token)
-        self.stats.generated_tokens += 1
-        if req.times.first_token is None:
-            req.times.first_token = now
-        self._outbox.append(delta)
-        reason = check_finish(req, token, self.config.eos_token_ids, self._stop_strings)
-        if reason is not None:
-            delta.finished = True
-            self._finish(req, reason, emit=False)
 
     # =============================================================== moves
     def _depart(self, req: Request) -> None:
@@ -544,10 +431,7 @@ class Scheduler:
         for req in holders:
             # No release: the pool and the cache are wiped below, and
             # inserting pages whose contents are gone would poison the cache.
-            req.pages = []
-            req.tree_pages = 0
-            req.last_node = None
-            req.kv_len = 0
+            req.forget_kv()
             req.on_worker = False
             req.move_to(RequestState.RETRACTED)
             req.epoch += 1  # anything still arriving for the old plans is stale

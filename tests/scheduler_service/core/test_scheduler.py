@@ -255,6 +255,12 @@ def test_results_that_do_not_fit_the_plan_are_refused():
     plan = sched2.step()
     with pytest.raises(ProtocolError, match="no entry"):
         sched2.update(StepResult(plan.step_id, [RequestOutput("ghost", 1)]))
+    sched3 = Scheduler(cfg(), 64)
+    sched3.add_request(req("r", range(1, 5)))
+    plan = sched3.step()
+    twice = [RequestOutput("r", 1), RequestOutput("r", None)]  # one entry, two outputs
+    with pytest.raises(ProtocolError, match="no entry"):
+        sched3.update(StepResult(plan.step_id, twice))
 
 
 def test_bad_requests_are_refused_with_reasons():
