@@ -2,7 +2,7 @@
 
 For each model, attention backend and batch size: ``batch`` requests whose
 first ``--context`` positions are in the KV cache, then ``--steps`` timed decode
-steps of the whole batch through the worker's executor (plan in, tokens out:
+steps of the whole batch through the worker's model runner (plan in, tokens out:
 model, attention, sampling and bookkeeping; CUDA graphs where the backend has
 them). Reported per (model, backend, batch):
 
@@ -55,9 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from worker_service.config import WorkerConfig
-from worker_service.engine import Worker, build_worker
 from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
 from worker_service.request_state import SlotState
+from worker_service.worker import Worker, build_worker
 
 GREEDY = SamplingSpec(temperature=0.0)
 DEFAULT_MODELS = "random:smollm2-135m,random:llama-3.1-8b"
@@ -113,7 +113,7 @@ class SleepCalibration:
 
 def weight_bytes(worker: Worker) -> int:
     """Weight bytes a decode step reads (see the module docstring)."""
-    model = worker.executor.compute.model
+    model = worker.runner.compute.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
     if model.lm_head is not model.embed_tokens:
         emb = model.embed_tokens.weight
@@ -122,7 +122,7 @@ def weight_bytes(worker: Worker) -> int:
 
 
 def kv_bytes_per_token(worker: Worker) -> int:
-    kv = worker.executor.compute.kv
+    kv = worker.runner.compute.kv
     return kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * kv.layers[0].element_size()
 
 
@@ -148,7 +148,7 @@ class Bench:
         worker = build_worker(cfg)
         if a.fill == "random":
             gen = torch.Generator(device=worker.device).manual_seed(1)
-            for layer in worker.executor.compute.kv.layers:
+            for layer in worker.runner.compute.kv.layers:
                 layer.normal_(0.0, 1.0, generator=gen)
         return worker
 
@@ -157,13 +157,13 @@ class Bench:
 
     def start_requests(self, worker: Worker, batch: int) -> None:
         """``batch`` requests with ``context`` positions cached and one sampled token."""
-        a, ex = self.args, worker.executor
-        ex.reset()
+        a, runner = self.args, worker.runner
+        runner.reset()
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, worker.vocab_size, (batch, a.context + 1), generator=g).tolist()
         if a.fill == "random":
             for slot, tokens in enumerate(prompts):
-                ex.slots[slot] = SlotState(
+                runner.slots[slot] = SlotState(
                     rid=f"r{slot}",
                     sampling=GREEDY,
                     logprobs=LogprobSpec(),
@@ -181,12 +181,12 @@ class Bench:
                     JoinSpec(slot, f"r{slot}", GREEDY, LogprobSpec(), len(prompt), [])
                 )
                 plan.extends.append(ExtendSpec(slot, 0, prompt, self.table(slot), True))
-            result = ex.execute(plan)
+            result = runner.execute(plan)
             if result.error:
                 raise RuntimeError(result.error)
 
     def run_batch(self, worker: Worker, batch: int) -> dict[str, Any]:
-        a, ex, device = self.args, worker.executor, worker.device
+        a, runner, device = self.args, worker.runner, worker.device
         self.start_requests(worker, batch)
         step_id = 10_000
         position = a.context
@@ -197,7 +197,7 @@ class Bench:
             plan.decode_slots = list(range(batch))
             plan.decode_positions = [position] * batch
             plan.decode_new_pages = [0] * batch  # whole tables were set up front
-            result = ex.execute(plan)
+            result = runner.execute(plan)
             if result.error:
                 raise RuntimeError(result.error)
             step_id += 1

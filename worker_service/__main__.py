@@ -12,8 +12,8 @@ import structlog
 from observability import tracing
 from observability.logging_setup import configure_logging
 from worker_service.config import load_config
-from worker_service.engine import build_worker
 from worker_service.server import serve
+from worker_service.worker import build_worker
 
 logger = structlog.get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """The worker's gRPC servicer: GetInfo, Execute (plans in, results out) and
-GetTokenizer. Thin: conversion lives in convert.py, execution in executor.py."""
+GetTokenizer. Thin: conversion lives in convert.py, execution in model_runner.py."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import structlog
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import plan_from_proto, result_to_proto
-from worker_service.engine import Worker
-from worker_service.step_metrics import WorkerMetrics
-from worker_service.step_tracing import StepTracer
+from worker_service.telemetry.metrics import WorkerMetrics
+from worker_service.telemetry.step_tracing import StepTracer
+from worker_service.worker import Worker
 
 logger = structlog.get_logger(__name__)
 
@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             self._stream_gen += 1
             gen = self._stream_gen
-            self.worker.executor.reset()
+            self.worker.runner.reset()
             if self.tracer is not None:
                 self.tracer.reset()
         logger.info("scheduler stream opened", peer=context.peer())
@@ -118,7 +118,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan = plan_from_proto(msg)
         except ValueError as e:
             return pb.StepResult(step_id=msg.step_id, error=f"malformed plan: {e}")
-        result = result_to_proto(self.worker.executor.execute(plan))
+        result = result_to_proto(self.worker.runner.execute(plan))
         result.idle_ms = idle_ms
         busy_s = time.perf_counter() - t0
         result.forward_ms = busy_s * 1e3

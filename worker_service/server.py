@@ -15,9 +15,9 @@ from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
 from worker_service.config import WorkerConfig
-from worker_service.engine import Worker
-from worker_service.step_metrics import WorkerMetrics
-from worker_service.step_tracing import StepTracer
+from worker_service.telemetry.metrics import WorkerMetrics
+from worker_service.telemetry.step_tracing import StepTracer
+from worker_service.worker import Worker
 
 logger = structlog.get_logger(__name__)
 
@@ -29,7 +29,7 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
     cfg = worker.config
     metrics = None
     if cfg.metrics_port is not None:
-        metrics = WorkerMetrics(lambda: len(worker.executor.slots), worker.num_pages)
+        metrics = WorkerMetrics(lambda: len(worker.runner.slots), worker.num_pages)
         registry = new_registry()
         metrics.register(registry)
         serve_metrics(cfg.metrics_port, cfg.host, registry)

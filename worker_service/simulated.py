@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 import zlib
 
-from worker_service.executor import ComputeOutput, SeqWork
+from worker_service.model_runner import SeqWork
+from worker_service.sampling.rows import SampleOutput
 
 SIMULATED_VOCAB = 32000
 
@@ -46,9 +47,9 @@ class SimulatedCompute:
         self._crc[w.slot] = (w.state.rid, len(tokens), value)
         return value
 
-    def run(self, work: list[SeqWork], num_extends: int) -> ComputeOutput:
+    def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         t0 = time.perf_counter()
-        out = ComputeOutput()
+        out = SampleOutput()
         for w in work:
             if w.sample:
                 out.token_ids.append(_mix(self._context_crc(w), self.vocab_size))

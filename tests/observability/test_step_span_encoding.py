@@ -8,7 +8,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2 as tpb
 
 from observability.otlp_receiver import OtlpReceiver
 from protos import worker_pb2 as pb
-from worker_service.step_span_encoding import (
+from worker_service.telemetry.span_encoding import (
     SpanBatcher,
     StepSpanEncoder,
     install_passthrough,
@@ -93,7 +93,7 @@ def test_batches_go_out_through_the_sdk_exporters(protocol):
 
 
 def test_the_sdk_path_makes_the_same_spans(span_exporter):
-    from worker_service.step_span_process import StepSpans
+    from worker_service.telemetry.span_process import StepSpans
 
     sdk = StepSpans(rank=1)
     for p in plans():

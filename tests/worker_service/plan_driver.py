@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_service.executor import Executor
+from worker_service.model_runner import ModelRunner
 from worker_service.plan import (
     ExtendSpec,
     JoinSpec,
@@ -46,11 +46,11 @@ class DriverRequest:
 
 
 class PlanDriver:
-    def __init__(self, executor: Executor, page_size: int, chunk: int | None = None) -> None:
-        self.executor = executor
+    def __init__(self, runner: ModelRunner, page_size: int, chunk: int | None = None) -> None:
+        self.runner = runner
         self.page_size = page_size
         self.chunk = chunk
-        self.free = list(range(executor.num_pages - 1, -1, -1))
+        self.free = list(range(runner.num_pages - 1, -1, -1))
         self.step_id = 0
 
     def _pages_to(self, req: DriverRequest, kv_len: int) -> list[int]:
@@ -121,7 +121,7 @@ class PlanDriver:
         r.kv_len = end
 
     def _apply(self, reqs: list[DriverRequest], plan: Plan) -> None:
-        result = self.executor.execute(plan)
+        result = self.runner.execute(plan)
         assert not result.error, result.error
         top_at = 0
         for i, slot in enumerate(result.slots):
@@ -140,7 +140,7 @@ class PlanDriver:
 
     def _leave(self, slot: int) -> None:
         """Leaves ride on the next plan; pages are not reused by this driver."""
-        self.executor.execute(Plan(self.step_id + 100_000 + slot, Mode.IDLE, leaves=[slot]))
+        self.runner.execute(Plan(self.step_id + 100_000 + slot, Mode.IDLE, leaves=[slot]))
 
     @staticmethod
     def _take_prompt_logprobs(r: DriverRequest, p: PromptLogprobOut) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.config import WorkerConfig
-from worker_service.engine import Worker, build_worker
 from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
+from worker_service.worker import Worker, build_worker
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PAGE = 16
@@ -32,7 +32,7 @@ def start(worker: Worker, sampling: SamplingSpec) -> list[int]:
         lp = LogprobSpec()
         plan.joins.append(JoinSpec(slot, f"r{slot}", sampling, lp, n, []))
         plan.extends.append(ExtendSpec(slot, 0, prompt, pages, True))
-    result = worker.executor.execute(plan)
+    result = worker.runner.execute(plan)
     assert not result.error, result.error
     assert all(0 <= t < worker.vocab_size for t in result.token_ids)
     return list(PROMPTS)
@@ -43,7 +43,7 @@ def decode(worker: Worker, step_id: int, positions: list[int]) -> list[int]:
     plan.decode_slots = list(range(len(positions)))
     plan.decode_positions = positions
     plan.decode_new_pages = [0] * len(positions)
-    result = worker.executor.execute(plan)
+    result = worker.runner.execute(plan)
     assert not result.error, result.error
     return result.token_ids
 
@@ -64,7 +64,7 @@ def test_decode_step_waits_only_for_its_tokens(graphs: bool, temperature: float)
     )
     worker = build_worker(cfg)
     assert worker.dtype == torch.bfloat16  # "auto" on CUDA
-    assert (worker.executor.compute.graphs is not None) == graphs
+    assert (worker.runner.compute.graphs is not None) == graphs
     sampling = SamplingSpec(temperature=temperature, seed=1 if temperature else None)
     positions = start(worker, sampling)
     for step in range(2):  # warm: pinned-memory pools, lazy module loads

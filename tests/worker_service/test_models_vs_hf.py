@@ -24,7 +24,7 @@ from transformers import (
 
 from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import executor_for
+from tests.worker_service.worker_factory import runner_for
 from worker_service.plan import LogprobSpec
 
 STEPS = 34
@@ -97,8 +97,8 @@ def workload(seed: int) -> list[DriverRequest]:
 @pytest.mark.parametrize(("page_size", "chunk"), [(1, 9), (16, 32)])
 def test_greedy_tokens_and_logprobs_match_hf(arch, page_size, chunk, tmp_path):
     hf = tiny_model(arch, tmp_path)
-    executor = executor_for(tmp_path, page_size=page_size, num_pages=4096 // page_size)
-    reqs = PlanDriver(executor, page_size, chunk=chunk).run(workload(seed=page_size))
+    runner = runner_for(tmp_path, page_size=page_size, num_pages=4096 // page_size)
+    reqs = PlanDriver(runner, page_size, chunk=chunk).run(workload(seed=page_size))
     for r in reqs:
         tokens, logprobs = hf_greedy(hf, r.prompt, STEPS)
         assert r.outputs == tokens, f"request {r.slot}"
@@ -107,10 +107,10 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, page_size, chunk, tmp_path):
 
 def test_prompt_logprobs_and_top_logprobs_match_hf(tmp_path):
     hf = tiny_model("llama3-rope-scaling", tmp_path)
-    executor = executor_for(tmp_path, page_size=4, num_pages=256)
+    runner = runner_for(tmp_path, page_size=4, num_pages=256)
     lp = LogprobSpec(return_logprob=True, logprob_start_len=5, top_logprobs_num=3)
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-    (req,) = PlanDriver(executor, 4, chunk=8).run([DriverRequest(prompt, 4, logprobs=lp)])
+    (req,) = PlanDriver(runner, 4, chunk=8).run([DriverRequest(prompt, 4, logprobs=lp)])
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     assert sorted(req.prompt_logprobs) == list(range(5, 30))

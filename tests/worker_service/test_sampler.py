@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from worker_service import logit_processors, sampling_filters
-from worker_service.logit_processors import process_logits
-from worker_service.logprobs import logprob_tensors, token_logprobs
 from worker_service.plan import LogprobSpec, SamplingSpec
-from worker_service.sampler import Sampler, SampleRow
-from worker_service.sampling_filters import seeded_uniform, splitmix64
+from worker_service.sampling import filters, processors
+from worker_service.sampling.filters import seeded_uniform, splitmix64
+from worker_service.sampling.logprobs import logprob_tensors, token_logprobs
+from worker_service.sampling.processors import process_logits
+from worker_service.sampling.rows import SampleRow
+from worker_service.sampling.sampler import Sampler
 
 CPU = torch.device("cpu")
 NO_LP = LogprobSpec()
@@ -81,8 +82,8 @@ def test_greedy_fast_path_skips_processing_and_drawing(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("fast path should not get here")
 
-    monkeypatch.setattr(logit_processors, "process_logits", boom)
-    monkeypatch.setattr(sampling_filters, "draw", boom)
+    monkeypatch.setattr(processors, "process_logits", boom)
+    monkeypatch.setattr(filters, "draw", boom)
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
     rows = [row(SamplingSpec(temperature=0.0), lp=LogprobSpec(return_logprob=True))] * 8
     out = Sampler(50, CPU).sample(logits, rows)

@@ -17,8 +17,8 @@ from protos import worker_pb2_grpc
 from tests.hf_reference import chat_ids, default_model_reference, hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from worker_service.config import WorkerConfig
-from worker_service.engine import build_worker
 from worker_service.server import serve
+from worker_service.worker import build_worker
 
 STEPS = 32
 QUESTIONS = [
@@ -46,7 +46,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(hf, worker):
         DriverRequest(prompts[1], STEPS, arrive=2, share_from=0),  # shared system prompt
         DriverRequest(prompts[2], STEPS, arrive=5, share_from=0),
     ]
-    PlanDriver(worker.executor, 16, chunk=24).run(reqs)
+    PlanDriver(worker.runner, 16, chunk=24).run(reqs)
     for r in reqs:
         tokens, logprobs = hf_greedy(model, r.prompt, STEPS)
         assert r.outputs == tokens, (tok.decode(r.outputs), tok.decode(tokens))

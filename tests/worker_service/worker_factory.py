@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from worker_service.config import WorkerConfig
-from worker_service.engine import Worker, build_worker
-from worker_service.executor import Executor
+from worker_service.model_runner import ModelRunner
+from worker_service.worker import Worker, build_worker
 
 
 def worker_for(model: str | Path, **overrides) -> Worker:
@@ -14,5 +14,5 @@ def worker_for(model: str | Path, **overrides) -> Worker:
     return build_worker(cfg)
 
 
-def executor_for(model: str | Path, **overrides) -> Executor:
-    return worker_for(model, **overrides).executor
+def runner_for(model: str | Path, **overrides) -> ModelRunner:
+    return worker_for(model, **overrides).runner

@@ -91,11 +91,3 @@ def unpermute_rotary_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     half = out_rows // num_heads // 2
     grouped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
     return grouped.swapaxes(1, 2).reshape(rows.shape)
-
-
-def permute_rotary_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter permutation (the inverse of the above); for tests
-    and for writing GGUF files that llama.cpp reads correctly."""
-    half = rows.shape[0] // num_heads // 2
-    grouped = rows.reshape(num_heads, 2, half, *rows.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(rows.shape)

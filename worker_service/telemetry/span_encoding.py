@@ -30,7 +30,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource as PbResource
 from opentelemetry.proto.trace.v1 import trace_pb2 as tpb
 
 from protos import worker_pb2 as pb
-from worker_service.step_metrics import MODES
+from worker_service.telemetry.metrics import MODES
 
 logger = structlog.get_logger(__name__)
 

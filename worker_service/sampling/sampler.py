@@ -4,13 +4,12 @@ sampling request into its next token, plus the logprobs it asked for.
 Pipeline, batched over the rows (one row per request that samples this step):
 
 1. logprobs come from the RAW logits (see logprobs.py);
-2. a copy of the logits gets bias, penalties and min-new masking
-   (logit_processors.py);
+2. a copy of the logits gets bias, penalties and min-new masking (processors.py);
 3. greedy rows (temperature < 1e-6 or top_k == 1) take the argmax (ties: the
    lowest id, as ``torch.argmax`` returns the first maximum);
-4. the other rows are filtered and drawn by inverse CDF (sampling_filters.py)
-   with one uniform per row: from (seed, outputs so far) for seeded rows, from
-   the sampler's own generator otherwise.
+4. the other rows are filtered and drawn by inverse CDF (filters.py) with one
+   uniform per row: from (seed, outputs so far) for seeded rows, from the
+   sampler's own generator otherwise.
 
 When every row is greedy, needs no processing and asks for no logprobs beyond
 the chosen token's, the step is one argmax and one logsumexp over the raw
@@ -19,64 +18,22 @@ logits: no copy, no softmax, no sort.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
-from worker_service import logit_processors, sampling_filters
-from worker_service.logprobs import TokenLogprobs, logprob_tensors, token_logprobs
-from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampling import filters, processors
+from worker_service.sampling.logprobs import logprob_tensors
+from worker_service.sampling.rows import SampleOutput, SampleRow
 from worker_service.transfer import to_device, to_host
 
-# token_logprobs (prompt logprobs) is re-exported: callers import it with the sampler.
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p")
-
-__all__ = ["SampleOutput", "SampleRow", "Sampler", "TokenLogprobs", "token_logprobs"]
-
-
-@dataclass
-class SampleRow:
-    """One request that samples this step."""
-
-    sampling: SamplingSpec
-    logprobs: LogprobSpec
-    prompt_ids: Sequence[int]  # the prompt (repetition penalty)
-    output_ids: Sequence[int]  # generated so far (penalties)
-    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids
-    # How many tokens were generated so far (min_new_tokens, seeded draws);
-    # None: len(output_ids). Lets a caller skip building the id lists of rows
-    # without penalties.
-    num_outputs: int | None = None
-
-    @property
-    def output_count(self) -> int:
-        return len(self.output_ids) if self.num_outputs is None else self.num_outputs
-
-
-@dataclass
-class SampleOutput:
-    """Per row, in the order of the rows given to ``Sampler.sample``.
-
-    ``logprobs`` always holds the chosen token's raw logprob (it costs one
-    logsumexp); ``top_*`` hold ``top_logprobs_num`` entries and ``ids_logprobs``
-    one entry per ``token_ids_logprob`` id (NaN for an id outside the
-    vocabulary), empty lists for rows that did not ask.
-    """
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
-    ids_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def _is_plain_greedy(row: SampleRow) -> bool:
     lp = row.logprobs
     return (
         row.sampling.is_greedy
-        and not logit_processors.needs_processing(row)
+        and not processors.needs_processing(row)
         and lp.top_logprobs_num <= 0
         and not lp.token_ids_logprob
     )
@@ -122,7 +79,7 @@ class Sampler:
 
     def _choose(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Process the logits, then argmax the greedy rows and draw the others."""
-        processed = logit_processors.process_logits(raw, rows)
+        processed = processors.process_logits(raw, rows)
         greedy = [i for i, r in enumerate(rows) if r.sampling.is_greedy]
         drawn = [i for i, r in enumerate(rows) if not r.sampling.is_greedy]
         if not drawn:
@@ -143,7 +100,7 @@ class Sampler:
         )
         if greedy:
             chosen[g] = processed.index_select(0, g).argmax(dim=-1)
-        chosen[d] = sampling_filters.draw(
+        chosen[d] = filters.draw(
             processed.index_select(0, d),
             temperature=temperature,
             top_k=top_k,
@@ -160,7 +117,7 @@ class Sampler:
         u = [
             next(fresh)
             if r.sampling.seed is None
-            else sampling_filters.seeded_uniform(r.sampling.seed, r.output_count)
+            else filters.seeded_uniform(r.sampling.seed, r.output_count)
             for r in rows
         ]
         return torch.tensor(u, dtype=torch.float32)

@@ -22,15 +22,12 @@ Everything is batched: Python only builds small index lists per row; the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from worker_service.sampling.rows import SampleRow
 from worker_service.transfer import to_device
-
-if TYPE_CHECKING:
-    from worker_service.sampler import SampleRow
 
 
 def min_new_mask_ids(row: SampleRow) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import structlog
 from observability import tracing
 from observability.logging_setup import configure_logging
 from protos import worker_pb2 as pb
-from worker_service.step_span_encoding import (
+from worker_service.telemetry.span_encoding import (
     SPAN_NAME,
     SpanBatcher,
     StepSpanEncoder,
@@ -27,7 +27,7 @@ from worker_service.step_span_encoding import (
     install_passthrough,
     step_attributes,
 )
-from worker_service.step_tracing import RESET
+from worker_service.telemetry.step_tracing import RESET
 
 logger = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Builds a worker from its config: model, KV cache, attention, sampler, executor."""
+"""Builds a worker from its config: model, KV cache, attention, sampler, model runner."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
-from worker_service.executor import Executor
 from worker_service.kv_cache import KvCache, parse_bytes
-from worker_service.model_compute import ModelCompute
+from worker_service.model_runner import ModelCompute, ModelRunner
 from worker_service.models.config import ModelConfig
 from worker_service.models.registry import build_model
-from worker_service.sampler import Sampler
+from worker_service.sampling.sampler import Sampler
 from worker_service.simulated import SimulatedCompute
 from worker_service.weights import ModelSource, open_model
 
@@ -30,7 +29,7 @@ GPU_KV_FRACTION = 0.9
 @dataclass
 class Worker:
     config: WorkerConfig
-    executor: Executor
+    runner: ModelRunner
     model_name: str
     model_config: ModelConfig | None  # None for the simulated model
     num_pages: int
@@ -60,10 +59,10 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
         compute = SimulatedCompute(cfg.simulated_step_ms / 1e3, cfg.simulated_vocab)
-        executor = Executor(compute, num_pages, cfg.page_size, cfg.simulated_vocab)
+        runner = ModelRunner(compute, num_pages, cfg.page_size, cfg.simulated_vocab)
         return Worker(
             cfg,
-            executor,
+            runner,
             "simulated",
             None,
             num_pages,
@@ -110,11 +109,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
-    executor = Executor(compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context)
+    runner = ModelRunner(compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context)
     logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
     return Worker(
         cfg,
-        executor,
+        runner,
         str(source.path),
         mcfg,
         num_pages,

@@ -1,28 +1,145 @@
-"""One step of the real model: flat batch -> forward -> logits -> tokens.
+"""Runs step plans in order: validation, per-request state, the model's step, results.
 
-Only the rows that need logits reach the LM head: the last token of every
-sampling request, and the prompt positions whose logprobs were asked for
-(the logits at position p score the prompt token at p + 1).
+``ModelRunner`` owns what a plan means: leaves before joins, pages appended
+to tables, extends before decodes, each decode computing the request's last
+sampled token. The arithmetic is delegated to a ``Compute``: ``ModelCompute``
+below (the real model) or ``SimulatedCompute`` (simulated.py).
+
+``ModelCompute`` is one step of the real model: flat batch -> forward ->
+logits -> tokens. Only the rows that need logits reach the LM head: the last
+token of every sampling request, and the prompt positions whose logprobs were
+asked for (the logits at position p score the prompt token at p + 1).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import structlog
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.distributed import TensorParallel
-from worker_service.executor import ComputeOutput, SeqWork
 from worker_service.kv_cache import KvCache
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.plan import PromptLogprobOut
-from worker_service.sampler import Sampler, SampleRow, token_logprobs
+from worker_service.plan import Plan, PromptLogprobOut, Result
+from worker_service.request_state import SlotState
+from worker_service.sampling.logprobs import token_logprobs
+from worker_service.sampling.rows import SampleOutput, SampleRow
+from worker_service.sampling.sampler import Sampler
 from worker_service.transfer import to_device
+from worker_service.validation import PlanError, validate_plan
+
+logger = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class SeqWork:
+    """One request's share of a step."""
+
+    slot: int
+    state: SlotState
+    start: int  # position of inputs[0]
+    inputs: list[int]  # tokens computed this step (a decode: the last sampled one)
+    sample: bool
+    next_token: int | None = None  # prompt token after a chunk (prompt logprobs)
+
+
+class Compute(Protocol):
+    def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
+
+
+class ModelRunner:
+    """Executes plans in order on its ``Compute``; holds every request's slot state."""
+
+    def __init__(
+        self,
+        compute: Compute,
+        num_pages: int,
+        page_size: int,
+        vocab_size: int,
+        max_context: int = 1 << 30,
+    ) -> None:
+        self.compute = compute
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.vocab_size = vocab_size
+        self.max_context = max_context  # positions the model can rotate
+        self.slots: dict[int, SlotState] = {}
+
+    def reset(self) -> None:
+        """Drop every request (a new scheduler stream starts from nothing)."""
+        self.slots.clear()
+
+    def execute(self, plan: Plan) -> Result:
+        t0 = time.perf_counter()
+        try:
+            validate_plan(
+                plan, self.slots, self.num_pages, self.page_size, self.vocab_size, self.max_context
+            )
+        except PlanError as e:
+            logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
+            return Result(plan.step_id, error=f"step {plan.step_id}: {e}")
+        work = self._apply(plan)
+        try:
+            out = self.compute.run(work, len(plan.extends)) if work else SampleOutput()
+        except Exception as e:  # the KV cache may be half written: start over
+            logger.exception("step failed; dropping all request state", step_id=plan.step_id)
+            self.reset()
+            return Result(plan.step_id, error=f"step {plan.step_id} failed on the worker: {e!r}")
+        result = self._finish(plan.step_id, work, out)
+        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _apply(self, plan: Plan) -> list[SeqWork]:
+        slots = self.slots
+        for slot in plan.leaves:
+            del slots[slot]
+        for join in plan.joins:
+            slots[join.slot] = SlotState.from_join(join)
+        work: list[SeqWork] = []
+        for e in plan.extends:
+            state = slots[e.slot]
+            state.pages.extend(e.new_pages)
+            state.tokens.extend(e.input_ids)
+            work.append(SeqWork(e.slot, state, e.start_pos, e.input_ids, e.sample, e.next_token))
+        for slot, pos, new_page in zip(
+            plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
+        ):
+            state = slots[slot]
+            if new_page:
+                state.pages.append(new_page - 1)
+            work.append(SeqWork(slot, state, pos, [state.tokens[-1]], True))
+        return work
+
+    def _finish(self, step_id: int, work: list[SeqWork], out: SampleOutput) -> Result:
+        result = Result(step_id)
+        sampled = 0
+        for w in work:
+            w.state.kv_len = w.start + len(w.inputs)
+            if not w.sample:
+                continue
+            token = out.token_ids[sampled]
+            w.state.tokens.append(token)
+            result.slots.append(w.slot)
+            sampled += 1
+        result.token_ids = out.token_ids
+        result.logprobs = out.logprobs
+        for ids, lps in zip(out.top_ids, out.top_logprobs, strict=True):
+            result.top_counts.append(len(ids))
+            result.top_ids.extend(ids)
+            result.top_logprobs.extend(lps)
+        for lps in out.ids_logprobs:
+            result.ids_counts.append(len(lps))
+            result.ids_logprobs.extend(lps)
+        result.prompt_logprobs = out.prompt_logprobs
+        return result
 
 
 @dataclass(slots=True)
@@ -34,6 +151,8 @@ class _PromptSpan:
 
 
 class ModelCompute:
+    """One step of the real model (see the module docstring)."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -69,7 +188,7 @@ class ModelCompute:
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
         self.graphs.capture()
 
-    def run(self, work: list[SeqWork], num_extends: int) -> ComputeOutput:
+    def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         device = self.device
         batch, input_ids = self._batch(work, num_extends)
         if self.graphs is not None and num_extends == 0:
@@ -89,7 +208,7 @@ class ModelCompute:
             (index,) = to_device([np.array(rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
 
-        out = ComputeOutput()
+        out = SampleOutput()
         if sample_rows:
             out = self._sample(logits[: len(sample_rows)], [w for w in work if w.sample])
         for span in spans:
@@ -159,14 +278,12 @@ class ModelCompute:
         return spans, rows
 
     # ------------------------------------------------------------- sample
-    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> ComputeOutput:
+    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleOutput:
         n = len(work)
         if self.tp.rank == 0:
-            rows = [self._sample_row(w) for w in work]
-            s = self.sampler.sample(logits, rows)
-            out = ComputeOutput(s.token_ids, s.logprobs, s.top_ids, s.top_logprobs, s.ids_logprobs)
+            out = self.sampler.sample(logits, [self._sample_row(w) for w in work])
         else:
-            out = ComputeOutput([0] * n, [0.0] * n, [[]] * n, [[]] * n, [[]] * n)
+            out = SampleOutput([0] * n, [0.0] * n, [[]] * n, [[]] * n, [[]] * n)
         if self.tp.enabled:
             tokens = torch.tensor(out.token_ids, dtype=torch.long, device=self.device)
             out.token_ids = self.tp.broadcast_from_first(tokens).tolist()

@@ -9,7 +9,7 @@ its link. Untraced batches make no spans.
 
 Building and exporting spans with hundreds of links is Python work that
 would hold the worker's GIL while steps run, so it happens in a process of
-its own (``python -m worker_service.step_span_process``): the executing
+its own (``python -m worker_service.telemetry.span_process``): the executing
 thread appends the plan and two clock readings to a list (no lock, no
 wake-up), and a thread here pipes what accumulated every PIPE_EVERY_S, in
 one write. If that process falls behind, spans are dropped (and counted),
@@ -44,7 +44,7 @@ class StepTracer:
         self._pending: deque = deque()
         self._closing = threading.Event()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "worker_service.step_span_process", str(rank)],
+            [sys.executable, "-m", "worker_service.telemetry.span_process", str(rank)],
             stdin=subprocess.PIPE,
         )
         self._thread = threading.Thread(target=self._pipe, daemon=True, name="step-spans")
