@@ -19,7 +19,8 @@ import grpc
 
 from clients.client import RadixClient
 
-DEFAULT_SERVER = os.environ.get("RADIXSERVE_SERVER", "127.0.0.1:30000")
+DEFAULT_SERVER = "127.0.0.1:30000"
+SERVER_ENV = "RADIXSERVE_SERVER"
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
@@ -88,7 +89,11 @@ def _chat(client: RadixClient, args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve-client", description=__doc__.split("\n")[0])
-    p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT of the scheduler")
+    p.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+        help=f"HOST:PORT of the scheduler (default: ${SERVER_ENV} or {DEFAULT_SERVER})",
+    )
     p.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
     p.add_argument("--tls-ca", metavar="PATH", help="TLS, trusting this CA (PEM)")
     p.add_argument(

@@ -3,17 +3,15 @@ GetTokenizer. Thin: conversion lives in convert.py, execution in model_runner.py
 
 from __future__ import annotations
 
-import hashlib
-import io
 import queue
 import threading
 import time
-import zipfile
 from collections.abc import Iterator
 
 import grpc
 import structlog
 
+from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import plan_from_proto, result_to_proto
@@ -135,22 +133,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             data = self._tokenizer_archive()
         except LookupError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), TOKENIZER_CHUNK):
-            last = start + TOKENIZER_CHUNK >= len(data)
-            yield pb.TokenizerChunk(
-                data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
-            )
+        for piece, digest in tokenizer_archive.chunks(data, TOKENIZER_CHUNK):
+            yield pb.TokenizerChunk(data=piece, sha256=digest)
 
     def _tokenizer_archive(self) -> bytes:
         if self._tokenizer_zip is None:
-            files = self.worker.tokenizer_files()
-            buf = io.BytesIO()
-            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-                for name in sorted(files):
-                    info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-                    zf.writestr(info, files[name], zipfile.ZIP_DEFLATED)
-            self._tokenizer_zip = buf.getvalue()
+            self._tokenizer_zip = tokenizer_archive.pack(self.worker.tokenizer_files())
         return self._tokenizer_zip
 
 

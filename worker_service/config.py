@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.settings import add_flags, build, setting
+from common.simulated_model import SIMULATED_VOCAB
 
 ENV_PREFIX = "RADIXSERVE_WORKER_"
 LOG_FORMATS = ("auto", "json", "console")
@@ -54,7 +55,7 @@ class WorkerConfig:
         None, "HOST:PORT of the tensor-parallel rendezvous (rank 0's address)"
     )
     simulated_step_ms: float = setting(0.0, "the simulated model's time per step")
-    simulated_vocab: int = setting(32000, "the simulated model's vocabulary size")
+    simulated_vocab: int = setting(SIMULATED_VOCAB, "the simulated model's vocabulary size")
     max_message_mb: int = setting(64, "gRPC message size limit")
     threads: int = setting(
         0,

@@ -14,8 +14,8 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.simulated_model import simulated_token
 from tests.e2e.system import greedy, separate, stub
-from worker_service.simulated import simulated_token
 
 VOCAB = 32000
 

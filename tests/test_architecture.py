@@ -1,0 +1,161 @@
+"""The layout's rules, read from the code's own imports (every import
+statement, those inside functions and under TYPE_CHECKING included):
+
+- no import circle among the project's modules;
+- the API process (scheduler_service/api/) and the core process
+  (scheduler_service/engine/) meet only where the API process spawns the core
+  (core_client -> engine.main); the engine imports nothing of the API;
+- the client library (clients/, but the benchmark, whose transformers
+  baseline opens models the worker's way) imports neither service;
+- the shared package (common/) imports neither service;
+- no mixin classes in the services.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("scheduler_service", "worker_service", "clients", "common", "observability")
+SPAWN = ("scheduler_service.api.core_client", "scheduler_service.engine.main")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(p): p
+        for pkg in PACKAGES
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if "_pb2" not in p.name
+    }
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports (a module named in a from-import
+    counts as imported; its package's __init__ does not)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {name: _imports(name, path, known) for name, path in modules.items()}
+    # "from pkg import sub" and "import pkg.sub" also name pkg: drop edges to
+    # a package's own __init__ when the importer already names a module in it.
+    for name, deps in graph.items():
+        graph[name] = {d for d in deps if not any(o.startswith(d + ".") for o in deps)}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_api_and_core_processes_meet_only_at_the_spawn():
+    crossings = []
+    for name, deps in _graph().items():
+        for d in deps:
+            api_to_engine = name.startswith("scheduler_service.api") and d.startswith(
+                "scheduler_service.engine"
+            )
+            engine_to_api = name.startswith("scheduler_service.engine") and d.startswith(
+                "scheduler_service.api"
+            )
+            if (api_to_engine and (name, d) != SPAWN) or engine_to_api:
+                crossings.append((name, d))
+    assert crossings == []
+    assert SPAWN[1] in _graph()[SPAWN[0]], "the spawn itself is where the rule expects it"
+
+
+def test_the_client_library_and_the_shared_package_import_no_service():
+    offenders = [
+        (name, d)
+        for name, deps in _graph().items()
+        if (name.startswith(("clients", "common")) and not name.startswith("clients.bench"))
+        for d in deps
+        if d.startswith(("scheduler_service", "worker_service"))
+    ]
+    assert offenders == []
+
+
+def test_no_mixins_in_the_services():
+    mixins = []
+    for name, path in _modules().items():
+        if not name.startswith(("scheduler_service", "worker_service")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin"):
+                mixins.append(f"{name}.{node.name}")
+    assert mixins == []
+
+
+def test_the_checker_sees_a_circle_and_a_crossing():
+    # The rules above pass on the code; make sure they would not pass on anything.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _graph()
+    assert "scheduler_service.core.scheduler" in graph["scheduler_service.engine.loop"]
+    assert "scheduler_service.core.integrity" in graph["scheduler_service.core.scheduler"]
