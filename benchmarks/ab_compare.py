@@ -79,13 +79,15 @@ def main() -> None:
             print(f"round {r + 1} {side} done", file=sys.stderr, flush=True)
     keys = [k for k in runs["A"][0] if all(k in x for x in runs["A"] + runs["B"])]
     report = {}
-    print(f"{'figure':44} {'A (base) median':>16} {'B (this) median':>16} {'B/A':>7}")
+    print(f"{'figure':40} {'A (base) median':>15} {'B (this) median':>15} {'B/A':>6}  ranges")
     for k in keys:
-        a = statistics.median(x[k] for x in runs["A"])
-        b = statistics.median(x[k] for x in runs["B"])
+        a_runs = [x[k] for x in runs["A"]]
+        b_runs = [x[k] for x in runs["B"]]
+        a, b = statistics.median(a_runs), statistics.median(b_runs)
         ratio = b / a if a else float("nan")
-        report[k] = {"a": a, "b": b, "ratio": round(ratio, 4)}
-        print(f"{k:44} {a:16.4f} {b:16.4f} {ratio:7.3f}")
+        report[k] = {"a": a, "b": b, "ratio": round(ratio, 4), "a_runs": a_runs, "b_runs": b_runs}
+        spread = f"A {min(a_runs):.4g}..{max(a_runs):.4g}  B {min(b_runs):.4g}..{max(b_runs):.4g}"
+        print(f"{k:40} {a:15.4f} {b:15.4f} {ratio:6.3f}  {spread}")
     print(json.dumps({"base": str(sides["A"]), "rounds": args.rounds, "figures": report}))
 
 
