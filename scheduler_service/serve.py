@@ -35,7 +35,7 @@ from scheduler_service.config import (
     service_config,
 )
 from worker_service.config import ENV_PREFIX as WORKER_ENV_PREFIX
-from worker_service.config import WorkerConfig
+from worker_service.config import WorkerConfig, rank_device
 
 logger = structlog.get_logger(__name__)
 
@@ -66,7 +66,8 @@ def _worker_args(
     port: int,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "worker_service", "--model", worker.model]
-    cmd += ["--device", worker.device, "--page-size", str(worker.page_size)]
+    device = rank_device(worker.device, rank, worker.tp_size)
+    cmd += ["--device", device, "--page-size", str(worker.page_size)]
     cmd += ["--kv-memory", worker.kv_memory, "--port", str(port), "--port-file", str(port_file)]
     cmd += ["--tp-size", str(worker.tp_size), "--tp-rank", str(rank)]
     cmd += ["--log-level", service.log_level, "--log-format", service.log_format]

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from worker_service.config import WorkerConfig
+from worker_service.devices import resolve_device
 from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
 from worker_service.request_state import SlotState
 from worker_service.worker import Worker, build_worker
@@ -129,7 +130,7 @@ def kv_bytes_per_token(worker: Worker) -> int:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.device = torch.device(args.device)
+        self.device = resolve_device(args.device)
         self.sleeper = SleepCalibration() if self.device.type == "cuda" else None
         # Positions a request reaches: context, then one per step of every kind.
         steps = args.warmup + args.steps + args.gpu_steps + 1

@@ -14,6 +14,8 @@ statement, those inside functions and under TYPE_CHECKING included):
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +153,18 @@ def test_no_mixins_in_the_services():
             if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin"):
                 mixins.append(f"{name}.{node.name}")
     assert mixins == []
+
+
+def test_the_scheduler_processes_import_no_torch():
+    # The API process (and `radixserve serve`, which runs it) and the core
+    # process stay light: torch is the workers' alone.
+    code = (
+        "import sys, scheduler_service.serve, scheduler_service.api.server, "
+        "scheduler_service.engine.main\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_checker_sees_a_circle_and_a_crossing():

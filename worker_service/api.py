@@ -3,10 +3,12 @@ GetTokenizer. Thin: conversion lives in convert.py, execution in model_runner.py
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import structlog
@@ -15,6 +17,7 @@ from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import plan_from_proto, result_to_proto
+from worker_service.devices import DeviceFailure, use_device
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -22,6 +25,9 @@ from worker_service.worker import Worker
 logger = structlog.get_logger(__name__)
 
 PROTOCOL_VERSION = 1
+# Exit status of a worker whose GPU context broke: `radixserve serve` (or
+# Kubernetes) restarts it, and the scheduler re-prefills what it was running.
+EXIT_DEVICE_FAILURE = 70
 TOKENIZER_CHUNK = 1 << 20
 
 
@@ -31,8 +37,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker: Worker,
         metrics: WorkerMetrics | None = None,
         tracer: StepTracer | None = None,
+        exit_process: Callable[[int], None] | None = None,
     ) -> None:
         self.worker = worker
+        self._exit_process = exit_process or _exit_now
         self.metrics = metrics
         self.tracer = tracer
         self._lock = threading.Lock()  # one step at a time
@@ -97,6 +105,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         logger.info("scheduler stream closed", peer=context.peer())
 
     def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
+        # Streams, events and the token download belong to the current GPU of
+        # this thread: make it the worker's, whatever cuda:N that is.
+        use_device(self.worker.device)
         waited_since = time.perf_counter()
         while (msg := plans.get()) is not None:
             idle_ms = (time.perf_counter() - waited_since) * 1e3
@@ -104,7 +115,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if gen != self._stream_gen:
                     results.put("replaced by a newer Execute stream")
                     return
-                results.put(self._execute(msg, idle_ms))
+                try:
+                    results.put(self._execute(msg, idle_ms))
+                except DeviceFailure as e:
+                    # Every later step would fail too: end the process so that
+                    # it is restarted (the scheduler sees a lost worker, keeps
+                    # its requests and re-prefills them on the new one).
+                    logger.critical("the GPU context is broken; exiting", error=str(e))
+                    self._exit_process(EXIT_DEVICE_FAILURE)
+                    return
             waited_since = time.perf_counter()
         results.put(None)
 
@@ -140,6 +159,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._tokenizer_zip is None:
             self._tokenizer_zip = tokenizer_archive.pack(self.worker.tokenizer_files())
         return self._tokenizer_zip
+
+
+def _exit_now(status: int) -> None:
+    """Leave at once (no interpreter teardown: CUDA calls in it could hang),
+    with what was logged flushed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _read_plans(stream: Iterator[pb.StepPlan], plans: queue.SimpleQueue) -> None:

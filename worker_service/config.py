@@ -96,6 +96,21 @@ class WorkerConfig:
 TLS_FLAGS = ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key")
 
 
+def rank_device(name: str, rank: int, tp_size: int) -> str:
+    """The --device of tensor-parallel rank ``rank`` when a launcher starts every
+    rank on one host: ``cuda`` (no index) becomes ``cuda:<rank>``, or all ranks
+    would share the current GPU. Pure string work: the launcher imports no torch."""
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or tp_size == 1:
+        return name
+    if index:
+        raise SystemExit(
+            f"--device {name} with --tp-size {tp_size} would put every rank on one GPU; "
+            "give --device cuda (rank r then uses cuda:r)"
+        )
+    return f"cuda:{rank}"
+
+
 def _check_tls_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     paths = {flag: getattr(args, flag[2:].replace("-", "_")) or None for flag in TLS_FLAGS}
     given = [flag for flag, path in paths.items() if path]

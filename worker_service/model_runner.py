@@ -25,6 +25,7 @@ import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.devices import DeviceFailure, is_sticky_device_error
 from worker_service.distributed import TensorParallel
 from worker_service.kv_cache import KvCache
 from worker_service.models.llama import LlamaForCausalLM
@@ -37,6 +38,11 @@ from worker_service.transfer import to_device
 from worker_service.validation import PlanError, validate_plan
 
 logger = structlog.get_logger(__name__)
+
+# Prompt rows per LM-head call when scoring prompt logprobs: 1024 rows of a
+# 128k vocabulary are 0.5 GB of float32 logits; a whole 8k-token chunk at once
+# would be 4 GB.
+PROMPT_LOGIT_ROWS = 1024
 
 
 @dataclass(slots=True)
@@ -90,6 +96,8 @@ class ModelRunner:
         try:
             out = self.compute.run(work, len(plan.extends)) if work else SampleOutput()
         except Exception as e:  # the KV cache may be half written: start over
+            if is_sticky_device_error(e):
+                raise DeviceFailure(f"step {plan.step_id}: {e}") from e
             logger.exception("step failed; dropping all request state", step_id=plan.step_id)
             self.reset()
             return Result(plan.step_id, error=f"step {plan.step_id} failed on the worker: {e!r}")
@@ -147,7 +155,7 @@ class _PromptSpan:
     work: SeqWork
     start: int  # first prompt position reported
     end: int  # exclusive
-    row: int  # first logits row (position max(start, 1) - 1) in the logits batch
+    rows: list[int]  # hidden rows of positions max(start, 1) - 1 .. end - 2
 
 
 class ModelCompute:
@@ -201,18 +209,13 @@ class ModelCompute:
         sample_rows = [
             s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
         ]
-        spans, prompt_rows = self._prompt_spans(work, batch.seqs, len(sample_rows))
-        rows = sample_rows + prompt_rows
-        logits = None
-        if rows:
-            (index,) = to_device([np.array(rows, dtype=np.int64)], device)
-            logits = self.model.logits(hidden.index_select(0, index))
-
         out = SampleOutput()
         if sample_rows:
-            out = self._sample(logits[: len(sample_rows)], [w for w in work if w.sample])
-        for span in spans:
-            out.prompt_logprobs.append(self._prompt_logprobs(span, logits))
+            (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
+            logits = self.model.logits(hidden.index_select(0, index))
+            out = self._sample(logits, [w for w in work if w.sample])
+        for span in self._prompt_spans(work, batch.seqs):
+            out.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
         return out
 
     # ------------------------------------------------------------- batch
@@ -255,12 +258,9 @@ class ModelCompute:
         )
         return batch, ids_t
 
-    def _prompt_spans(
-        self, work: list[SeqWork], seqs: list[SequenceSlice], first_row: int
-    ) -> tuple[list[_PromptSpan], list[int]]:
+    def _prompt_spans(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> list[_PromptSpan]:
         """Which prompt positions this step scores, and the hidden rows they need."""
         spans: list[_PromptSpan] = []
-        rows: list[int] = []
         for w, s in zip(work, seqs, strict=True):
             state = w.state
             if not state.wants_prompt_logprobs or w.start >= state.prompt_len:
@@ -273,9 +273,9 @@ class ModelCompute:
             if end <= start:
                 continue
             scored = range(max(start, 1), end)  # position 0 has no logprob
-            spans.append(_PromptSpan(w, start, end, first_row + len(rows)))
-            rows.extend(s.q_start + (p - 1 - w.start) for p in scored)
-        return spans, rows
+            rows = [s.q_start + (p - 1 - w.start) for p in scored]
+            spans.append(_PromptSpan(w, start, end, rows))
+        return spans
 
     # ------------------------------------------------------------- sample
     def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleOutput:
@@ -302,27 +302,33 @@ class ModelCompute:
             num_outputs=len(tokens) - n_prompt,
         )
 
-    def _prompt_logprobs(self, span: _PromptSpan, logits: torch.Tensor) -> PromptLogprobOut:
+    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:
+        """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:
+        a long prompt's full float32 logits (rows x vocabulary) would not fit."""
         w, state = span.work, span.work.state
         lp = state.logprobs
         first = max(span.start, 1)
-        n = span.end - first
-        targets = [
-            state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
-            for p in range(first, span.end)
-        ]
-        rows = logits[span.row : span.row + n]
-        scored = token_logprobs(
-            rows,
-            to_device([np.array(targets, dtype=np.int64)], rows.device)[0],
-            lp.top_logprobs_num,
-            lp.token_ids_logprob,
+        targets = np.array(
+            [
+                state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
+                for p in range(first, span.end)
+            ],
+            dtype=np.int64,
         )
         head = [math.nan] if span.start == 0 else []
-        out = PromptLogprobOut(w.slot, span.start, head + scored.logprobs)
-        if lp.top_logprobs_num:
-            out.top_ids = [i for ids in scored.top_ids for i in ids]
-            out.top_logprobs = [x for lps in scored.top_logprobs for x in lps]
-        if lp.token_ids_logprob:
-            out.ids_logprobs = [x for lps in scored.ids_logprobs for x in lps]
+        out = PromptLogprobOut(w.slot, span.start, head)
+        rows = np.array(span.rows, dtype=np.int64)
+        for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
+            index, ids = to_device(
+                [rows[at : at + PROMPT_LOGIT_ROWS], targets[at : at + PROMPT_LOGIT_ROWS]],
+                self.device,
+            )
+            logits = self.model.logits(hidden.index_select(0, index))
+            scored = token_logprobs(logits, ids, lp.top_logprobs_num, lp.token_ids_logprob)
+            out.logprobs += scored.logprobs
+            if lp.top_logprobs_num:
+                out.top_ids += [i for ids_ in scored.top_ids for i in ids_]
+                out.top_logprobs += [x for lps in scored.top_logprobs for x in lps]
+            if lp.token_ids_logprob:
+                out.ids_logprobs += [x for lps in scored.ids_logprobs for x in lps]
         return out

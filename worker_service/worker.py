@@ -10,6 +10,7 @@ import torch
 from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
+from worker_service.devices import resolve_device, use_device
 from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
 from worker_service.kv_cache import KvCache, parse_bytes
@@ -47,11 +48,8 @@ class Worker:
 
 
 def build_worker(cfg: WorkerConfig) -> Worker:
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no CUDA device")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = resolve_device(cfg.device)
+    use_device(device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -82,6 +80,21 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model.init_random_weights(seed=0)
     else:
         model.load_weights(source.tensors(dtype))
+    spec = AttentionSpec(
+        num_heads=mcfg.num_heads // tp.size,
+        num_kv_heads=model.num_local_kv_heads,
+        head_dim=mcfg.head_dim,
+        page_size=cfg.page_size,
+        sliding_window=mcfg.sliding_window,
+        dtype=dtype,
+        device=device,
+    )
+    # Everything else that lives on the GPU (attention workspaces, sampler
+    # buffers) is allocated before the KV pool is sized from the memory left;
+    # what the decode graphs and a step's activations take comes out of the
+    # share of free memory the pool leaves (GPU_KV_FRACTION).
+    attn = _attention(cfg.attention_backend, spec, device)
+    sampler = Sampler(mcfg.vocab_size, device)
     num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
     # One page more than the scheduler is told about: decode CUDA graphs pad
     # their batch with rows that write and read only this scratch page.
@@ -94,17 +107,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         dtype,
         device,
     )
-    spec = AttentionSpec(
-        num_heads=mcfg.num_heads // tp.size,
-        num_kv_heads=model.num_local_kv_heads,
-        head_dim=mcfg.head_dim,
-        page_size=cfg.page_size,
-        sliding_window=mcfg.sliding_window,
-        dtype=dtype,
-        device=device,
-    )
-    attn = _attention(cfg.attention_backend, spec, device)
-    compute = ModelCompute(model, attn, kv, Sampler(mcfg.vocab_size, device), tp, device)
+    compute = ModelCompute(model, attn, kv, sampler, tp, device)
     max_context = model.rope.max_positions
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))

@@ -25,6 +25,7 @@ from transformers import (
 from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
+from worker_service import model_runner
 from worker_service.plan import LogprobSpec
 
 STEPS = 34
@@ -118,3 +119,29 @@ def test_prompt_logprobs_and_top_logprobs_match_hf(tmp_path):
         assert abs(value - ref[pos - 1, prompt[pos]].item()) < 1e-4
     first_top = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
     assert req.top[0] == first_top.topk(3).indices.tolist()
+
+
+def test_prompt_logprobs_go_through_the_lm_head_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    # A long prompt's float32 logits (rows x vocabulary) must never exist at once.
+    monkeypatch.setattr(model_runner, "PROMPT_LOGIT_ROWS", 3)
+    hf = tiny_model("llama3-rope-scaling", tmp_path)
+    runner = runner_for(tmp_path, page_size=4, num_pages=256)
+    model = runner.compute.model
+    sizes: list[int] = []
+    logits = model.logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        sizes.append(hidden.shape[0])
+        return logits(hidden)
+
+    monkeypatch.setattr(model, "logits", spy)
+    lp = LogprobSpec(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    (req,) = PlanDriver(runner, 4, chunk=None).run([DriverRequest(prompt, 2, logprobs=lp)])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    assert sorted(req.prompt_logprobs) == list(range(30))
+    for pos, value in req.prompt_logprobs.items():
+        if pos:
+            assert abs(value - ref[pos - 1, prompt[pos]].item()) < 1e-4
+    assert max(sizes) <= 3 and sum(s for s in sizes if s == 3) >= 27

@@ -1,0 +1,33 @@
+"""How build_worker lays out memory: the KV pool is sized from what is left
+once everything else that lives on the device exists."""
+
+from __future__ import annotations
+
+from worker_service import worker as worker_module
+from worker_service.config import WorkerConfig
+from worker_service.kv_cache import KvCache
+from worker_service.worker import build_worker
+
+
+def test_the_kv_pool_is_sized_after_the_attention_backend_and_the_sampler(monkeypatch):
+    order: list[str] = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            order.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    class RecordedKv(KvCache):
+        def __init__(self, *args, **kwargs) -> None:
+            order.append("KvCache")
+            super().__init__(*args, **kwargs)
+
+    for name in ("_attention", "Sampler", "_num_pages"):
+        monkeypatch.setattr(worker_module, name, recorded(name, getattr(worker_module, name)))
+    monkeypatch.setattr(worker_module, "KvCache", RecordedKv)
+    worker = build_worker(WorkerConfig(model="random:smollm2-135m", kv_memory="64MiB"))
+    assert order.index("_num_pages") > max(order.index("_attention"), order.index("Sampler"))
+    assert order.index("KvCache") > order.index("_num_pages")
+    assert worker.num_pages > 0
