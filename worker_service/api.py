@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -18,6 +19,8 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import plan_from_proto, result_to_proto
 from worker_service.devices import DeviceFailure, use_device
+from worker_service.model_runner import StartedStep
+from worker_service.plan import Result
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -105,18 +108,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         logger.info("scheduler stream closed", peer=context.peer())
 
     def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
+        """Execute the stream's plans in order. With an overlapping runner the
+        next plan, when it is already here, is started before the running
+        step's tokens are waited for, so the GPU finds it queued."""
         # Streams, events and the token download belong to the current GPU of
         # this thread: make it the worker's, whatever cuda:N that is.
         use_device(self.worker.device)
-        waited_since = time.perf_counter()
-        while (msg := plans.get()) is not None:
-            idle_ms = (time.perf_counter() - waited_since) * 1e3
+        clock = _StepClock()
+        overlap = self.worker.runner.overlap
+        running: _Running | None = None
+        while True:
+            if running is None:
+                msg = clock.waiting(plans.get)
+            else:
+                try:
+                    msg = plans.get_nowait()
+                except queue.Empty:
+                    msg = _NOTHING_YET
             with self._lock:
                 if gen != self._stream_gen:
                     results.put("replaced by a newer Execute stream")
                     return
                 try:
-                    results.put(self._execute(msg, idle_ms))
+                    if msg is _NOTHING_YET:  # nothing to overlap with: finish it
+                        results.put(self._complete(running, clock))
+                        running = None
+                        continue
+                    started = None if msg is None else self._start(msg)
+                    if running is not None:
+                        results.put(self._complete(running, clock))
+                    running = started
+                    if running is not None and not overlap:
+                        results.put(self._complete(running, clock))
+                        running = None
                 except DeviceFailure as e:
                     # Every later step would fail too: end the process so that
                     # it is restarted (the scheduler sees a lost worker, keeps
@@ -124,25 +148,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     logger.critical("the GPU context is broken; exiting", error=str(e))
                     self._exit_process(EXIT_DEVICE_FAILURE)
                     return
-            waited_since = time.perf_counter()
-        results.put(None)
+            if msg is None:
+                results.put(None)
+                return
 
-    def _execute(self, msg: pb.StepPlan, idle_ms: float) -> pb.StepResult:
-        """One step: the plan in, its result out; forward_ms covers all of it."""
-        t0 = time.perf_counter()
+    def _start(self, msg: pb.StepPlan) -> _Running:
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
             plan = plan_from_proto(msg)
         except ValueError as e:
-            return pb.StepResult(step_id=msg.step_id, error=f"malformed plan: {e}")
-        result = result_to_proto(self.worker.runner.execute(plan))
-        result.idle_ms = idle_ms
-        busy_s = time.perf_counter() - t0
+            error = Result(msg.step_id, error=f"malformed plan: {e}")
+            return _Running(msg, None, error, start_ns)
+        return _Running(msg, self.worker.runner.start(plan), None, start_ns)
+
+    def _complete(self, running: _Running, clock: _StepClock) -> pb.StepResult:
+        """The step's result message; forward_ms is this thread's time since the
+        previous result that was not spent waiting for plans."""
+        done = running.error or self.worker.runner.complete(running.step)
+        result = result_to_proto(done)
+        busy_s, idle_s = clock.result_ready()
         result.forward_ms = busy_s * 1e3
+        result.idle_ms = idle_s * 1e3
         if self.metrics is not None:
-            self.metrics.step(msg, busy_s, idle_ms / 1e3)
+            self.metrics.step(running.msg, busy_s, idle_s)
         if self.tracer is not None and not result.error:
-            self.tracer.step(msg, start_ns, time.time_ns(), result.forward_ms)
+            self.tracer.step(running.msg, running.start_ns, time.time_ns(), result.forward_ms)
         return result
 
     def GetTokenizer(
@@ -159,6 +189,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._tokenizer_zip is None:
             self._tokenizer_zip = tokenizer_archive.pack(self.worker.tokenizer_files())
         return self._tokenizer_zip
+
+
+_NOTHING_YET = object()  # no plan waiting behind the running step
+
+
+@dataclass
+class _Running:
+    msg: pb.StepPlan
+    step: StartedStep | None
+    error: Result | None  # a plan refused before it could start
+    start_ns: int
+
+
+class _StepClock:
+    """Splits the executing thread's time into busy (between results, not
+    waiting for a plan) and idle (waiting for a plan), per result."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self._idle = 0.0
+
+    def waiting(self, get: Callable[[], object]) -> object:
+        t0 = time.perf_counter()
+        item = get()
+        now = time.perf_counter()
+        self._idle += now - t0
+        self._mark += now - t0  # waiting is not part of the next step's busy time
+        return item
+
+    def result_ready(self) -> tuple[float, float]:
+        now = time.perf_counter()
+        busy, idle = now - self._mark, self._idle
+        self._mark, self._idle = now, 0.0
+        return busy, idle
 
 
 def _exit_now(status: int) -> None:

@@ -65,6 +65,12 @@ class WorkerConfig:
     cuda_graphs: bool = setting(
         True, "replay captured CUDA graphs for decode steps (CUDA + flashinfer)"
     )
+    overlap: str = setting(
+        "auto",
+        "queue step N+1 before waiting for step N's tokens (auto: on CUDA; on the CPU it "
+        "only delays each result by a step)",
+        choices=("auto", "on", "off"),
+    )
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting(
         "auto", "auto: JSON lines unless stderr is a terminal", choices=LOG_FORMATS

@@ -16,8 +16,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -29,11 +29,11 @@ from worker_service.devices import DeviceFailure, is_sticky_device_error
 from worker_service.distributed import TensorParallel
 from worker_service.kv_cache import KvCache
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.plan import Plan, PromptLogprobOut, Result
+from worker_service.plan import LogprobSpec, Plan, PromptLogprobOut, Result
 from worker_service.request_state import SlotState
 from worker_service.sampling.logprobs import token_logprobs
 from worker_service.sampling.rows import SampleOutput, SampleRow
-from worker_service.sampling.sampler import Sampler
+from worker_service.sampling.sampler import SampleLaunch, Sampler
 from worker_service.transfer import to_device
 from worker_service.validation import PlanError, validate_plan
 
@@ -55,14 +55,64 @@ class SeqWork:
     inputs: list[int]  # tokens computed this step (a decode: the last sampled one)
     sample: bool
     next_token: int | None = None  # prompt token after a chunk (prompt logprobs)
+    # A decode whose input is still being sampled by the step before (overlap):
+    # its index among that step's sampled tokens; ``inputs`` holds PENDING.
+    pending: int | None = None
 
 
 class Compute(Protocol):
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
 
 
+class LaunchedStep(Protocol):
+    """A step whose kernels are queued (ModelCompute.launch)."""
+
+    @property
+    def tokens(self) -> torch.Tensor: ...  # its sampled ids, on the device
+
+
+class OverlapCompute(Compute, Protocol):
+    """A compute that can queue a step and finish it later, so the next step's
+    host work (layout, attention plan, uploads) runs while this one computes."""
+
+    def launch(
+        self, work: list[SeqWork], num_extends: int, previous: LaunchedStep | None
+    ) -> LaunchedStep: ...
+
+    def finish(self, launched: LaunchedStep) -> SampleOutput: ...
+
+
+PENDING = -1  # a sampled token whose value is still on the device (overlap)
+
+
+@dataclass
+class StartedStep:
+    """A plan the runner started; ``ModelRunner.complete`` gives its Result."""
+
+    step_id: int
+    work: list[SeqWork] = field(default_factory=list)
+    num_extends: int = 0
+    launched: Any = None  # the compute's LaunchedStep while it runs
+    # (state, index in state.tokens) of each sampled token still PENDING
+    pending: list[tuple[SlotState, int]] = field(default_factory=list)
+    # id(state) -> index of its token among this step's sampled ones
+    sample_index: dict[int, int] = field(default_factory=dict)
+    result: Result | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+
+
 class ModelRunner:
-    """Executes plans in order on its ``Compute``; holds every request's slot state."""
+    """Executes plans in order on its ``Compute``; holds every request's slot state.
+
+    Overlap (``overlap=True`` and a compute with ``launch``/``finish``): the
+    next plan may be started while the previous one runs. It is validated and
+    applied against the state the previous step leaves (each sampling request
+    one token longer, its value PENDING), its decode inputs are gathered on
+    the device from the previous step's sampled tokens, and its kernels are
+    queued behind the previous step's before the host waits for those tokens.
+    A request whose sampling reads its token values (penalties) is not
+    overlapped: the previous step is completed first.
+    """
 
     def __init__(
         self,
@@ -71,39 +121,101 @@ class ModelRunner:
         page_size: int,
         vocab_size: int,
         max_context: int = 1 << 30,
+        overlap: bool = False,
     ) -> None:
         self.compute = compute
         self.num_pages = num_pages
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.max_context = max_context  # positions the model can rotate
+        self.overlap = overlap and hasattr(compute, "launch")
         self.slots: dict[int, SlotState] = {}
+        self._running: StartedStep | None = None  # started, not completed
 
     def reset(self) -> None:
         """Drop every request (a new scheduler stream starts from nothing)."""
         self.slots.clear()
+        self._running = None  # its kernels finish on their own; nobody reads them
 
     def execute(self, plan: Plan) -> Result:
-        t0 = time.perf_counter()
+        """Run one plan to its result (no overlap with a next one)."""
+        return self.complete(self.start(plan))
+
+    def start(self, plan: Plan) -> StartedStep:
+        """Validate and apply ``plan`` and queue its step; ``complete`` it later,
+        in order. The step started before is completed first unless this one
+        can overlap it."""
+        previous = self._running
+        if previous is not None and not self._can_overlap(plan, previous):
+            self.complete(previous)
+            previous = None
+        step = StartedStep(plan.step_id)
         try:
             validate_plan(
                 plan, self.slots, self.num_pages, self.page_size, self.vocab_size, self.max_context
             )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
-            return Result(plan.step_id, error=f"step {plan.step_id}: {e}")
-        work = self._apply(plan)
+            step.result = Result(plan.step_id, error=f"step {plan.step_id}: {e}")
+            return step
+        step.work = work = self._apply(plan)
+        step.num_extends = len(plan.extends)
+        if previous is not None:
+            for w in work:
+                if w.inputs[0] == PENDING and w.start + 1 == len(w.state.tokens):
+                    w.pending = previous.sample_index[id(w.state)]
         try:
-            out = self.compute.run(work, len(plan.extends)) if work else SampleOutput()
-        except Exception as e:  # the KV cache may be half written: start over
-            if is_sticky_device_error(e):
-                raise DeviceFailure(f"step {plan.step_id}: {e}") from e
-            logger.exception("step failed; dropping all request state", step_id=plan.step_id)
-            self.reset()
-            return Result(plan.step_id, error=f"step {plan.step_id} failed on the worker: {e!r}")
-        result = self._finish(plan.step_id, work, out)
-        result.forward_ms = (time.perf_counter() - t0) * 1e3
-        return result
+            if self.overlap:
+                prior = None if previous is None else previous.launched
+                step.launched = self.compute.launch(work, step.num_extends, prior)
+                self._advance(step)
+                self._running = step
+            else:
+                out = self.compute.run(work, step.num_extends) if work else SampleOutput()
+                self._advance(step)
+                step.result = self._result(step, out)
+        except Exception as e:
+            if previous is not None:
+                self.complete(previous)  # queued before this step: its result still counts
+            step.result = self._failed(step, e)
+        return step
+
+    def complete(self, step: StartedStep) -> Result:
+        """The step's result, waiting for its tokens if they are still on the device."""
+        if step.result is not None:
+            return step.result
+        if self._running is step:
+            self._running = None
+        try:
+            out = self.compute.finish(step.launched)
+        except Exception as e:
+            step.result = self._failed(step, e)
+            return step.result
+        step.result = self._result(step, out)
+        return step.result
+
+    def _can_overlap(self, plan: Plan, previous: StartedStep) -> bool:
+        if previous.result is not None:
+            return True
+        pending = previous.sample_index
+        for slot in plan.decode_slots:
+            state = self.slots.get(slot)
+            if state is not None and id(state) in pending and state.sampling.has_penalties:
+                return False
+        return True
+
+    def _failed(self, step: StartedStep, error: Exception) -> Result:
+        if is_sticky_device_error(error):
+            raise DeviceFailure(f"step {step.step_id}: {error}") from error
+        # The KV cache may be half written: start over.
+        logger.error(
+            "step failed; dropping all request state",
+            step_id=step.step_id,
+            error=repr(error),
+            exc_info=error,
+        )
+        self.reset()
+        return Result(step.step_id, error=f"step {step.step_id} failed on the worker: {error!r}")
 
     def _apply(self, plan: Plan) -> list[SeqWork]:
         slots = self.slots
@@ -126,17 +238,23 @@ class ModelRunner:
             work.append(SeqWork(slot, state, pos, [state.tokens[-1]], True))
         return work
 
-    def _finish(self, step_id: int, work: list[SeqWork], out: SampleOutput) -> Result:
-        result = Result(step_id)
-        sampled = 0
-        for w in work:
-            w.state.kv_len = w.start + len(w.inputs)
-            if not w.sample:
-                continue
-            token = out.token_ids[sampled]
-            w.state.tokens.append(token)
-            result.slots.append(w.slot)
-            sampled += 1
+    @staticmethod
+    def _advance(step: StartedStep) -> None:
+        """The state the step leaves: KV computed, each sampled token PENDING."""
+        for w in step.work:
+            state = w.state
+            state.kv_len = w.start + len(w.inputs)
+            if w.sample:
+                step.sample_index[id(state)] = len(step.pending)
+                step.pending.append((state, len(state.tokens)))
+                state.tokens.append(PENDING)
+
+    @staticmethod
+    def _result(step: StartedStep, out: SampleOutput) -> Result:
+        result = Result(step.step_id, forward_ms=(time.perf_counter() - step.started_at) * 1e3)
+        for (state, at), token in zip(step.pending, out.token_ids, strict=True):
+            state.tokens[at] = token
+        result.slots = [w.slot for w in step.work if w.sample]
         result.token_ids = out.token_ids
         result.logprobs = out.logprobs
         for ids, lps in zip(out.top_ids, out.top_logprobs, strict=True):
@@ -156,6 +274,20 @@ class _PromptSpan:
     start: int  # first prompt position reported
     end: int  # exclusive
     rows: list[int]  # hidden rows of positions max(start, 1) - 1 .. end - 2
+
+
+@dataclass
+class ModelStep:
+    """A model step queued on the device (ModelCompute.launch)."""
+
+    sample: SampleLaunch | None
+    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self.sample is None:
+            raise ValueError("this step samples nothing")
+        return self.sample.tokens
 
 
 class ModelCompute:
@@ -197,29 +329,46 @@ class ModelCompute:
         self.graphs.capture()
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
+        return self.finish(self.launch(work, num_extends, None))
+
+    def launch(
+        self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
+    ) -> ModelStep:
+        """Queue the step: layout up, attention planned, forward, LM head and
+        sampling on the device; the host does not wait (but for prompt
+        logprobs, read back here). Decode inputs still PENDING are gathered on
+        the device from ``previous``'s sampled tokens."""
         device = self.device
-        batch, input_ids = self._batch(work, num_extends)
+        batch, input_ids = self._batch(work, num_extends, previous)
         if self.graphs is not None and num_extends == 0:
             logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
             if logits is not None:  # every row of a decode step samples
-                return self._sample(logits, work)
+                return ModelStep(self._sample(logits, work))
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, self.attn, self.kv)
 
         sample_rows = [
             s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
         ]
-        out = SampleOutput()
+        step = ModelStep(None)
         if sample_rows:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
-            out = self._sample(logits, [w for w in work if w.sample])
+            step.sample = self._sample(logits, [w for w in work if w.sample])
         for span in self._prompt_spans(work, batch.seqs):
-            out.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
+            step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
+        return step
+
+    def finish(self, step: ModelStep) -> SampleOutput:
+        """The step's samples on the host: its one wait for the device."""
+        out = step.sample.result() if step.sample is not None else SampleOutput()
+        out.prompt_logprobs = step.prompt_logprobs
         return out
 
     # ------------------------------------------------------------- batch
-    def _batch(self, work: list[SeqWork], num_extends: int) -> tuple[AttentionBatch, torch.Tensor]:
+    def _batch(
+        self, work: list[SeqWork], num_extends: int, previous: ModelStep | None = None
+    ) -> tuple[AttentionBatch, torch.Tensor]:
         """The step's layout, built with numpy on the host and sent to the device
         in one non-blocking copy from pinned memory (no stream synchronisation)."""
         page_size, n = self.page_size, len(work)
@@ -245,9 +394,18 @@ class ModelCompute:
         table_base = np.cumsum(n_pages) - n_pages
         pages = flat_tables[table_base[seq_of] + positions // page_size]
         ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
-        pos_t, pages_t, offsets_t, ids_t = to_device(
-            [positions, pages, positions % page_size, ids], self.device
+        # Decodes whose input the previous step is still sampling: (row, index
+        # among its sampled tokens); their ids are gathered on the device.
+        waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
+        if waiting and previous is None:
+            raise ValueError("a decode input is pending but no previous step was given")
+        gather = np.array(waiting, dtype=np.int64).reshape(-1, 2).T
+        ids[gather[0]] = 0
+        pos_t, pages_t, offsets_t, ids_t, gather_t = to_device(
+            [positions, pages, positions % page_size, ids, gather], self.device
         )
+        if waiting:
+            ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
         batch = AttentionBatch(
             seqs=seqs,
             num_extends=num_extends,
@@ -278,16 +436,21 @@ class ModelCompute:
         return spans
 
     # ------------------------------------------------------------- sample
-    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleOutput:
-        n = len(work)
+    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleLaunch:
+        rows = [self._sample_row(w) for w in work]
         if self.tp.rank == 0:
-            out = self.sampler.sample(logits, [self._sample_row(w) for w in work])
-        else:
-            out = SampleOutput([0] * n, [0.0] * n, [[]] * n, [[]] * n, [[]] * n)
+            launched = self.sampler.launch(logits, rows)
+        else:  # the tokens come from rank 0; the logprobs are rank 0's to report
+            n = len(rows)
+            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            plain = [SampleRow(r.sampling, LogprobSpec(), (), ()) for r in rows]
+            zeros = torch.zeros((n, 1), dtype=torch.float32, device=self.device)
+            launched = SampleLaunch(tokens, [zeros], plain)
         if self.tp.enabled:
-            tokens = torch.tensor(out.token_ids, dtype=torch.long, device=self.device)
-            out.token_ids = self.tp.broadcast_from_first(tokens).tolist()
-        return out
+            # Every rank keeps the tokens on its device: the next step's decode
+            # inputs are gathered from them (overlap), and all ranks agree.
+            self.tp.broadcast_from_first(launched.tokens)
+        return launched
 
     def _sample_row(self, w: SeqWork) -> SampleRow:
         """The token lists are copied only for rows whose penalties read them."""

@@ -112,7 +112,10 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
-    runner = ModelRunner(compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context)
+    overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")
+    runner = ModelRunner(
+        compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context, overlap=overlap
+    )
     logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
     return Worker(
         cfg,

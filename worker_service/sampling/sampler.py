@@ -60,12 +60,18 @@ class Sampler:
         logits: (B, V') on the sampler's device, V' >= vocab_size; columns past
         vocab_size (a padded embedding) are ignored, also for logprobs.
         """
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleLaunch:
+        """Queue the sampling on the device and return at once: the tokens are
+        on the device (``tokens``) for whatever is queued next; ``result()``
+        is the step's one wait, for everything the host needs."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         if not rows:
-            return SampleOutput()
+            return SampleLaunch(torch.empty(0, dtype=torch.long, device=logits.device), [], [])
         # bf16 -> fp32 is exact, so the argmax (ties included) and logprob_tensors
         # (which computes in fp32 chunk by chunk) need no fp32 copy of the logits.
         raw = logits[:, : self.vocab_size]
@@ -124,7 +130,7 @@ class Sampler:
 
     def _with_logprobs(
         self, raw: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow]
-    ) -> SampleOutput:
+    ) -> SampleLaunch:
         """Chosen, top-n and requested-id logprobs from the raw logits, in one pass."""
         # Column 0 is the chosen token, then each row's requested ids padded
         # with -1 (which logprob_tensors turns into NaN, then we slice it off).
@@ -140,15 +146,33 @@ class Sampler:
             ids = chosen.view(-1, 1)
         top_n = max(max(r.logprobs.top_logprobs_num for r in rows), 0)
         lp = logprob_tensors(raw, ids, top_n=top_n)
+        tensors = [lp.logprobs, lp.top_ids, lp.top_logprobs] if top_n else [lp.logprobs]
+        return SampleLaunch(chosen, tensors, rows)
 
-        # The step's one wait for the device: every result comes back together.
-        if top_n:
-            chosen_h, lp_h, top_ids_h, top_lps_h = to_host(
-                chosen, lp.logprobs, lp.top_ids, lp.top_logprobs
-            )
-            top_ids, top_lps = top_ids_h.tolist(), top_lps_h.tolist()
+
+class SampleLaunch:
+    """A step's sampling, queued on the device."""
+
+    def __init__(
+        self, tokens: torch.Tensor, tensors: list[torch.Tensor], rows: list[SampleRow]
+    ) -> None:
+        self.tokens = tokens  # (B,) int64 on the device: the sampled ids
+        self._tensors = tensors  # logprobs (B, 1 + ids), then top ids and logprobs
+        self._rows = rows
+        self._result: SampleOutput | None = None
+
+    def result(self) -> SampleOutput:
+        """Everything back on the host, after the step's one wait for the device."""
+        if self._result is not None:
+            return self._result
+        rows = self._rows
+        if not rows:
+            self._result = SampleOutput()
+            return self._result
+        chosen_h, lp_h, *top = to_host(self.tokens, *self._tensors)
+        if top:
+            top_ids, top_lps = top[0].tolist(), top[1].tolist()
         else:
-            chosen_h, lp_h = to_host(chosen, lp.logprobs)
             top_ids = top_lps = [[] for _ in rows]
         lp_rows = lp_h.tolist()
         out = SampleOutput(token_ids=chosen_h.tolist(), logprobs=[row[0] for row in lp_rows])
@@ -157,4 +181,5 @@ class Sampler:
             out.top_ids.append(top_ids[i][:n])
             out.top_logprobs.append(top_lps[i][:n])
             out.ids_logprobs.append(lp_rows[i][1 : 1 + len(r.logprobs.token_ids_logprob)])
+        self._result = out
         return out
