@@ -120,10 +120,35 @@ def store_kv(cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.
     flat.index_copy_(0, rows[1], v.to(cache.dtype))
 
 
+class CudaFacilities:
+    """The CUDA-only calls this backend makes, in one place: the CPU conformance test
+    (tests/worker_service/test_flashinfer_conformance.py) swaps ``CUDA`` below for a
+    stand-in and drives everything else through FlashInfer's real wrappers. Production
+    always uses this class; its methods are exactly the calls they replace."""
+
+    def usable(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu"
+
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        return host.pin_memory()
+
+    def to_device(self, pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return pinned.to(device, non_blocking=True)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+
+CUDA = CudaFacilities()
+
+
 def _stage(arrays: list[np.ndarray], device: torch.device) -> tuple[list, list]:
     """One pinned int32 tensor, one copy to ``device``: host and device views of each."""
-    packed = torch.from_numpy(np.concatenate(arrays)).pin_memory()
-    on_device = packed.to(device, non_blocking=True)
+    packed = CUDA.pin(torch.from_numpy(np.concatenate(arrays)))
+    on_device = CUDA.to_device(packed, device)
     sizes = [int(a.shape[0]) for a in arrays]
     return list(packed.split(sizes)), list(on_device.split(sizes))
 
@@ -145,7 +170,7 @@ class FlashInferAttention(AttentionBackend):
                 f"FlashInfer has fp16/bf16 attention kernels only, not {spec.dtype}: "
                 "run the model in bf16/fp16 or use the 'torch' backend"
             )
-        if spec.device.type != "cuda" or not torch.cuda.is_available():
+        if not CUDA.usable(spec.device):
             raise RuntimeError(
                 "the 'flashinfer' attention backend needs a CUDA GPU; use 'torch' on CPU"
             )
@@ -171,7 +196,7 @@ class FlashInferAttention(AttentionBackend):
         self._decode = self._decode_wrapper()
         # FlashInfer copies each plan from pinned buffers it reuses without waiting;
         # a new plan waits on this event, recorded after the previous plan's copies.
-        self._plan_done = torch.cuda.Event()
+        self._plan_done = CUDA.event()
         self._heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.page_size)
         self._plan_kw: dict[str, Any] = {
             "window_left": spec.sliding_window - 1 if spec.sliding_window else -1,
@@ -203,7 +228,7 @@ class FlashInferAttention(AttentionBackend):
         """Key and value rows of the batch's tokens, on the host (int32) if given there."""
         ps = self.spec.page_size
         k = kv_rows(batch.write_pages, batch.write_offsets, ps)
-        if k.device.type != "cpu":
+        if not CUDA.on_host(batch.write_pages):
             return None, torch.stack([k, k + ps]).to(self.spec.device, torch.int64)
         both = torch.cat([k, k + ps]).numpy()
         if both.size and both.max() > _INT32_MAX:
