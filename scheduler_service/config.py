@@ -67,6 +67,7 @@ class LimitsConfig:
     max_logit_bias_value: float = setting(100.0, flag=None)  # OpenAI's range
     max_top_logprobs: int = setting(64, flag=None)
     max_token_ids_logprob: int = setting(1024, flag=None)
+    max_stream_interval: int = setting(1024, flag=None)
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,12 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             for rid, (tokens, lps) in new.items():
                 s = samples[rid]
                 if g.stream:
+                    # stream_interval: a chunk once that many tokens are unsent
+                    s.unsent_tokens += tokens
+                    s.unsent_logprobs += lps
+                    if s.finish is None and len(s.unsent_tokens) < g.stream_interval:
+                        continue
+                    tokens, lps = s.take_unsent()
                     if tokens or s.finish is not None:
                         yield chunk(s, g.rid, tokens, lps, with_lp)
                     if s.finish is not None:

@@ -146,3 +146,54 @@ def test_health_services_reflection_and_server_info(address):
     with pytest.raises(grpc.RpcError) as err:
         s.GetLoads(pb.GetLoadsRequest(include=["bogus"]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stream_interval_sends_a_chunk_every_n_tokens(address):
+    prompt = [5, 6, 7]
+    sampling = greedy(10, ignore_eos=True, stream_interval=4)
+    req = pb.GenerateRequest(
+        request_id="interval",
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=sampling,
+        stream=True,
+    )
+    responses = list(stub(address).Generate(req, timeout=30))
+    chunks = [list(r.chunk.token_ids) for r in responses if r.HasField("chunk")]
+    assert [len(c) for c in chunks] == [4, 4, 2]
+    assert [t for c in chunks for t in c] == expected(prompt, 10)
+    assert list(responses[-1].complete.output_ids) == chunks[-1]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("lora_id", "adapter-1", "lora_id: LoRA adapters are not supported"),
+        ("custom_logit_processor", "gASV...", "custom_logit_processor"),
+        ("data_parallel_rank", 3, "data_parallel_rank: this scheduler has one"),
+        ("require_reasoning", True, "require_reasoning"),
+    ],
+)
+def test_fields_nobody_would_read_are_refused_by_name(address, field, value, message):
+    req = pb.GenerateRequest(
+        request_id=f"refused-{field}",
+        tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=greedy(2),
+        **{field: value},
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(address).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details()
+
+
+def test_disaggregation_is_refused_by_name(address):
+    req = pb.GenerateRequest(
+        request_id="disagg",
+        tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
+        sampling_params=greedy(2),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host="h", bootstrap_room=1),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(address).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "disaggregated_params" in e.value.details()

@@ -40,6 +40,7 @@ class GenerateCall:
     requests: list[Request]  # one per sample (n > 1: rid-0, rid-1, ...)
     prompt_len: int
     logprobs: LogprobOptions
+    stream_interval: int = 1  # streamed tokens per chunk (the last chunk: what is left)
 
 
 def _finite(name: str, value: float) -> float:
@@ -143,6 +144,7 @@ def generate_call(
     """Validate and convert; ``encode(text) -> ids`` tokenizes original_text."""
     if m.return_hidden_states:
         raise InvalidRequestError("hidden states are not returned by radixserve")
+    _refuse_unsupported(m)
     if m.HasField("mm_inputs") and m.mm_inputs.ByteSize():
         raise InvalidRequestError("multimodal inputs are not supported by radixserve")
     if m.input_embeds:
@@ -193,9 +195,36 @@ def generate_call(
     # n > 1: the first sample prefills the shared prompt; the others wait for
     # that prefill to be planned and read the prompt's KV from the cache.
     requests = [
-        Request(r, list(ids), sp, lp, extra_key=m.lora_id or None, waits_for=rids[0] if i else None)
-        for i, r in enumerate(rids)
+        Request(r, list(ids), sp, lp, waits_for=rids[0] if i else None) for i, r in enumerate(rids)
     ]
     for r in requests:
         r.validate(limits.vocab_size, limits.context_len)
-    return GenerateCall(rid, m.stream, requests, len(ids), lp)
+    interval = (
+        m.sampling_params.stream_interval if m.sampling_params.HasField("stream_interval") else 1
+    )
+    if interval > limits.max_stream_interval:
+        raise InvalidRequestError(
+            f"stream_interval must be at most {limits.max_stream_interval}, got {interval}"
+        )
+    return GenerateCall(rid, m.stream, requests, len(ids), lp, max(interval, 1))
+
+
+def _refuse_unsupported(m: pb.GenerateRequest) -> None:
+    """Fields radixserve would otherwise ignore without a word."""
+    if m.custom_logit_processor:
+        raise InvalidRequestError(
+            "custom_logit_processor: serialized logit processors (code) are not accepted"
+        )
+    if m.lora_id:
+        raise InvalidRequestError("lora_id: LoRA adapters are not supported by this server yet")
+    if m.HasField("disaggregated_params") and m.disaggregated_params.ByteSize():
+        raise InvalidRequestError(
+            "disaggregated_params: prefill/decode disaggregation is not supported"
+        )
+    if m.data_parallel_rank not in (0, -1):
+        raise InvalidRequestError(
+            f"data_parallel_rank: this scheduler has one data-parallel rank (0), "
+            f"got {m.data_parallel_rank}"
+        )
+    if m.require_reasoning:
+        raise InvalidRequestError("require_reasoning: reasoning parsing is not supported")

@@ -31,6 +31,14 @@ class SampleState:
     prompt_logprobs_sent: bool = False
     cached_tokens: int = 0
     finish: ipc.Finish | None = None
+    # streamed and not sent yet (stream_interval > 1 holds tokens back)
+    unsent_tokens: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def take_unsent(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        tokens, lps = self.unsent_tokens, self.unsent_logprobs
+        self.unsent_tokens, self.unsent_logprobs = [], []
+        return tokens, lps
 
     def add(self, d: ipc.DeltaOut) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Take a delta in; return its tokens and their logprobs."""
