@@ -14,11 +14,24 @@ class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD_MODE_DECODE: _ClassVar[ForwardMode]
     FORWARD_MODE_MIXED: _ClassVar[ForwardMode]
     FORWARD_MODE_IDLE: _ClassVar[ForwardMode]
+
+class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_KIND_NONE: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_REGEX: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_EBNF: _ClassVar[GrammarKind]
+    GRAMMAR_KIND_STRUCTURAL_TAG: _ClassVar[GrammarKind]
 FORWARD_MODE_UNSPECIFIED: ForwardMode
 FORWARD_MODE_PREFILL: ForwardMode
 FORWARD_MODE_DECODE: ForwardMode
 FORWARD_MODE_MIXED: ForwardMode
 FORWARD_MODE_IDLE: ForwardMode
+GRAMMAR_KIND_NONE: GrammarKind
+GRAMMAR_KIND_REGEX: GrammarKind
+GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
+GRAMMAR_KIND_EBNF: GrammarKind
+GRAMMAR_KIND_STRUCTURAL_TAG: GrammarKind
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -71,7 +84,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias_ids", "logit_bias_values", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias_ids", "logit_bias_values", "seed", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +98,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -98,7 +112,30 @@ class SamplingParams(_message.Message):
     logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., seed: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., seed: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "text")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: GrammarKind
+    text: str
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class CompileGrammarRequest(_message.Message):
+    __slots__ = ("grammar",)
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar: Grammar
+    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class CompileGrammarResponse(_message.Message):
+    __slots__ = ("error", "compile_ms")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    compile_ms: float
+    def __init__(self, error: _Optional[str] = ..., compile_ms: _Optional[float] = ...) -> None: ...
 
 class LogprobOptions(_message.Message):
     __slots__ = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
@@ -193,7 +230,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms")
+    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms", "grammar_ended")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +244,7 @@ class StepResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ENDED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     error: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -220,7 +258,8 @@ class StepResult(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     forward_ms: float
     idle_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ...) -> None: ...
+    grammar_ended: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., grammar_ended: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.TokenizerChunk.FromString,
                 _registered_method=True)
+        self.CompileGrammar = channel.unary_unary(
+                '/radixserve.worker.v1.Worker/CompileGrammar',
+                request_serializer=protos_dot_worker__pb2.CompileGrammarRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.CompileGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,6 +82,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileGrammar(self, request, context):
+        """Compile a grammar into the worker's cache ahead of the requests that use
+        it (off the step loop's thread); a grammar that does not compile says why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=protos_dot_worker__pb2.GetTokenizerRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.TokenizerChunk.SerializeToString,
+            ),
+            'CompileGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileGrammar,
+                    request_deserializer=protos_dot_worker__pb2.CompileGrammarRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.CompileGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +195,33 @@ class Worker:
             '/radixserve.worker.v1.Worker/GetTokenizer',
             protos_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
             protos_dot_worker__pb2.TokenizerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixserve.worker.v1.Worker/CompileGrammar',
+            protos_dot_worker__pb2.CompileGrammarRequest.SerializeToString,
+            protos_dot_worker__pb2.CompileGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

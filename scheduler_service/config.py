@@ -68,6 +68,15 @@ class LimitsConfig:
     max_top_logprobs: int = setting(64, flag=None)
     max_token_ids_logprob: int = setting(1024, flag=None)
     max_stream_interval: int = setting(1024, flag=None)
+    max_grammar_bytes: int = setting(
+        64 << 10, "longest regex, JSON schema, EBNF grammar or structural tag accepted (bytes)"
+    )
+    grammar_compile_timeout_s: float = setting(
+        30.0,
+        "a grammar that takes longer to compile is refused (INVALID_ARGUMENT)",
+        flag="--grammar-compile-timeout",
+        metavar="SECONDS",
+    )
 
 
 @dataclass(frozen=True)

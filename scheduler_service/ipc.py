@@ -55,6 +55,7 @@ class Ready:
     tp_size: int
     tokenizer_zip: bytes
     worker_info: dict
+    sampling_worker: str = ""  # HOST:PORT of rank 0, which compiles grammars
 
 
 @dataclass

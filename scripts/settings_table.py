@@ -1,7 +1,11 @@
-"""Print README.md's settings table from the declarations (tests check that
-the README holds exactly this): ``python scripts/settings_table.py``."""
+"""README.md's settings table, from the declarations (tests check that the
+README holds exactly this): ``python scripts/settings_table.py`` prints it,
+``--write`` puts it into README.md between its markers."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from common.settings import markdown_rows
 from scheduler_service.config import ENV_PREFIX as SCHEDULER_ENV
@@ -24,5 +28,18 @@ def table() -> str:
     return "\n".join(rows) + "\n"
 
 
+START = "<!-- settings table:"
+END = "<!-- end of the settings table -->"
+
+
+def write(readme: Path) -> None:
+    text = readme.read_text()
+    start = text.index("\n", text.index(START)) + 1
+    readme.write_text(text[:start] + table() + text[text.index(END) :])
+
+
 if __name__ == "__main__":
-    print(table(), end="")
+    if sys.argv[1:] == ["--write"]:
+        write(Path(__file__).resolve().parent.parent / "README.md")
+    else:
+        print(table(), end="")

@@ -17,10 +17,11 @@ import structlog
 from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from worker_service.convert import plan_from_proto, result_to_proto
+from worker_service.convert import grammar_from_proto, plan_from_proto, result_to_proto
 from worker_service.devices import DeviceFailure, use_device
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
+from worker_service.sampling.grammar import GrammarError
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -174,6 +175,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.tracer is not None and not result.error:
             self.tracer.step(running.msg, running.start_ns, time.time_ns(), result.forward_ms)
         return result
+
+    def CompileGrammar(
+        self, request: pb.CompileGrammarRequest, context: grpc.ServicerContext
+    ) -> pb.CompileGrammarResponse:
+        """Runs on a gRPC thread, not the executing one: xgrammar releases the
+        GIL while it compiles, so the steps go on."""
+        grammars = self.worker.runner.grammars
+        if grammars is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "structured generation needs the sampling rank (0) of a model with a tokenizer",
+            )
+        try:
+            kind, text = grammar_from_proto(request.grammar)
+            _, ms = grammars.compile(kind, text)
+        except (GrammarError, ValueError) as e:
+            return pb.CompileGrammarResponse(error=str(e))
+        return pb.CompileGrammarResponse(compile_ms=ms)
 
     def GetTokenizer(
         self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext

@@ -36,7 +36,22 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingSpec:
         ignore_eos=m.ignore_eos,
         logit_bias=tuple(zip(m.logit_bias_ids, m.logit_bias_values, strict=True)),
         seed=m.seed if m.HasField("seed") else None,
+        grammar=grammar_from_proto(m.grammar) if m.grammar.kind else None,
     )
+
+
+_GRAMMAR_KINDS = {
+    pb.GRAMMAR_KIND_REGEX: "regex",
+    pb.GRAMMAR_KIND_JSON_SCHEMA: "json_schema",
+    pb.GRAMMAR_KIND_EBNF: "ebnf",
+    pb.GRAMMAR_KIND_STRUCTURAL_TAG: "structural_tag",
+}
+
+
+def grammar_from_proto(m: pb.Grammar) -> tuple[str, str]:
+    if m.kind not in _GRAMMAR_KINDS:
+        raise ValueError(f"unknown grammar kind {m.kind}")
+    return _GRAMMAR_KINDS[m.kind], m.text
 
 
 def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobSpec:
@@ -109,4 +124,5 @@ def result_to_proto(r: Result) -> pb.StepResult:
         ],
         forward_ms=r.forward_ms,
         idle_ms=r.idle_ms,
+        grammar_ended=r.grammar_ended,
     )

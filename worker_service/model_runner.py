@@ -13,6 +13,7 @@ asked for (the logits at position p score the prompt token at p + 1).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -31,6 +32,7 @@ from worker_service.kv_cache import KvCache
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.plan import LogprobSpec, Plan, PromptLogprobOut, Result
 from worker_service.request_state import SlotState
+from worker_service.sampling.grammar import GrammarCompiler, GrammarError
 from worker_service.sampling.logprobs import token_logprobs
 from worker_service.sampling.rows import SampleOutput, SampleRow
 from worker_service.sampling.sampler import SampleLaunch, Sampler
@@ -122,8 +124,11 @@ class ModelRunner:
         vocab_size: int,
         max_context: int = 1 << 30,
         overlap: bool = False,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.compute = compute
+        # Structured generation (None: this rank does not sample, or no vocabulary).
+        self.grammars = grammars
         self.num_pages = num_pages
         self.page_size = page_size
         self.vocab_size = vocab_size
@@ -160,6 +165,13 @@ class ModelRunner:
             return step
         step.work = work = self._apply(plan)
         step.num_extends = len(plan.extends)
+        try:
+            self._attach_grammars(work)
+        except GrammarError as e:
+            if previous is not None:
+                self.complete(previous)
+            step.result = self._failed(step, e)
+            return step
         if previous is not None:
             for w in work:
                 if w.inputs[0] == PENDING and w.start + 1 == len(w.state.tokens):
@@ -200,9 +212,24 @@ class ModelRunner:
         pending = previous.sample_index
         for slot in plan.decode_slots:
             state = self.slots.get(slot)
-            if state is not None and id(state) in pending and state.sampling.has_penalties:
+            if state is None or id(state) not in pending:
+                continue
+            # Penalties and grammars read the previous token's value.
+            if state.sampling.has_penalties or state.sampling.grammar is not None:
                 return False
         return True
+
+    def _attach_grammars(self, work: list[SeqWork]) -> None:
+        """A constrained request's matcher, at its first sampling step: replayed
+        over the output it has (a re-joined request continues where it was)."""
+        if self.grammars is None:
+            return
+        for w in work:
+            state = w.state
+            spec = state.sampling.grammar
+            if w.sample and spec is not None and state.grammar is None:
+                kind, text = spec
+                state.grammar = self.grammars.matcher(kind, text, state.tokens[state.prompt_len :])
 
     def _failed(self, step: StartedStep, error: Exception) -> Result:
         if is_sticky_device_error(error):
@@ -252,8 +279,12 @@ class ModelRunner:
     @staticmethod
     def _result(step: StartedStep, out: SampleOutput) -> Result:
         result = Result(step.step_id, forward_ms=(time.perf_counter() - step.started_at) * 1e3)
-        for (state, at), token in zip(step.pending, out.token_ids, strict=True):
+        for i, ((state, at), token) in enumerate(zip(step.pending, out.token_ids, strict=True)):
             state.tokens[at] = token
+            if state.grammar is not None:
+                state.grammar.accept(token)
+                if state.grammar.ended:
+                    result.grammar_ended.append(i)
         result.slots = [w.slot for w in step.work if w.sample]
         result.token_ids = out.token_ids
         result.logprobs = out.logprobs
@@ -456,13 +487,19 @@ class ModelCompute:
         """The token lists are copied only for rows whose penalties read them."""
         state, sp = w.state, w.state.sampling
         tokens, n_prompt = state.tokens, state.prompt_len
+        eos = self.eos_token_ids
+        if state.grammar is not None and sp.min_new_tokens:
+            # The grammar decides where the output may end: min_new_tokens
+            # does not mask its end tokens (they may be all it allows).
+            sp, eos = dataclasses.replace(sp, min_new_tokens=0, stop_token_ids=()), ()
         return SampleRow(
             sampling=sp,
             logprobs=state.logprobs,
             prompt_ids=tokens[:n_prompt] if sp.repetition_penalty != 1.0 else (),
             output_ids=tokens[n_prompt:] if sp.has_penalties else (),
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=eos,
             num_outputs=len(tokens) - n_prompt,
+            grammar=state.grammar,
         )
 
     def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:

@@ -28,6 +28,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    grammar: tuple[str, str] | None = None  # (kind, text): structured generation
 
     @property
     def is_greedy(self) -> bool:
@@ -111,3 +112,4 @@ class Result:
     prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
     forward_ms: float = 0.0
     idle_ms: float = 0.0
+    grammar_ended: list[int] = field(default_factory=list)  # indices into token_ids

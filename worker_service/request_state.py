@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker_service.plan import JoinSpec, LogprobSpec, SamplingSpec
+from worker_service.sampling.grammar import GrammarState
 
 
 @dataclass(slots=True)
@@ -21,6 +22,9 @@ class SlotState:
     pages: list[int] = field(default_factory=list)
     traceparent: str = ""
     tracestate: str = ""
+    # Structured generation: the request's place in its grammar (rank 0 only;
+    # built at its first sampling step, from the tokens it has by then).
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_join(cls, join: JoinSpec) -> SlotState:

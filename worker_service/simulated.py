@@ -5,15 +5,20 @@ scheduler tests' in-process oracle.
 
 It exercises everything around the model (the protocol, the scheduler, the
 engine's overlap, clients) at a cost the benchmark chooses, and its tokens
-are reproducible whatever the batching, caching or retraction.
+are reproducible whatever the batching, caching or retraction. A request
+with a grammar picks by the same hash among the tokens its grammar allows
+(the simulated vocabulary: byte t is token t, 256 ends a grammar).
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from common.simulated_model import SIMULATED_VOCAB, absorb, token_of
 from worker_service.model_runner import SeqWork
+from worker_service.sampling.grammar import allocate_bitmask
 from worker_service.sampling.rows import SampleOutput
 
 
@@ -24,6 +29,12 @@ class SimulatedCompute:
         # slot -> (rid, tokens hashed, hash so far): contexts only grow, so each
         # step hashes the new tokens only.
         self._hashes: dict[int, tuple[str, int, int]] = {}
+
+    def _allowed(self, w: SeqWork) -> list[int]:
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        w.state.grammar.fill(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits[: self.vocab_size]).tolist()
 
     def _context_hash(self, w: SeqWork) -> int:
         tokens = w.state.tokens
@@ -39,7 +50,13 @@ class SimulatedCompute:
         out = SampleOutput()
         for w in work:
             if w.sample:
-                out.token_ids.append(token_of(self._context_hash(w), self.vocab_size))
+                state = self._context_hash(w)
+                if w.state.grammar is None:
+                    token = token_of(state, self.vocab_size)
+                else:  # the same rule, over the tokens the grammar allows
+                    allowed = self._allowed(w)
+                    token = allowed[token_of(state, len(allowed))]
+                out.token_ids.append(token)
                 out.logprobs.append(0.0)
                 out.top_ids.append([])
                 out.top_logprobs.append([])

@@ -17,6 +17,12 @@ from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.model_runner import ModelCompute, ModelRunner
 from worker_service.models.config import ModelConfig
 from worker_service.models.registry import build_model
+from worker_service.sampling.grammar import (
+    SIMULATED_EOS,
+    GrammarCompiler,
+    huggingface_tokenizer_info,
+    simulated_tokenizer_info,
+)
 from worker_service.sampling.sampler import Sampler
 from worker_service.simulated import SimulatedCompute
 from worker_service.weights import ModelSource, open_model
@@ -57,7 +63,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
         compute = SimulatedCompute(cfg.simulated_step_ms / 1e3, cfg.simulated_vocab)
-        runner = ModelRunner(compute, num_pages, cfg.page_size, cfg.simulated_vocab)
+        vocab = cfg.simulated_vocab
+        grammars = None
+        if tp.rank == 0 and vocab > SIMULATED_EOS:
+            grammars = GrammarCompiler(lambda: simulated_tokenizer_info(vocab))
+        runner = ModelRunner(compute, num_pages, cfg.page_size, vocab, grammars=grammars)
         return Worker(
             cfg,
             runner,
@@ -113,8 +123,21 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")
+    grammars = None
+    if tp.rank == 0 and source.kind != "random":  # the rank that samples; a vocabulary
+        grammars = GrammarCompiler(
+            lambda: huggingface_tokenizer_info(
+                source.tokenizer_files(), mcfg.vocab_size, mcfg.eos_token_ids
+            )
+        )
     runner = ModelRunner(
-        compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context, overlap=overlap
+        compute,
+        num_pages,
+        cfg.page_size,
+        mcfg.vocab_size,
+        max_context,
+        overlap=overlap,
+        grammars=grammars,
     )
     logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
     return Worker(

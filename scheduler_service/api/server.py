@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from observability import health_port, tracing
 from scheduler_service.api.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.api.grammar_check import GrammarChecker
 from scheduler_service.api.metrics import SchedulerMetrics, start_metrics
 from scheduler_service.api.model_info import ModelContext
 from scheduler_service.api.servicer import SchedulerServicer
@@ -48,12 +49,14 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         logger.info("API keys required on the public API", keys=len(digests))
     tracing.setup_tracing(TRACING_SERVICE_NAME)
     core = CoreClient(config)
+    grammars = None
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     try:
         ready = await core.start()
         model = ModelContext.build(ready, config, workdir)
         metrics = SchedulerMetrics(core) if api.metrics_port is not None else None
-        servicer = SchedulerServicer(core, model, metrics)
+        grammars = GrammarChecker(config, ready.sampling_worker) if ready.sampling_worker else None
+        servicer = SchedulerServicer(core, model, metrics, grammars)
         limit = config.limits.max_message_mb << 20
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -108,6 +111,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         if health_server is not None:
             await health_server.stop(grace=None)
     finally:
+        if grammars is not None:
+            await grammars.close()
         core.stop()  # the core process flushes its spans as it exits
         tracing.shutdown_tracing()
         shutil.rmtree(workdir, ignore_errors=True)

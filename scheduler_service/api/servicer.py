@@ -25,6 +25,7 @@ from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import SampleState, chunk, complete
 from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
+from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
 from scheduler_service.api.metrics import SchedulerMetrics
 from scheduler_service.api.model_info import ModelContext
 from scheduler_service.core.sampling import InvalidRequestError
@@ -54,13 +55,30 @@ def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(
-        self, core: CoreClient, model: ModelContext, metrics: SchedulerMetrics | None = None
+        self,
+        core: CoreClient,
+        model: ModelContext,
+        metrics: SchedulerMetrics | None = None,
+        grammars: GrammarChecker | None = None,
     ) -> None:
         self.core = core
         self.model = model
         self.metrics = metrics
+        self.grammars = grammars
         self.admin = AdminRpcs(core, model)
         self.shutting_down = False
+
+    async def _check_grammar(self, g: GenerateCall) -> None:
+        """A constrained call reaches the core only once its grammar compiled
+        (the samples of a call share one grammar)."""
+        grammar = g.requests[0].sampling.grammar
+        if grammar is None:
+            return
+        if self.grammars is None:
+            raise InvalidRequestError("structured generation is not available on this server")
+        verdict = await self.grammars.check(*grammar)
+        if verdict:
+            raise InvalidRequestError(verdict)
 
     def begin_shutdown(self) -> None:
         """From now on HealthCheck says the server is going away."""
@@ -83,6 +101,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     request, self.model.limits, self.model.encode, self.model.has_tokenizer
                 )
                 obs.accepted(g)
+                await self._check_grammar(g)
                 call = self.core.submit(g.requests)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
@@ -93,6 +112,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             except CoreUnavailable as e:
                 code, message = _core_failure(e)
                 await context.abort(grpc.StatusCode[code], message)
+            except GrammarUnavailable as e:
+                code, message = "UNAVAILABLE", str(e)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
             try:
                 async for response in self._responses(g, call, context, obs):
                     yield response

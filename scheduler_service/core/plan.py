@@ -100,6 +100,8 @@ class RequestOutput:
     # entry i is for the prompt token at position prompt_logprobs_start + i.
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
+    # The token completed the request's grammar: nothing more can follow.
+    grammar_ended: bool = False
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ def apply_result(
             if samples:
                 stats.discarded_tokens += 1
             continue
-        if token is None or out.prompt_logprobs:
+        if token is None or out.prompt_logprobs or out.grammar_ended:
             reason = _apply_output(req, out, now, stats, outbox, eos_ids, stop_strings)
             if reason is not None:
                 finished.append((req, reason))
@@ -104,7 +104,7 @@ def _apply_output(
     if req.times.first_token is None:
         req.times.first_token = now
     outbox.append(delta)
-    reason = check_finish(req, token, eos_ids, stop_strings)
+    reason = check_finish(req, token, eos_ids, stop_strings, out.grammar_ended)
     if reason is not None:
         delta.finished = True
     return reason

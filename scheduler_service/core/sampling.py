@@ -15,6 +15,9 @@ TOP_K_ALL = 1 << 30
 GREEDY_TEMPERATURE_EPS = 1e-6
 
 
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
 class InvalidRequestError(ValueError):
     """A request parameter is out of range; the message says which and why."""
 
@@ -38,6 +41,9 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    # Structured generation: (kind, text), kind one of GRAMMAR_KINDS. The
+    # worker masks every sampled token to what the grammar allows.
+    grammar: tuple[str, str] | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -97,6 +97,7 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
             tp_size=info.tp_size,
             tokenizer_zip=archive,
             worker_info=json.loads(json.dumps(MessageToDict(info))),
+            sampling_worker=group.ranks[0].address,
         )
     )
     engine = Engine(

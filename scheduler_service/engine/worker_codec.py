@@ -22,6 +22,7 @@ from scheduler_service.core.plan import (
     TokenLogprobs,
 )
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
+from scheduler_service.grammar_proto import grammar_to_proto
 
 _MODES = {
     ForwardMode.PREFILL: pb.FORWARD_MODE_PREFILL,
@@ -58,6 +59,8 @@ def sampling_to_proto(sp: SamplingParams, m: pb.SamplingParams) -> None:
         m.logit_bias_values.append(bias)
     if sp.seed is not None:
         m.seed = sp.seed
+    if sp.grammar is not None:
+        grammar_to_proto(sp.grammar, m.grammar)
 
 
 def logprobs_to_proto(lp: LogprobOptions, m: pb.LogprobOptions) -> None:
@@ -154,15 +157,16 @@ class WorkerCodec:
                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sent.sampled)} entries"
             )
         wants = self._wants_logprobs
+        ended = msg.grammar_ended
+        if any(i >= len(sent.sampled) for i in ended):
+            raise WorkerProtocolError(f"step {msg.step_id}: grammar_ended past the sampled tokens")
         if not msg.prompt_logprobs and (not wants or wants.keys().isdisjoint(sent.sampled)):
             # No logprob payloads (the common decode step): one output per
             # sampling entry, each rid once, so nothing to merge.
-            return StepResult(
-                msg.step_id,
-                list(map(RequestOutput, sent.sampled, msg.token_ids)),
-                msg.forward_ms,
-                msg.idle_ms,
-            )
+            outputs = list(map(RequestOutput, sent.sampled, msg.token_ids))
+            for i in ended:
+                outputs[i].grammar_ended = True
+            return StepResult(msg.step_id, outputs, msg.forward_ms, msg.idle_ms)
         outputs: list[RequestOutput] = []
         top_at = ids_at = 0
         tops, idss = msg.top_counts, msg.ids_counts
@@ -181,6 +185,8 @@ class WorkerCodec:
             top_at += n_top
             ids_at += n_ids
             outputs.append(RequestOutput(rid, token, lp))
+        for i in ended:
+            outputs[i].grammar_ended = True
         for p in msg.prompt_logprobs:
             rid = sent.extend_slots.get(p.slot)
             if rid is None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from worker_service.plan import LogprobSpec, PromptLogprobOut, SamplingSpec
+from worker_service.sampling.grammar import GrammarState
 
 
 @dataclass
@@ -22,6 +23,8 @@ class SampleRow:
     # None: len(output_ids). Lets a caller skip building the id lists of rows
     # without penalties.
     num_outputs: int | None = None
+    # Structured generation: the tokens the request's grammar allows next.
+    grammar: GrammarState | None = None
 
     @property
     def output_count(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker_service.sampling import filters, processors
+from worker_service.sampling import filters, grammar, processors
 from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.rows import SampleOutput, SampleRow
 from worker_service.transfer import to_device, to_host
@@ -75,13 +75,26 @@ class Sampler:
         # bf16 -> fp32 is exact, so the argmax (ties included) and logprob_tensors
         # (which computes in fp32 chunk by chunk) need no fp32 copy of the logits.
         raw = logits[:, : self.vocab_size]
-
-        if all(_is_plain_greedy(r) for r in rows):
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not constrained and all(_is_plain_greedy(r) for r in rows):
             chosen = raw.argmax(dim=-1)
         else:
             raw = raw.float()
+            if constrained:
+                # Structured generation: what the grammar forbids is -inf before
+                # anything else, so the logprobs reported for these rows are of
+                # the distribution the token is drawn from (the allowed tokens).
+                raw = raw.clone()
+                self._apply_grammars(raw, rows, constrained)
             chosen = self._choose(raw, rows)
         return self._with_logprobs(raw, chosen, rows)
+
+    @staticmethod
+    def _apply_grammars(raw: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+        bitmask = grammar.allocate_bitmask(len(rows), raw.shape[1])
+        for i in constrained:
+            rows[i].grammar.fill(bitmask, i)
+        grammar.apply_bitmask(raw, bitmask, constrained)
 
     def _choose(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Process the logits, then argmax the greedy rows and draw the others."""

@@ -31,6 +31,13 @@ class Limits(LimitsConfig):
 
 
 SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
+# The public API's constraint fields -> our grammar kinds.
+_GRAMMAR_KIND_OF_FIELD = {
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf_grammar": "ebnf",
+    "structural_tag": "structural_tag",
+}
 
 
 @dataclass
@@ -110,10 +117,19 @@ def sampling_from_proto(
                 f"{limits.max_logit_bias_value:g}], got {value} for token {key}"
             )
         bias.append((token, value))
-    if m.WhichOneof("constraint"):
-        raise InvalidRequestError(
-            f"constrained decoding ({m.WhichOneof('constraint')}) is not supported by radixserve"
-        )
+    grammar = None
+    field = m.WhichOneof("constraint")
+    if field is not None:
+        text = getattr(m, field)
+        if not text.strip():
+            raise InvalidRequestError(f"{field} is empty")
+        size = len(text.encode())
+        if size > limits.max_grammar_bytes:
+            raise InvalidRequestError(
+                f"{field} has {size} bytes, the limit (--max-grammar-bytes) is "
+                f"{limits.max_grammar_bytes}"
+            )
+        grammar = (_GRAMMAR_KIND_OF_FIELD[field], text)
     seed = None
     if m.HasField("custom_params") and "seed" in m.custom_params.fields:
         seed = _seed(m.custom_params.fields["seed"])
@@ -135,6 +151,7 @@ def sampling_from_proto(
         no_stop_trim=m.no_stop_trim,
         logit_bias=tuple(sorted(bias)),
         seed=seed,
+        grammar=grammar,
     )
 
 
