@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -25,7 +26,7 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    return {
+    sampling = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -33,6 +34,13 @@ def _sampling(args: argparse.Namespace) -> dict:
         "stop": args.stop or [],
         "n": args.n,
     }
+    if args.json_schema:
+        sampling["json_schema"] = Path(args.json_schema).read_text()
+    if args.regex:
+        sampling["regex"] = args.regex
+    if args.ebnf:
+        sampling["ebnf"] = Path(args.ebnf).read_text()
+    return sampling
 
 
 def _print_stream(events, out=sys.stdout) -> str:
@@ -121,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--top-k", type=int, default=-1)
         sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
         sp.add_argument("--n", type=int, default=1)
+        grammar = sp.add_mutually_exclusive_group()
+        grammar.add_argument(
+            "--json-schema", metavar="FILE", help="the output is JSON valid against this schema"
+        )
+        grammar.add_argument("--regex", help="the output fully matches this regular expression")
+        grammar.add_argument("--ebnf", metavar="FILE", help="the output follows this EBNF grammar")
     return p
 
 
@@ -129,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tls_ca and not os.path.isfile(args.tls_ca):
         p.error(f"--tls-ca {args.tls_ca}: no such file")
+    for flag in ("json_schema", "ebnf"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            p.error(f"--{flag.replace('_', '-')} {path}: no such file")
     client = RadixClient(
         args.server,
         tls=args.tls,

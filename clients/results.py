@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -31,6 +32,11 @@ class Sampling:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured generation: at most one of these (a JSON schema as text or a dict).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict | None = None
 
     def to_proto(self, m: pb.SamplingParams) -> None:
         m.temperature = self.temperature
@@ -50,6 +56,17 @@ class Sampling:
         m.spaces_between_special_tokens = True
         m.no_stop_trim = self.no_stop_trim
         m.n = self.n
+        constraints = {
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf_grammar": self.ebnf,
+            "structural_tag": self.structural_tag,
+        }
+        given = {k: v for k, v in constraints.items() if v is not None}
+        if len(given) > 1:
+            raise ValueError(f"one constraint at most, got {sorted(given)}")
+        for field_name, value in given.items():
+            setattr(m, field_name, value if isinstance(value, str) else json.dumps(value))
 
 
 @dataclass
