@@ -1,0 +1,198 @@
+"""What structured generation costs (a program, not a test), on a running
+server (``radixserve serve``; the default model on CPU by default):
+
+1. TPOT of a batch of requests constrained by a JSON schema against the same
+   requests unconstrained with the same output lengths (each unconstrained
+   request gets ``max_new_tokens`` = its constrained twin's output length and
+   ignores EOS), alternating, ``--rounds`` times: medians and their ratio.
+2. The step loop while grammars compile: ITL p99 of ``--streams`` running
+   unconstrained streams while ``--compiles`` new complex JSON schemas are
+   submitted (each compiled for the first time), against the same streams
+   with no compile going on.
+
+The last line printed is one JSON object.
+
+    .venv/bin/radixserve serve --port 30000 &
+    python benchmarks/structured.py --server 127.0.0.1:30000 --batch 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from clients.tokenizer_bundle import TokenizerBundle
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+TOPICS = ["a teacher", "a pilot", "a baker", "a painter", "a nurse", "a farmer", "a coder"]
+
+
+def complex_schema(i: int) -> dict:
+    """A schema no cache has seen: many typed, patterned, nested properties."""
+    props = {}
+    for j in range(24):
+        kind = (i + j) % 6
+        props[f"f{i}_{j}"] = [
+            {"type": "string", "pattern": f"^[a-z]{{{1 + j % 5},{6 + j % 7}}}$"},
+            {"type": "integer", "minimum": -j, "maximum": 1000 + i},
+            {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+            {"enum": [f"v{i}_{j}_{k}" for k in range(6)]},
+            {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"type": "null"}}},
+            {"type": "string", "format": "date" if j % 2 else "email"},
+        ][kind]
+    return {"type": "object", "properties": props, "required": sorted(props)[:12]}
+
+
+async def one(stub, req: pb.GenerateRequest) -> dict:
+    """A streamed call's token arrival times."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    async for r in stub.Generate(req, timeout=600):
+        if r.HasField("chunk") and r.chunk.token_ids:
+            now = time.perf_counter()
+            times += [now] * len(r.chunk.token_ids)
+            tokens += len(r.chunk.token_ids)
+    return {"t0": t0, "times": times, "tokens": tokens}
+
+
+def tpot(call: dict) -> float | None:
+    t = call["times"]
+    return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+def request(rid: str, ids: list[int], max_new: int, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=max_new, **sampling),
+        stream=True,
+    )
+
+
+async def tpot_round(stub, prompts: list[list[int]], r: int) -> tuple[float, float]:
+    constrained = [
+        request(f"c{r}-{i}", ids, 256, json_schema=json.dumps(SCHEMA))
+        for i, ids in enumerate(prompts)
+    ]
+    got = await asyncio.gather(*(one(stub, q) for q in constrained))
+    lengths = [max(g["tokens"], 2) for g in got]
+    plain = [
+        request(f"u{r}-{i}", ids, n, ignore_eos=True)
+        for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    free = await asyncio.gather(*(one(stub, q) for q in plain))
+    med = [statistics.median(x for x in map(tpot, calls) if x) for calls in (got, free)]
+    return med[0], med[1]
+
+
+async def itl_p99(stub, prompts: list[list[int]], compiles: int, tag: str) -> float:
+    """ITL p99 of the streams, over the window in which the compiles run (or
+    the same length of window with none)."""
+    streams = [request(f"s{tag}-{i}", ids, 160, ignore_eos=True) for i, ids in enumerate(prompts)]
+    running = [asyncio.ensure_future(one(stub, q)) for q in streams]
+    await asyncio.sleep(2.0)  # the streams are decoding
+    start = time.perf_counter()
+    if compiles:
+        schemas = [complex_schema(hash((tag, i)) % 100_000) for i in range(compiles)]
+        asks = [
+            request(f"k{tag}-{i}", prompts[0], 8, json_schema=json.dumps(s))
+            for i, s in enumerate(schemas)
+        ]
+        await asyncio.gather(*(one(stub, q) for q in asks))
+    else:
+        await asyncio.sleep(3.0)
+    end = time.perf_counter()
+    calls = await asyncio.gather(*running)
+    gaps = [
+        b - a
+        for c in calls
+        for a, b in zip(c["times"], c["times"][1:], strict=False)
+        if start <= b <= end
+    ]
+    return statistics.quantiles(gaps, n=100)[98] if len(gaps) > 10 else float("nan")
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        stub = pb_grpc.SglangSchedulerStub(channel)
+        bundle = TokenizerBundle.from_chunks(
+            [c async for c in stub.GetTokenizer(cpb.GetTokenizerRequest())]
+        )
+        prompts = [
+            bundle.chat_prompt(
+                [{"role": "user", "content": f"Describe {TOPICS[i % 7]} number {i} as JSON."}]
+            )
+            for i in range(args.batch)
+        ]
+        # warm-up: the schema compiles once, the model's first steps are slow
+        await tpot_round(stub, prompts[:2], -1)
+        ratios, cons, frees = [], [], []
+        for r in range(args.rounds):
+            c, f = await tpot_round(stub, prompts, r)
+            cons.append(c)
+            frees.append(f)
+            ratios.append(c / f)
+            print(
+                f"round {r + 1}: TPOT constrained {c * 1e3:.1f} ms, plain {f * 1e3:.1f} ms, "
+                f"ratio {c / f:.3f}",
+                flush=True,
+            )
+        quiet, busy = [], []
+        for r in range(args.rounds):
+            quiet.append(await itl_p99(stub, prompts[: args.streams], 0, f"q{r}"))
+            busy.append(await itl_p99(stub, prompts[: args.streams], args.compiles, f"b{r}"))
+            print(
+                f"round {r + 1}: ITL p99 {quiet[-1] * 1e3:.1f} ms quiet, "
+                f"{busy[-1] * 1e3:.1f} ms while {args.compiles} schemas compile",
+                flush=True,
+            )
+    return {
+        "batch": args.batch,
+        "tpot_constrained_ms": statistics.median(cons) * 1e3,
+        "tpot_plain_ms": statistics.median(frees) * 1e3,
+        "tpot_ratio_median": statistics.median(ratios),
+        "itl_p99_quiet_ms": statistics.median(quiet) * 1e3,
+        "itl_p99_compiling_ms": statistics.median(busy) * 1e3,
+        "itl_p99_ratio": statistics.median(busy) / statistics.median(quiet),
+        "rounds": args.rounds,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--server", default="127.0.0.1:30000")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--compiles", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    result = asyncio.run(main_async(p.parse_args()))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
