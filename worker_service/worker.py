@@ -12,6 +12,7 @@ from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
+from worker_service.kernels import select_kernels
 from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.model_runner import ModelCompute, ModelRunner
 from worker_service.models.config import ModelConfig
@@ -77,7 +78,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     source = open_model(None if cfg.model == "default" else cfg.model)
     mcfg = source.config
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
-    model = build_model(mcfg, tp, dtype, device)
+    model = build_model(mcfg, tp, dtype, device, select_kernels(device, dtype, cfg.kernels))
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
@@ -110,7 +111,13 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
     runner = ModelRunner(compute, num_pages, cfg.page_size, mcfg.vocab_size, max_context)
-    logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
+    logger.info(
+        "worker ready",
+        pages=num_pages,
+        page_size=cfg.page_size,
+        attention=attn.name,
+        kernels=model.kernels.name,
+    )
     return Worker(
         cfg,
         runner,
