@@ -105,7 +105,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         device=device,
     )
     attn = _attention(cfg.attention_backend, spec, device)
-    compute = ModelCompute(model, attn, kv, Sampler(mcfg.vocab_size, device), tp, device)
+    sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, None, cfg.kernels))
+    compute = ModelCompute(model, attn, kv, sampler, tp, device)
     max_context = model.rope.max_positions
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
