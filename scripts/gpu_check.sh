@@ -74,7 +74,7 @@ echo "== pytest -m gpu"
 set +e
 timeout "${GPU_TESTS_TIMEOUT:-210}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
   tests/worker_service/test_flashinfer_backend.py tests/worker_service/test_gpu_worker.py \
-  tests/worker_service/test_fused_kernels.py \
+  tests/worker_service/test_fused_kernels_gpu.py \
   --junitxml="$LOGS/pytest_gpu.xml" 2>&1 | tee "$LOGS/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "== scripts/gpu_decode_bench.py"
