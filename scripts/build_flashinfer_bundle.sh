@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Build .fi_bundle/: what an offline GPU machine (x86-64, CPython 3.12, torch for
 # CUDA 13, no flashinfer, no network) needs to run worker_service's 'flashinfer'
-# attention backend without compiling anything:
+# attention backend and FlashInfer kernels (worker_service/kernels/) without
+# compiling anything:
 #
 #   flashinfer_py.tar.xz        FlashInfer's Python files (78 MB, 8 MB packed), unpacked
 #                               by env.sh into $FI_SITE (/tmp/fi_site), whose
 #                               flashinfer/data links back here; not the wheel's data/
 #                               (CUTLASS/CCCL sources, kernels for other GPUs)
-#   site/flashinfer/data/aot/   the kernel modules FlashInferAttention loads, built here
-#                               with nvcc for sm_90a; FlashInfer loads
+#   site/flashinfer/data/aot/   the kernel modules FlashInferAttention and FlashInferKernels
+#                               load (attention; norm, rope, silu_and_mul, sampling),
+#                               built here with nvcc for sm_90a; FlashInfer loads
 #                               data/aot/<uri>/<uri>.so before trying to JIT-compile
 #   site/flashinfer/data/csrc/  the few templates FlashInfer reads to name a module
 #   site/tvm_ffi/               apache-tvm-ffi for CPython 3.12 (FlashInfer >= 0.5 binds
@@ -73,7 +75,14 @@ cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$WORK/stubs/libcuda.so" "$WORK/stu
 export PYTHONPATH="$WORK/site:$WORK/deps_site"
 export FLASHINFER_WORKSPACE_BASE="$WORK/ws"
 export FLASHINFER_EXTRA_LDFLAGS="-L$WORK/stubs"
-export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $WORK/site/nvidia/cu13/include"
+# norm.cu includes trtllm/common/cudaUtils.h, which includes cuBLAS's headers but uses
+# nothing of them (its cuBLAS code is commented out). A toolkit without cuBLAS gets
+# empty stand-ins: were anything of cuBLAS used, the build would fail, not the run.
+mkdir -p "$WORK/stubs/include"
+for h in cublasLt.h cublas_v2.h; do
+  [[ -f $CUDA_HOME/include/$h ]] || echo "/* empty: see build_flashinfer_bundle.sh */" >"$WORK/stubs/include/$h"
+done
+export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $WORK/site/nvidia/cu13/include -isystem $WORK/stubs/include"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export FI_OUT="$OUT" FI_WORK="$WORK"
 
@@ -125,6 +134,9 @@ if [[ $(cat "$FI_SITE/.stamp" 2>/dev/null) != "$stamp" ]]; then
 fi
 export PYTHONPATH="$FI_SITE:$FI_BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_DISABLE_JIT=1 # a missing kernel is an error, not a 40-minute build
+# RMSNorm from the bundle's CUDA norm module: were nvidia-cutlass-dsl installed,
+# FlashInfer would otherwise pick its CuTe DSL kernels, compiled at first use.
+export FLASHINFER_USE_CUDA_NORM=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_workspace}
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 # torch >= 2.10 has the DLPack C API itself
 EOF
@@ -140,8 +152,10 @@ for part in "$OUT" "$OUT"/site/flashinfer/data/aot "$OUT"/site/tvm_ffi "$OUT"/ex
 echo "== checking the bundle with $("$PY" -V): this machine has neither 3.12 nor a GPU"
 for so in "$OUT"/site/flashinfer/data/aot/*/*.so; do
   # Portable across torch builds: no torch/c10 symbols, and only libcudart (loaded by
-  # torch on a CUDA build) beside the C/C++ runtime.
-  if readelf -d "$so" | grep NEEDED | grep -vqE 'libcudart\.so\.13|libstdc\+\+|libgcc_s|libc\.so|libm\.so'; then
+  # torch on a CUDA build) beside the C/C++ runtime (rope's thread_local needs the
+  # dynamic loader's __tls_get_addr: ld-linux).
+  if readelf -d "$so" | grep NEEDED |
+    grep -vqE 'libcudart\.so\.13|libstdc\+\+|libgcc_s|libc\.so|libm\.so|ld-linux-x86-64\.so\.2'; then
     echo "unexpected dependency in $so" && exit 1
   fi
   if nm -D --undefined-only "$so" | grep -qE ' _ZN(2at|3c10|5torch)'; then
@@ -164,6 +178,10 @@ import sys
 import torch
 
 import flashinfer
+import flashinfer.activation
+import flashinfer.norm
+import flashinfer.rope
+import flashinfer.sampling
 from flashinfer.decode import get_batch_decode_module
 from flashinfer.jit.attention import modules as m
 from flashinfer.prefill import get_batch_prefill_module
@@ -188,6 +206,22 @@ for dtype in os.environ["FI_DTYPES"].split():
             assert callable(dec.plan) and callable(dec.run)
             assert callable(pre.plan) and callable(pre.paged_run)
             n += 2
+# FlashInferKernels' modules, through the getters its calls go through.
+assert flashinfer.norm._USE_CUDA_NORM, "FLASHINFER_USE_CUDA_NORM=1 is not in effect"
+ops = {
+    "norm": (flashinfer.norm.get_norm_module(), ("rmsnorm", "fused_add_rmsnorm")),
+    "rope": (flashinfer.rope.get_rope_module(), ("apply_rope_pos_ids_cos_sin_cache",)),
+    "silu_and_mul": (flashinfer.activation.get_act_and_mul_module("silu"), ("silu_and_mul",)),
+    "sampling": (
+        flashinfer.sampling.get_sampling_module(),
+        ("top_k_renorm_probs", "top_p_renorm_probs"),
+    ),
+}
+for name, (module, functions) in ops.items():
+    aot = os.path.join(os.environ["FI_BUNDLE_REAL"], "site/flashinfer/data/aot", name)
+    assert os.path.isfile(os.path.join(aot, f"{name}.so")), f"not prebuilt: {name}"
+    assert all(callable(getattr(module, f)) for f in functions), name
+    n += 1
 tvm = __import__("tvm_ffi")
 # This check ran this Python's tvm_ffi; the bundle's (3.12) copy must hold every file
 # of it that got imported (the build pruned sources and headers from it).

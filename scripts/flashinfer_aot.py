@@ -1,6 +1,8 @@
-"""Compile ahead of time the FlashInfer attention modules FlashInferAttention
-loads, and put each at OUT/<name>/<name>.so (FlashInfer's data/aot layout, which
-it loads before trying to JIT-compile).
+"""Compile ahead of time the FlashInfer modules the worker loads on CUDA: the
+attention modules of FlashInferAttention and the op modules of FlashInferKernels
+(RMSNorm and fused add + RMSNorm, RoPE from a cos/sin cache, SiLU-and-mul, the
+top-k / top-p renorm filters), and put each at OUT/<name>/<name>.so (FlashInfer's
+data/aot layout, which it loads before trying to JIT-compile).
 
 Used by scripts/build_flashinfer_bundle.sh and docker/Dockerfile.cuda. Knobs (env):
 FI_DTYPES ("bfloat16"), FI_HEAD_DIMS ("64 128"), FI_PREFILL_BACKENDS ("fa2"; add
@@ -18,11 +20,26 @@ import sys
 from collections.abc import Iterator
 
 import torch
+from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.attention import modules as m
 from flashinfer.jit.core import build_jit_specs
+from flashinfer.jit.norm import gen_norm_module
+from flashinfer.jit.rope import gen_rope_module
+from flashinfer.jit.sampling import gen_sampling_module
 
 
-def specs() -> Iterator[object]:
+def op_specs() -> Iterator[object]:
+    """worker_service/kernels/flashinfer_kernels.py's modules: one each, every dtype
+    and head dim inside (the getters flashinfer.norm.get_norm_module, rope's
+    get_rope_module, get_act_and_mul_module("silu") and get_sampling_module build
+    exactly these)."""
+    yield gen_norm_module()
+    yield gen_rope_module()
+    yield gen_act_and_mul_module("silu")
+    yield gen_sampling_module()
+
+
+def attention_specs() -> Iterator[object]:
     # The decode wrappers use backend="fa2" (tensor-core decode runs the fa2
     # prefill module); prefill uses the FI_PREFILL_BACKENDS.
     backends = os.environ.get("FI_PREFILL_BACKENDS", "fa2").split()
@@ -35,6 +52,11 @@ def specs() -> Iterator[object]:
                 yield m._gen_batch_prefill_primary_module("fa2", *a, False)
                 if "fa3" in backends:
                     yield m.gen_batch_prefill_module("fa3", *a, False)
+
+
+def specs() -> Iterator[object]:
+    yield from attention_specs()
+    yield from op_specs()
 
 
 def main(out: pathlib.Path) -> None:

@@ -33,6 +33,8 @@ been prefilled, since a decode step costs the same whatever the values; a
 prefill`` prefills for real, 8 requests per plan.
 
     python scripts/gpu_decode_bench.py            # H200: both models, 1/64/256, 1k
+    python scripts/gpu_decode_bench.py --kernels torch   # the same without FlashInfer's
+                                                         # fused norm/RoPE/SiLU (an A/B)
     python scripts/gpu_decode_bench.py --device cpu --backends torch \\
         --models random:smollm2-135m --batches 1,4 --context 64 --steps 3
 """
@@ -143,6 +145,7 @@ class Bench:
             device=a.device,
             dtype=a.dtype,
             attention_backend=backend,
+            kernels=a.kernels,
             page_size=a.page_size,
             num_pages=self.pages_per_req * max_batch,
         )
@@ -267,6 +270,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--backends", default="flashinfer,torch")
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "torch", "flashinfer"),
+        help="norms, RoPE, SiLU, sampling filters (auto: FlashInfer's on CUDA); torch for an A/B",
+    )
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
@@ -307,7 +316,8 @@ def main() -> None:
                 worker = bench.build(model, backend, max(batches))
                 print(
                     f"{model} / {backend}: worker ready in {time.perf_counter() - t0:.1f} s "
-                    f"(dtype {worker.dtype}, attention {worker.attention_backend})",
+                    f"(dtype {worker.dtype}, attention {worker.attention_backend}, "
+                    f"kernels {worker.runner.compute.model.kernels.name})",
                     flush=True,
                 )
                 for batch in batches:
@@ -346,6 +356,7 @@ def main() -> None:
         "device": args.device,
         "device_name": name,
         "dtype": args.dtype,
+        "kernels": args.kernels,
         "context": args.context,
         "page_size": args.page_size,
         "fill": args.fill,

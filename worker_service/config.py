@@ -42,6 +42,12 @@ class WorkerConfig:
         "auto: flashinfer on CUDA, torch on CPU",
         choices=("auto", "torch", "flashinfer"),
     )
+    kernels: str = setting(
+        "auto",
+        "norms, RoPE, SiLU-and-mul and the sampling filters (auto: FlashInfer's fused "
+        "kernels on CUDA when flashinfer imports, torch otherwise)",
+        choices=("auto", "torch", "flashinfer"),
+    )
     page_size: int = setting(16, "tokens per KV page")
     kv_memory: str = setting(
         "auto",

@@ -13,6 +13,7 @@ from worker_service.config import WorkerConfig
 from worker_service.devices import resolve_device, use_device
 from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
+from worker_service.kernels import select_kernels
 from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.model_runner import ModelCompute, ModelRunner
 from worker_service.models.config import ModelConfig
@@ -85,7 +86,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     source = open_model(None if cfg.model == "default" else cfg.model)
     mcfg = source.config
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
-    model = build_model(mcfg, tp, dtype, device)
+    model = build_model(mcfg, tp, dtype, device, select_kernels(device, dtype, cfg.kernels))
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
@@ -104,7 +105,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # what the decode graphs and a step's activations take comes out of the
     # share of free memory the pool leaves (GPU_KV_FRACTION).
     attn = _attention(cfg.attention_backend, spec, device)
-    sampler = Sampler(mcfg.vocab_size, device)
+    sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, None, cfg.kernels))
     num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
     # One page more than the scheduler is told about: decode CUDA graphs pad
     # their batch with rows that write and read only this scratch page.
@@ -139,7 +140,13 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         overlap=overlap,
         grammars=grammars,
     )
-    logger.info("worker ready", pages=num_pages, page_size=cfg.page_size, attention=attn.name)
+    logger.info(
+        "worker ready",
+        pages=num_pages,
+        page_size=cfg.page_size,
+        attention=attn.name,
+        kernels=model.kernels.name,
+    )
     return Worker(
         cfg,
         runner,

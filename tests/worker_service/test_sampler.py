@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker_service.kernels import SamplingFilters, TorchKernels
 from worker_service.plan import LogprobSpec, SamplingSpec
 from worker_service.sampling import filters, processors
 from worker_service.sampling.filters import seeded_uniform, splitmix64
@@ -46,11 +47,12 @@ def reference(logits, spec: SamplingSpec, slack: float = 0.0) -> np.ndarray:
     order = np.argsort(-p, kind="stable")
     sp = p[order]
     k = spec.top_k if 0 < spec.top_k <= len(p) else len(p)
-    keep = np.arange(len(p)) < k
+    keep = sp >= sp[k - 1]  # ties with the k-th stay
     if spec.top_p < 1.0:
-        before = np.concatenate([[0.0], np.cumsum(sp)[:-1]]) / sp[:k].sum()
-        keep &= before < spec.top_p + slack
-        assert slack or np.abs(before[:k] - spec.top_p).min() > 1e-4
+        before = np.concatenate([[0.0], np.cumsum(sp)[:-1]]) / sp[keep].sum()
+        assert slack or np.abs(before[keep] - spec.top_p).min() > 1e-4
+        in_p = keep & (before < spec.top_p + slack)
+        keep &= sp >= sp[in_p].min()  # so do ties with top-p's last token
     keep &= sp >= (spec.min_p - slack) * sp[0]
     assert slack or spec.min_p == 0 or np.abs(sp / sp[0] - spec.min_p).min() > 1e-4
     keep[0] = True
@@ -299,3 +301,43 @@ def test_padded_vocab_columns_are_ignored():
     out = Sampler(8, CPU).sample(logits, rows)
     assert all(t < 8 for t in out.token_ids)
     assert out.logprobs == pytest.approx([-math.log(8)] * 2, abs=1e-6)
+
+
+def test_draw_walks_token_ids_in_order():
+    """The draw's order is part of the seeded contract (the CPU's sort-based filters
+    and FlashInfer's threshold kernels must pick the same token for one u): with
+    probabilities (0.1, 0.5, 0.4), u = 0.05 lands on token 0 (in a sorted order it
+    would be token 1), u = 0.55 on token 1, u = 0.65 on token 2."""
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.4]])).expand(3, -1)
+    host = filters.filter_arrays([-1] * 3, [1.0] * 3, [0.0] * 3, 3)
+    flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 3)
+    u = torch.tensor([0.05, 0.55, 0.65])
+    assert filters.draw(logits, torch.ones(3), flt, u, TorchKernels()).tolist() == [0, 1, 2]
+
+
+def test_filters_are_thresholds_that_keep_ties():
+    """Tokens tied with the k-th stay (as in FlashInfer's radix top-k), and so do
+    those tied with top-p's last token."""
+    probs = torch.tensor([[0.3, 0.2, 0.2, 0.2, 0.1]])
+    top_k = SamplingFilters(torch.tensor([2]), torch.ones(1), torch.zeros(1), True, False, False)
+    top_p = SamplingFilters(
+        torch.tensor([5]), torch.tensor([0.4]), torch.zeros(1), False, True, False
+    )
+    for flt in (top_k, top_p):
+        kept = TorchKernels().filter_probs(probs, flt)
+        assert (kept > 0).tolist() == [[True, True, True, True, False]]
+
+
+def test_out_of_range_filter_parameters_are_clipped():
+    """top_k <= 0 or past the vocabulary: no limit; top_p and min_p into [0, 1], so
+    that a row always keeps its most probable token."""
+    k, p, m = host = filters.filter_arrays(
+        [0, -1, 3, 10], [1.5, -0.2, 0.5, 1.0], [2.0, 0.0, 0.1, 0.0], 10
+    )
+    assert k.tolist() == [10, 10, 3, 10] and p.tolist() == [1.0, 0.0, 0.5, 1.0]
+    assert m.tolist() == [1.0, 0.0, pytest.approx(0.1), 0.0]
+    flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 10)
+    assert flt.use_top_k and flt.use_top_p and flt.use_min_p
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    tokens = filters.draw(logits, torch.ones(4), flt, torch.full((4,), 0.999), TorchKernels())
+    assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_service.distributed import TensorParallel
+from worker_service.kernels import Kernels
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -24,15 +25,25 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """RMSNorm through the model's kernels; ``add_forward`` also adds the residual
+    stream first (one fused kernel on FlashInfer)."""
+
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: Kernels
+    ) -> None:
         super().__init__()
         self.weight = _param((dim,), dtype, device)
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.kernels.rmsnorm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x); may overwrite x and residual."""
+        return self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         self.weight.data.copy_(tensor)

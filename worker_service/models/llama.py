@@ -7,6 +7,19 @@ every token carries its position, and attention goes through the backend,
 which reads and writes the paged KV cache. Only the rows that need logits
 (the last token of each sampling request, prompt-logprob positions) reach
 the LM head.
+
+The small ops (norms, RoPE, SiLU-and-mul) go through the model's ``Kernels``
+(worker_service/kernels/): torch on CPU, FlashInfer's fused kernels on CUDA.
+The decoder loop is written the way the fused kernels want it (as SGLang and
+vLLM do): each residual add is done together with the norm that follows it,
+the next layer's input norm or, after the last layer, the final norm:
+
+    residual = embed(ids);  x = input_norm_0(residual)
+    per layer i:  residual += attn_i(x);  x = post_attention_norm_i(residual)
+                  residual += mlp_i(x);   x = input_norm_{i+1}(residual)  (final norm)
+
+which is the Hugging Face computation, op for op (the torch kernels add, then
+norm: the CPU path stays bit-identical).
 """
 
 from __future__ import annotations
@@ -14,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
 from worker_service.distributed import TensorParallel
+from worker_service.kernels import Kernels, select_kernels
 from worker_service.kv_cache import KvCache
 from worker_service.models.config import ModelConfig
 from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding
@@ -27,7 +40,12 @@ from worker_service.models.rope import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
@@ -38,8 +56,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, False, tp, dtype, device)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
 
     def forward(
         self,
@@ -63,9 +81,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
+        self.kernels = kernels
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         self.gate_up_proj = FusedColumnLinear(
             cfg.hidden_size, parts, cfg.mlp_bias, tp, dtype, device
@@ -75,19 +99,25 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # gate_up_proj's output is [gate | up] (this rank's shard of each).
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -97,10 +127,14 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernels: Kernels | None = None,
     ) -> None:
+        """``kernels``: None picks them for the device and dtype (select_kernels)."""
         super().__init__()
         tp = tp or TensorParallel()
         device = torch.device(device)
+        kernels = kernels or select_kernels(device, dtype)
+        self.kernels = kernels
         tp.shard(cfg.num_heads, "attention heads")
         tp.shard(cfg.num_kv_heads, "KV heads")
         self.config = cfg
@@ -108,15 +142,15 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, tp, dtype, device, kernels) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
             else VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         )
-        self.rope = RotaryEmbedding(cfg, device)
+        self.rope = RotaryEmbedding(cfg, device, kernels)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -130,15 +164,20 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         kv: KvCache,
     ) -> torch.Tensor:
-        """Final hidden states (T, hidden) of a flat token batch."""
-        h = self.embed_tokens(input_ids)
-        residual = h
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(residual)
-            residual = residual + layer.self_attn(i, positions, x, self.rope, attn, kv)
-            x = layer.post_attention_layernorm(residual)
-            residual = residual + layer.mlp(x)
-        return self.norm(residual)
+        """Final hidden states (T, hidden) of a flat token batch (the module
+        docstring has the loop's shape)."""
+        residual = self.embed_tokens(input_ids)
+        layers = self.layers
+        if not layers:
+            return self.norm(residual)
+        x = layers[0].input_layernorm(residual)
+        for i, layer in enumerate(layers):
+            out = layer.self_attn(i, positions, x, self.rope, attn, kv)
+            x, residual = layer.post_attention_layernorm.add_forward(out, residual)
+            out = layer.mlp(x)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, residual = next_norm.add_forward(out, residual)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from worker_service.distributed import TensorParallel
+from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.llama import LlamaForCausalLM
 
@@ -17,9 +18,14 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 
 
 def build_model(
-    config: ModelConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: Kernels | None = None,
 ) -> LlamaForCausalLM:
+    """``kernels``: None picks them for the device and dtype (select_kernels)."""
     cls = MODELS.get(config.architecture)
     if cls is None:
         raise UnsupportedModelError(f"no model class for {config.architecture}")
-    return cls(config, tp, dtype, device)
+    return cls(config, tp, dtype, device, kernels)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, RopeConfig
 
 
@@ -74,41 +75,43 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+    """RoPE from a precomputed table: ``cos_sin_cache`` (positions, head_dim)
+    float32 holds, per position, the cosines then the sines of the head_dim / 2
+    frequencies, the attention scaling multiplied in: the layout FlashInfer's
+    RoPE kernel reads, half the size of full-width cos and sin tables."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.kernels = kernels
         inv_freq, self.scale = inverse_frequencies(
             config.rope, config.head_dim, config.max_position_embeddings
         )
         self.inv_freq = inv_freq
         self.device = device
-        self._cos = self._sin = torch.empty(0)
+        self.cos_sin_cache = torch.empty(0)
         self._build(max(config.max_position_embeddings, 1))
 
     def _build(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
+        # cos / sin of the full-width (freqs, freqs) as transformers computes them,
+        # then one half of each: the same float32 values, bit for bit.
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = (emb.cos() * self.scale).to(self.device)
-        self._sin = (emb.sin() * self.scale).to(self.device)
+        half = self.head_dim // 2
+        cos = emb.cos()[:, :half] * self.scale
+        sin = emb.sin()[:, :half] * self.scale
+        self.cos_sin_cache = torch.cat((cos, sin), dim=-1).contiguous().to(self.device)
 
     @property
     def max_positions(self) -> int:
-        return int(self._cos.shape[0])
+        return int(self.cos_sin_cache.shape[0])
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, H, D), k: (T, H_kv, D), rotated at their positions, which must be
-        below ``max_positions`` (plans are validated against it: no host sync here,
-        so the decode forward can be captured in a CUDA graph)."""
-        cos = self._cos[positions].unsqueeze(1)
-        sin = self._sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+        """q: (T, H, D), k: (T, H_kv, D), rotated at their positions (possibly in
+        place), which must be below ``max_positions`` (plans are validated against
+        it: no host sync here, so the decode forward can be captured in a CUDA
+        graph)."""
+        return self.kernels.rope(positions, q, k, self.cos_sin_cache)

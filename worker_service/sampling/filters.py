@@ -3,19 +3,23 @@
 For the sampling rows of a step (greedy rows never get here):
 
     probs = softmax(logits / temperature)
-    sort probs descending, once per row (stable: ties keep the lower id first)
-    top-k:  keep the k most probable tokens
-    top-p:  on the top-k distribution renormalised, keep the smallest prefix
-            whose mass reaches top_p: rank r stays while the mass strictly
-            before it is < top_p (the top token always stays)
+    top-k:  keep the tokens whose prob is >= the k-th largest (ties at the
+            boundary all stay)
+    top-p:  on what top-k kept, keep the smallest most-probable set whose mass
+            reaches top_p * (the mass top-k kept), plus the tokens tied with
+            its least probable one: rank r (descending) stays while the mass
+            strictly before it is < that target (the top token always stays)
     min-p:  drop tokens with prob < min_p * max prob (a ratio, so it does not
             matter whether it is taken before or after renormalising)
-    draw:   renormalise what is left and pick the token where the cumulative
-            mass first exceeds u * kept mass, for one uniform u per row
+    draw:   in token-id order, the first token whose cumulative kept mass
+            exceeds u * (total kept mass), for one uniform u per row
 
-All three filters keep a prefix of the sorted order, so each row's kept set is
-just a length ``n_keep``, and one cumulative sum serves top-p, the
-renormalisation and the draw: nothing is masked or re-sorted.
+Every filter is a threshold on the probability, so the kept set needs no
+sorted order, and the draw walks the vocabulary in id order: the same
+definition whether the filters come from a sort (the torch kernels, CPU) or
+from FlashInfer's threshold-search kernels (CUDA), so for one u both paths
+pick the same token, float rounding at a knife edge aside. The filters are the
+``Kernels``' (worker_service/kernels/); the draw is ours on every device.
 
 Uniforms: a seeded request's u is a pure function of (seed, step) computed on
 the host with SplitMix64 (Steele, Lea & Flood 2014; the generator behind
@@ -25,7 +29,12 @@ it, the device, or torch's global RNG.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+from worker_service.kernels import Kernels, SamplingFilters
 
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -55,56 +64,54 @@ def seeded_uniform(seed: int, step: int) -> float:
     return (z >> 40) * 2.0**-24
 
 
-def kept_count(
-    sorted_p: torch.Tensor,
-    cum: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """(S,) int64 in [1, V]: how many of the most probable tokens each row keeps.
+def filter_arrays(
+    top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float], vocab: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The drawn rows' filter parameters in the kernels' form, on the host:
+    top_k int64 in [1, V] (<= 0 or >= V: V, no limit), top_p and min_p float32
+    clipped to [0, 1] (a min_p above 1 would drop every token)."""
+    k = np.array([t if 0 < t < vocab else vocab for t in top_k], np.int64)
+    p = np.clip(np.array(top_p, np.float32), 0.0, 1.0)
+    m = np.clip(np.array(min_p, np.float32), 0.0, 1.0)
+    return k, p, m
 
-    sorted_p: (S, V) probabilities sorted descending; cum: their cumulative sum.
-    top_k: (S,) int64, <= 0 means no limit; top_p, min_p: (S,) float32.
-    Tokens whose probability underflowed to 0 are never kept: they cannot be
-    drawn, and keeping them would let a rounding edge pick one.
-    """
-    vocab = sorted_p.shape[1]
-    n_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
-    mass_k = cum.gather(1, (n_k - 1).unsqueeze(1))
-    # top_p >= 1 keeps everything; comparing against the float mass could drop
-    # a tail token through rounding, so that case gets an infinite threshold.
-    thr = torch.where(top_p.unsqueeze(1) >= 1.0, torch.inf, top_p.unsqueeze(1) * mass_k)
-    # Rank r >= 1 is kept while cum[r - 1] < thr; rank 0 always is.
-    n_p = 1 + (cum[:, :-1] < thr).sum(dim=1)
-    n_m = (sorted_p >= min_p.unsqueeze(1) * sorted_p[:, :1]).sum(dim=1)
-    n_pos = (sorted_p > 0).sum(dim=1)
-    n = torch.minimum(torch.minimum(n_k, n_p), torch.minimum(n_m, n_pos))
-    return n.clamp(min=1)
+
+def sampling_filters(
+    host: tuple[np.ndarray, np.ndarray, np.ndarray],
+    device: Sequence[torch.Tensor],
+    vocab: int,
+) -> SamplingFilters:
+    """``host``: ``filter_arrays``' output; ``device``: the same three arrays on the
+    logits' device. Which filters any row uses is read from the host copies, so
+    that nothing waits on the device to find out."""
+    k, p, m = host
+    top_k, top_p, min_p = device
+    return SamplingFilters(
+        top_k, top_p, min_p, bool((k < vocab).any()), bool((p < 1).any()), bool((m > 0).any())
+    )
 
 
 def draw(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    filters: SamplingFilters,
     u: torch.Tensor,
+    kernels: Kernels,
 ) -> torch.Tensor:
-    """(S,) int64 tokens drawn from the filtered, renormalised distributions.
+    """(S,) int64 tokens drawn from the filtered distributions (see the module docstring).
 
     logits: (S, V) float32, already processed (bias, penalties, masks).
-    temperature: (S,) float32 > 0; top_k: (S,) int64; top_p, min_p: (S,) float32;
-    u: (S,) float32 uniforms in [0, 1). All on the logits' device.
+    temperature: (S,) float32 > 0; u: (S,) float32 uniforms in [0, 1). All on the
+    logits' device.
     """
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-    sorted_p, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
-    cum = sorted_p.cumsum(dim=-1)
-    n_keep = kept_count(sorted_p, cum, top_k, top_p, min_p)
-    kept_mass = cum.gather(1, (n_keep - 1).unsqueeze(1))
-    # Inverse CDF: the first rank whose cumulative mass exceeds u * kept mass.
-    # Zero-probability ranks never raise cum, so they are never the first to
-    # exceed it; the clamp catches u * mass rounding up to the mass itself.
-    pos = torch.searchsorted(cum, u.unsqueeze(1) * kept_mass, right=True).squeeze(1)
-    pos = torch.minimum(pos, n_keep - 1)
-    return sorted_ids.gather(1, pos.unsqueeze(1)).squeeze(1)
+    kept = kernels.filter_probs(probs, filters) if filters.any else probs
+    cum = kept.cumsum(dim=-1)
+    total = cum[:, -1:].contiguous()  # searchsorted wants contiguous values
+    # Inverse CDF: the first id whose cumulative mass exceeds u * total. Dropped
+    # (zero) tokens never raise cum, so they are never the first to exceed it.
+    pos = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True)
+    # u * total can round up to total itself: the last kept token, the first
+    # whose cumulative mass reaches the total, is as far as a draw goes.
+    last = torch.searchsorted(cum, total)
+    return torch.minimum(pos, last).squeeze(1)

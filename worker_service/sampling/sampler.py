@@ -9,7 +9,9 @@ Pipeline, batched over the rows (one row per request that samples this step):
    lowest id, as ``torch.argmax`` returns the first maximum);
 4. the other rows are filtered and drawn by inverse CDF (filters.py) with one
    uniform per row: from (seed, outputs so far) for seeded rows, from the
-   sampler's own generator otherwise.
+   sampler's own generator otherwise. The filters run on the sampler's
+   ``Kernels`` (FlashInfer's top-k / top-p kernels on CUDA, a sort on the CPU:
+   the same definition); the uniforms and the draw are ours everywhere.
 
 When every row is greedy, needs no processing and asks for no logprobs beyond
 the chosen token's, the step is one argmax and one logsumexp over the raw
@@ -21,12 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_service.kernels import Kernels, select_kernels
 from worker_service.sampling import filters, grammar, processors
 from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.rows import SampleOutput, SampleRow
 from worker_service.transfer import to_device, to_host
-
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p")
 
 
 def _is_plain_greedy(row: SampleRow) -> bool:
@@ -42,10 +43,18 @@ def _is_plain_greedy(row: SampleRow) -> bool:
 class Sampler:
     """Stateless between steps except for the generator used by unseeded rows."""
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None) -> None:
-        """``seed`` seeds the generator for unseeded rows (tests); None draws fresh entropy."""
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        seed: int | None = None,
+        kernels: Kernels | None = None,
+    ) -> None:
+        """``seed`` seeds the generator for unseeded rows (tests); None draws fresh
+        entropy. ``kernels``: None picks them for the device (select_kernels)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.kernels = kernels or select_kernels(self.device)
         # A private CPU generator: never torch's global RNG (which model code or
         # other requests may consume), and its draws are device independent.
         self._generator = torch.Generator(device="cpu")
@@ -106,14 +115,16 @@ class Sampler:
         dev = raw.device
         chosen = torch.empty(len(rows), dtype=torch.long, device=dev)
         specs = [rows[i].sampling for i in drawn]
-        # Indices and parameters go up in one pinned, non-blocking copy per dtype.
-        g, d, top_k = to_device(
-            [np.array(greedy, np.int64), np.array(drawn, np.int64)]
-            + [np.array([s.top_k for s in specs], np.int64)],
-            dev,
+        k, p, m = host = filters.filter_arrays(
+            [s.top_k for s in specs],
+            [s.top_p for s in specs],
+            [s.min_p for s in specs],
+            raw.shape[1],
         )
+        # Indices and parameters go up in one pinned, non-blocking copy per dtype.
+        g, d, top_k = to_device([np.array(greedy, np.int64), np.array(drawn, np.int64), k], dev)
         temperature, top_p, min_p, u = to_device(
-            [np.array([getattr(s, f) for s in specs], np.float32) for f in _FLOAT_PARAMS]
+            [np.array([s.temperature for s in specs], np.float32), p, m]
             + [self._uniforms([rows[i] for i in drawn]).numpy()],
             dev,
         )
@@ -122,10 +133,9 @@ class Sampler:
         chosen[d] = filters.draw(
             processed.index_select(0, d),
             temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
+            filters=filters.sampling_filters(host, (top_k, top_p, min_p), raw.shape[1]),
             u=u,
+            kernels=self.kernels,
         )
         return chosen
 
