@@ -69,7 +69,8 @@ def test_64_concurrent_streams_are_all_correct(address):
         (pb.SamplingParams(n=9), "n must be at most 8"),
         (pb.SamplingParams(min_new_tokens=5, max_new_tokens=2), "min_new_tokens"),
         (pb.SamplingParams(logit_bias={"abc": 1.0}), "logit_bias"),
-        (pb.SamplingParams(regex="a+"), "constrained decoding"),
+        (pb.SamplingParams(regex=" "), "regex is empty"),
+        (pb.SamplingParams(regex="a("), "regex: Regex parsing error"),
         (pb.SamplingParams(stop=["x"]), "tokenizer"),  # the simulated model has none
     ],
 )

@@ -186,7 +186,8 @@ def workload() -> list[pb.GenerateRequest]:
         {"regex": "(sun|rain|snow)-[0-9]{2,4}!"},
         {"ebnf_grammar": 'root ::= "<" [a-z]+ ">" [0-9]*'},
     ]
-    reqs = []
+    # Two long outputs first: together they outgrow the "retraction" pool.
+    reqs = [constrained(f"long{i}", [i + 1] * 10, 200, regex="[a-z]{180}") for i in range(2)]
     for i in range(12):
         prompt = [(i * 37 + j) % 256 for j in range(20 + 9 * i)]  # up to ~120 tokens
         n = 2 if i % 4 == 0 else 1
@@ -228,7 +229,7 @@ def baseline(address):
         (
             "retraction",
             ["--schedule-conservativeness", "0.001"],
-            ["--num-pages", "32", "--page-size", "8"],
+            ["--num-pages", "30", "--page-size", "8", "--simulated-step-ms", "5"],
         ),
     ],
 )
