@@ -5,7 +5,10 @@ server (``radixserve serve``; the default model on CPU by default):
    requests unconstrained with the same output lengths (each unconstrained
    request gets ``max_new_tokens`` = its constrained twin's output length and
    ignores EOS), alternating, ``--rounds`` times: medians and their ratio.
-2. The step loop while grammars compile: ITL p99 of ``--streams`` running
+2. How often the grammar forces the next token (one token allowed): the
+   constrained outputs of step 1 replayed through xgrammar; this is all an
+   exact jump-forward could skip (docs/design.md, "No jump-forward").
+3. The step loop while grammars compile: ITL p99 of ``--streams`` running
    unconstrained streams while ``--compiles`` requests with new complex JSON
    schemas are served (each compiled for the first time), against the same
    streams while as many requests with one schema compiled before are served
@@ -26,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -36,6 +40,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.tokenizer_bundle import TokenizerBundle
+from common import tokenizer_archive
 
 SCHEMA = {
     "type": "object",
@@ -72,13 +77,13 @@ async def one(stub, req: pb.GenerateRequest) -> dict:
     """A streamed call's token arrival times."""
     t0 = time.perf_counter()
     times: list[float] = []
-    tokens = 0
+    ids: list[int] = []
     async for r in stub.Generate(req, timeout=600):
         if r.HasField("chunk") and r.chunk.token_ids:
             now = time.perf_counter()
             times += [now] * len(r.chunk.token_ids)
-            tokens += len(r.chunk.token_ids)
-    return {"t0": t0, "times": times, "tokens": tokens}
+            ids += r.chunk.token_ids
+    return {"t0": t0, "times": times, "tokens": len(ids), "ids": ids}
 
 
 def tpot(call: dict) -> float | None:
@@ -95,12 +100,16 @@ def request(rid: str, ids: list[int], max_new: int, **sampling) -> pb.GenerateRe
     )
 
 
-async def tpot_round(stub, prompts: list[list[int]], r: int) -> tuple[float, float]:
+async def tpot_round(
+    stub, prompts: list[list[int]], r: int, outputs: list[list[int]] | None = None
+) -> tuple[float, float]:
     constrained = [
         request(f"c{r}-{i}", ids, 256, json_schema=json.dumps(SCHEMA))
         for i, ids in enumerate(prompts)
     ]
     got = await asyncio.gather(*(one(stub, q) for q in constrained))
+    if outputs is not None:
+        outputs += [g["ids"] for g in got]
     lengths = [max(g["tokens"], 2) for g in got]
     plain = [
         request(f"u{r}-{i}", ids, n, ignore_eos=True)
@@ -109,6 +118,29 @@ async def tpot_round(stub, prompts: list[list[int]], r: int) -> tuple[float, flo
     free = await asyncio.gather(*(one(stub, q) for q in plain))
     med = [statistics.median(x for x in map(tpot, calls) if x) for calls in (got, free)]
     return med[0], med[1]
+
+
+def forced_steps(files: dict[str, bytes], info: Any, outputs: list[list[int]]) -> tuple[int, int]:
+    """(steps whose mask allowed exactly one token, steps) over ``outputs``."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from worker_service.sampling.grammar import huggingface_tokenizer_info
+
+    tok = huggingface_tokenizer_info(files, info.vocab_size, list(info.eos_token_ids))
+    compiled = xgr.GrammarCompiler(tok).compile_json_schema(json.dumps(SCHEMA))
+    forced = steps = 0
+    for ids in outputs:
+        matcher = xgr.GrammarMatcher(compiled)
+        mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        for token in ids:
+            matcher.fill_next_token_bitmask(mask)
+            allowed = int(np.unpackbits(mask.numpy().view(np.uint8)).sum())
+            steps += 1
+            forced += allowed == 1
+            if not matcher.accept_token(token):
+                break
+    return forced, steps
 
 
 async def itl_p99(stub, prompts: list[list[int]], compiles: int, fresh: bool, tag: str) -> float:
@@ -143,9 +175,11 @@ async def itl_p99(stub, prompts: list[list[int]], compiles: int, fresh: bool, ta
 async def main_async(args: argparse.Namespace) -> dict:
     async with grpc.aio.insecure_channel(args.server) as channel:
         stub = pb_grpc.SglangSchedulerStub(channel)
-        bundle = TokenizerBundle.from_chunks(
-            [c async for c in stub.GetTokenizer(cpb.GetTokenizerRequest())]
+        files = tokenizer_archive.unpack(
+            tokenizer_archive.join([c async for c in stub.GetTokenizer(cpb.GetTokenizerRequest())])
         )
+        bundle = TokenizerBundle(files)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
         prompts = [
             bundle.chat_prompt(
                 [{"role": "user", "content": f"Describe {TOPICS[i % 7]} number {i} as JSON."}]
@@ -156,8 +190,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         await tpot_round(stub, prompts[:2], -1)
         await one(stub, request("warm", prompts[0], 4, json_schema=json.dumps(complex_schema(0))))
         ratios, cons, frees = [], [], []
+        outputs: list[list[int]] = []
         for r in range(args.rounds):
-            c, f = await tpot_round(stub, prompts, r)
+            c, f = await tpot_round(stub, prompts, r, outputs)
             cons.append(c)
             frees.append(f)
             ratios.append(c / f)
@@ -166,6 +201,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                 f"ratio {c / f:.3f}",
                 flush=True,
             )
+        forced, steps = forced_steps(files, info, outputs)
+        print(f"forced steps (one token allowed): {forced} of {steps}", flush=True)
         quiet, busy = [], []
         for r in range(args.rounds):
             some = prompts[: args.streams]
@@ -182,6 +219,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "tpot_constrained_ms": statistics.median(cons) * 1e3,
         "tpot_plain_ms": statistics.median(frees) * 1e3,
         "tpot_ratio_median": statistics.median(ratios),
+        "forced_step_fraction": forced / max(steps, 1),
         "itl_p99_quiet_ms": statistics.median(quiet) * 1e3,
         "itl_p99_compiling_ms": statistics.median(busy) * 1e3,
         "itl_p99_ratio": statistics.median(busy) / statistics.median(quiet),
