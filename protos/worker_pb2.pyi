@@ -137,6 +137,48 @@ class CompileGrammarResponse(_message.Message):
     compile_ms: float
     def __init__(self, error: _Optional[str] = ..., compile_ms: _Optional[float] = ...) -> None: ...
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "max_rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    max_rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., max_rank: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("error", "rank", "target_modules", "load_ms")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    load_ms: float
+    def __init__(self, error: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., load_ms: _Optional[float] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class AdapterSlot(_message.Message):
+    __slots__ = ("slot", "name")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
 class LogprobOptions(_message.Message):
     __slots__ = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -158,7 +200,7 @@ class TraceContext(_message.Message):
     def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace")
+    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace", "adapter_slot")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +209,7 @@ class Join(_message.Message):
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     slot: int
     rid: str
     sampling: SamplingParams
@@ -175,7 +218,8 @@ class Join(_message.Message):
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
     num_output_tokens: int
     trace: TraceContext
-    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ...) -> None: ...
+    adapter_slot: int
+    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token")
@@ -194,7 +238,7 @@ class Extend(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages")
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +247,7 @@ class StepPlan(_message.Message):
     DECODE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     mode: ForwardMode
     leaves: _containers.RepeatedScalarFieldContainer[int]
@@ -211,7 +256,8 @@ class StepPlan(_message.Message):
     decode_slots: _containers.RepeatedScalarFieldContainer[int]
     decode_positions: _containers.RepeatedScalarFieldContainer[int]
     decode_new_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter_slots: _containers.RepeatedCompositeFieldContainer[AdapterSlot]
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")

@@ -54,6 +54,16 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.CompileGrammarRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.CompileGrammarResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/radixserve.worker.v1.Worker/LoadAdapter',
+                request_serializer=protos_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/radixserve.worker.v1.Worker/UnloadAdapter',
+                request_serializer=protos_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +100,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Read a LoRA adapter (PEFT directory) into the worker's memory, this rank's
+        shard, checked against the model; plans then put it in adapter slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forget an adapter by name. A slot that still holds it keeps using it
+        until a plan reassigns the slot (so unloading never races a plan).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +138,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.CompileGrammar,
                     request_deserializer=protos_dot_worker__pb2.CompileGrammarRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.CompileGrammarResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +258,60 @@ class Worker:
             '/radixserve.worker.v1.Worker/CompileGrammar',
             protos_dot_worker__pb2.CompileGrammarRequest.SerializeToString,
             protos_dot_worker__pb2.CompileGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixserve.worker.v1.Worker/LoadAdapter',
+            protos_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixserve.worker.v1.Worker/UnloadAdapter',
+            protos_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_worker__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
