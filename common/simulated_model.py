@@ -21,6 +21,13 @@ SIMULATED_VOCAB = 32000  # the simulated model's vocabulary unless told otherwis
 _LITTLE = sys.byteorder == "little"
 
 
+def initial_state(adapter: str | None = None) -> int:
+    """The hash of the empty context: 0 for the base model; a LoRA adapter's
+    requests start from a hash of its name, so each adapter (by the name the
+    scheduler loaded it under) is a different simulated model."""
+    return 0 if adapter is None else zlib.crc32(b"lora:" + adapter.encode())
+
+
 def absorb(state: int, tokens: Sequence[int]) -> int:
     """The context hash after ``tokens`` follow a context whose hash is ``state``
     (0 for the empty context)."""
@@ -35,8 +42,8 @@ def token_of(state: int, vocab_size: int) -> int:
     return ((state * 0x9E3779B1) & 0xFFFFFFFF) % vocab_size
 
 
-def simulated_token(context: Sequence[int], vocab_size: int) -> int:
-    return token_of(absorb(0, context), vocab_size)
+def simulated_token(context: Sequence[int], vocab_size: int, adapter: str | None = None) -> int:
+    return token_of(absorb(initial_state(adapter), context), vocab_size)
 
 
 def expected_output(
@@ -46,11 +53,12 @@ def expected_output(
     stop_ids: frozenset[int] = frozenset(),
     min_new_tokens: int = 0,
     stops: Callable[[list[int]], bool] | None = None,
+    adapter: str | None = None,
 ) -> list[int]:
     """What any correct scheduler makes the simulated model generate for a
     prompt: it stops after a stop id, or once ``stops(output)`` holds (say a
     stop string showed up), when more than min_new_tokens tokens exist."""
-    state = absorb(0, prompt)
+    state = absorb(initial_state(adapter), prompt)
     out: list[int] = []
     while len(out) < max_new_tokens:
         tok = token_of(state, vocab_size)
