@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.policy import request_tokens
@@ -80,8 +81,12 @@ def plan_admission(
     chunked: Request | None,
     new_token_ratio: float,
     mixed_tokens: int,
+    adapters: AdapterSlots | None = None,
 ) -> PrefillDecision:
-    """Admit from ``waiting`` (in the order given) under the step's budgets."""
+    """Admit from ``waiting`` (in the order given) under the step's budgets.
+    A request of a LoRA adapter is admitted only if the adapter has or can get
+    one of the worker's adapter slots; it takes the slot at once, so later
+    requests of the same step see it taken."""
     priority = config.enable_priority_scheduling
     adder = PrefillAdder(config, kv, running, new_token_ratio, mixed_tokens)
     if chunked is not None:
@@ -98,6 +103,9 @@ def plan_admission(
             full = len(adder.admitted) >= room + len(adder.preempted)
             if full and not (priority and adder.preempt_to_schedule(req, running)):
                 break
+            needs_slot = req.adapter is not None and not req.adapter_slot
+            if needs_slot and (adapters is None or not adapters.can_acquire(req.adapter)):
+                continue  # its adapter finds no slot this step: the next may
             match_prefix(kv.cache, req)
             if held.should_wait(req):
                 continue
@@ -113,6 +121,9 @@ def plan_admission(
             ):
                 match_prefix(kv.cache, req)
                 result = adder.add_one_req(req)
+                taken = bool(adder.admitted) and adder.admitted[-1][0] is req
+            if taken and needs_slot:
+                req.adapter_slot = adapters.acquire(req.adapter)
             if result is not AddResult.CONTINUE:
                 break
     return PrefillDecision(

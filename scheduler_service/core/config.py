@@ -78,6 +78,14 @@ class SchedulerConfig:
         "a request sharing at least this many uncached prompt tokens with one admitted in "
         "the same step waits a step and reads them from the cache (0: off)",
     )
+    max_loras_per_batch: int = setting(
+        4,
+        "most distinct LoRA adapters in one step (the worker's adapter slots); a request "
+        "whose adapter finds no free slot waits",
+    )
+    max_loaded_loras: int = setting(
+        8, "most LoRA adapters loaded at once (LoadLoRAAdapter past it: unload one first)"
+    )
 
     # Fixed (SGLang's defaults).
     init_new_token_ratio: float = 0.7
@@ -97,6 +105,8 @@ class SchedulerConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.max_loras_per_batch < 1 or self.max_loaded_loras < 1:
+            raise ValueError("max_loras_per_batch and max_loaded_loras must be >= 1")
         if self.prefix_hold_tokens < 0:
             raise ValueError("prefix_hold_tokens must be >= 0")
         if self.max_prefill_tokens < 1:

@@ -47,6 +47,8 @@ class JoinRequest:
     num_output_tokens: int = 0
     # (traceparent, tracestate) of a traced request: its step spans link to it.
     trace_context: tuple[str, str] | None = None
+    # The adapter slot the request runs with (0: the base model).
+    adapter_slot: int = 0
 
 
 @dataclass(slots=True)
@@ -72,6 +74,9 @@ class StepPlan:
     entries: list[ScheduledRequest] = field(default_factory=list)
     joins: list[JoinRequest] = field(default_factory=list)
     departures: list[str] = field(default_factory=list)
+    # (slot, lora_id) adapter slot assignments, applied after the departures
+    # and before the joins.
+    adapter_slots: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

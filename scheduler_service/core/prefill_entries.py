@@ -79,4 +79,5 @@ def join_request(req: Request, tokens: list[int], start: int) -> JoinRequest:
         prefix_ids=tokens[:start],
         num_output_tokens=len(req.output_ids),
         trace_context=req.trace_context,
+        adapter_slot=req.adapter_slot,
     )

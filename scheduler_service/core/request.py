@@ -96,6 +96,8 @@ class Request:
     logprobs: LogprobOptions = NO_LOGPROBS
     priority: int = 0
     extra_key: str | None = None
+    # The LoRA adapter (its lora_id) this request runs with; None: the base model.
+    adapter: str | None = None
     routing_key: str | None = None
     trace_id: str = ""  # for log lines (the service sets it from the trace context)
     # W3C (traceparent, tracestate) of the request's traced Generate call: the
@@ -126,6 +128,8 @@ class Request:
     epoch: int = 0
     # Whether the worker currently holds state for this request.
     on_worker: bool = False
+    # The worker's adapter slot this request holds while on the worker (0: none).
+    adapter_slot: int = 0
     # Whether prompt logprobs still have to be computed (cleared after the
     # first full prefill so a retracted request re-prefills from the cache).
     prompt_logprobs_pending: bool = False

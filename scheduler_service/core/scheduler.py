@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import structlog
 
+from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.admission import plan_admission
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
@@ -73,6 +74,7 @@ class Scheduler:
         self.cache = RadixCache(config.page_size, self.pool, enable_events=config.enable_kv_events)
         self.kv = KvManager(self.pool, self.cache)
         self.policy = SchedulePolicy(config, self.cache)
+        self.adapters = AdapterSlots(config.max_loaded_loras, config.max_loras_per_batch)
         # Where each live request is: exactly one of these (check_integrity).
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -102,6 +104,12 @@ class Scheduler:
         if req.state is not RequestState.WAITING or req.output_ids or req.pages:
             raise InvalidRequestError(f"request {req.rid!r} is not a fresh request")
         req.validate(self.config.vocab_size, self.config.context_len)
+        if req.adapter is not None:
+            if req.adapter not in self.adapters.loaded:
+                raise InvalidRequestError(f"lora_id {req.adapter!r} names no loaded LoRA adapter")
+            # Each adapter's prefixes live in a cache namespace of their own.
+            salt = f"|{req.extra_key}" if req.extra_key is not None else ""
+            req.extra_key = f"lora:{req.adapter}{salt}"
         capacity = self.pool.num_pages * self.pool.page_size
         if len(req.prompt_ids) + 1 > capacity:
             raise InvalidRequestError(
@@ -192,6 +200,7 @@ class Scheduler:
             else:
                 self.stats.prefill_steps += 1
         plan.entries.extend(decode_entries)
+        plan.adapter_slots = self.adapters.take_changes()
         entries = record.entries
         requests = self.requests
         for e in decode_entries:
@@ -240,6 +249,7 @@ class Scheduler:
             self.chunked,
             self.new_token_ratio,
             mixed_tokens,
+            self.adapters,
         )
         self._admission_stuck = decision.stuck
         if decision.admitted:
@@ -364,6 +374,9 @@ class Scheduler:
         if req.on_worker:
             self._departures.append(req.rid)
             req.on_worker = False
+        if req.adapter_slot:
+            self.adapters.release(req.adapter_slot)
+            req.adapter_slot = 0
 
     def _requeue(self, req: Request, why: str) -> None:
         """Turn a request whose KV was released into one waiting again (the
@@ -433,6 +446,7 @@ class Scheduler:
             # inserting pages whose contents are gone would poison the cache.
             req.forget_kv()
             req.on_worker = False
+            req.adapter_slot = 0
             req.move_to(RequestState.RETRACTED)
             req.epoch += 1  # anything still arriving for the old plans is stale
             req.pending = 0
@@ -444,6 +458,7 @@ class Scheduler:
             req.match_pages, req.match_node, req.match_len = [], None, 0
         self._inflight.clear()
         self._departures.clear()  # the new worker holds no request state to drop
+        self.adapters.reset()  # and no adapter in its slots
         self._admission_stuck = False
         self.cache.reset()  # emits AllBlocksCleared for the cache-aware router
         self.pool.reset(num_pages)
@@ -481,6 +496,13 @@ class Scheduler:
             self.chunked,
             self._inflight,
         )
+        self.adapters.check_integrity(
+            (r.rid, r.adapter, r.adapter_slot) for r in self.requests.values()
+        )
+
+    def requests_of_adapter(self, lora_id: str) -> int:
+        """Live requests (waiting or running) that use adapter ``lora_id``."""
+        return sum(r.adapter == lora_id for r in self.requests.values())
 
 
 __all__ = ["ProtocolError", "Scheduler"]

@@ -11,7 +11,11 @@ It is the oracle of the scheduler's tests:
 - the token it samples follows the simulated model's rule
   (common/simulated_model.py, shared with ``--model simulated``), so the
   correct output of any request is known in advance whatever the batching,
-  caching, chunking or retraction (``expected_output``).
+  caching, chunking or retraction (``expected_output``); a request of a
+  LoRA adapter follows the rule from its adapter's own start, and the KV it
+  reads must have been written by requests of the same adapter;
+- it holds the adapter slots the plans assign, and refuses a join naming
+  an empty slot or a slot reassigned while a request still uses it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from common.simulated_model import absorb, expected_output, token_of
+from common.simulated_model import absorb, expected_output, initial_state, token_of
 from scheduler_service.core.plan import (
     JoinRequest,
     RequestOutput,
@@ -37,9 +41,11 @@ class SimulatedWorkerError(AssertionError):
 class _SimRequest:
     prompt_len: int
     tokens: list[int]  # the whole sequence as far as the worker knows it
-    state: int  # absorb(0, tokens)
+    state: int  # absorb(initial_state(adapter), tokens)
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
+    adapter: str | None = None
+    adapter_slot: int = 0
 
 
 class SimulatedWorker:
@@ -50,6 +56,7 @@ class SimulatedWorker:
         vocab_size: int,
         check_reads: bool = True,
         step_time_s: float = 0.0,
+        adapter_slots: int = 4,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
@@ -57,6 +64,10 @@ class SimulatedWorker:
         self.check_reads = check_reads
         self.step_time_s = step_time_s
         self.slots: list[int] = [-1] * (num_pages * page_size)
+        self.slot_adapter: list[str | None] = [None] * (num_pages * page_size)
+        self.max_adapter_slots = adapter_slots
+        self.adapter_in_slot: dict[int, str] = {}
+        self.adapters_seen_in_a_step = 0  # the most distinct adapters one step ran
         self.reqs: dict[str, _SimRequest] = {}
         self.steps = 0
 
@@ -64,9 +75,31 @@ class SimulatedWorker:
         if join.rid in self.reqs:
             raise SimulatedWorkerError(f"join of {join.rid}, which the worker already holds")
         tokens = list(join.prefix_ids)
+        adapter = None
+        if join.adapter_slot:
+            adapter = self.adapter_in_slot.get(join.adapter_slot)
+            if adapter is None:
+                raise SimulatedWorkerError(
+                    f"join of {join.rid} names adapter slot {join.adapter_slot}, which is empty"
+                )
         self.reqs[join.rid] = _SimRequest(
-            join.prompt_len, tokens, absorb(0, tokens), kv_len=len(tokens)
+            join.prompt_len,
+            tokens,
+            absorb(initial_state(adapter), tokens),
+            kv_len=len(tokens),
+            adapter=adapter,
+            adapter_slot=join.adapter_slot,
         )
+
+    def _assign(self, slot: int, lora_id: str) -> None:
+        if not 1 <= slot <= self.max_adapter_slots:
+            raise SimulatedWorkerError(f"adapter slot {slot} of {self.max_adapter_slots}")
+        users = [rid for rid, r in self.reqs.items() if r.adapter_slot == slot]
+        if users:
+            raise SimulatedWorkerError(
+                f"adapter slot {slot} reassigned to {lora_id!r} while {users[:3]} use it"
+            )
+        self.adapter_in_slot[slot] = lora_id
 
     def _slot(self, r: _SimRequest, pos: int, rid: str) -> int:
         page_size = self.page_size
@@ -83,8 +116,13 @@ class SimulatedWorker:
         for rid in plan.departures:
             if self.reqs.pop(rid, None) is None:
                 raise SimulatedWorkerError(f"departure of {rid}, which the worker does not hold")
+        for slot, lora_id in plan.adapter_slots:
+            self._assign(slot, lora_id)
         for join in plan.joins:
             self._join(join)
+        adapters = {self.reqs[e.rid].adapter for e in plan.entries if e.rid in self.reqs}
+        adapters.discard(None)
+        self.adapters_seen_in_a_step = max(self.adapters_seen_in_a_step, len(adapters))
         outputs: list[RequestOutput] = []
         for e in plan.entries:
             r = self.reqs.get(e.rid)
@@ -107,9 +145,11 @@ class SimulatedWorker:
                 r.state = absorb(r.state, inputs)
             if self.check_reads:
                 self._check_context(e.rid, r, e.start_pos)
-            slots = self.slots
+            slots, owners = self.slots, self.slot_adapter
             for i, tok in enumerate(inputs):
-                slots[self._slot(r, e.start_pos + i, e.rid)] = tok
+                at = self._slot(r, e.start_pos + i, e.rid)
+                slots[at] = tok
+                owners[at] = r.adapter
             r.kv_len = e.start_pos + len(inputs)
             if e.sample:
                 tok = token_of(r.state, self.vocab_size)
@@ -127,13 +167,19 @@ class SimulatedWorker:
 
     def _check_context(self, rid: str, r: _SimRequest, upto: int) -> None:
         """The KV read for positions [0, upto) must be the request's own tokens."""
-        slots = self.slots
+        slots, owners = self.slots, self.slot_adapter
         for pos in range(upto):
-            got = slots[self._slot(r, pos, rid)]
+            at = self._slot(r, pos, rid)
+            got = slots[at]
             if got != r.tokens[pos]:
                 raise SimulatedWorkerError(
                     f"{rid}: KV at position {pos} holds token {got}, expected {r.tokens[pos]} "
                     "(page reused or misnamed)"
+                )
+            if owners[at] != r.adapter:
+                raise SimulatedWorkerError(
+                    f"{rid} (adapter {r.adapter!r}) reads KV at position {pos} written with "
+                    f"adapter {owners[at]!r} (cache namespaces mixed)"
                 )
 
 

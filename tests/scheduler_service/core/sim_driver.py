@@ -35,7 +35,9 @@ def make_pair(
 ) -> tuple[Scheduler, SimulatedWorker]:
     sched_kwargs.setdefault("stop_strings", toy_stop_strings)
     sched = Scheduler(config, num_pages, **sched_kwargs)
-    worker = SimulatedWorker(num_pages, config.page_size, vocab_size)
+    worker = SimulatedWorker(
+        num_pages, config.page_size, vocab_size, adapter_slots=config.max_loras_per_batch
+    )
     return sched, worker
 
 
@@ -131,6 +133,7 @@ def check_outputs(
             stop_ids(req, config),
             req.sampling.min_new_tokens,
             stops=(lambda out, strs=strs: any(s in toy_text(out) for s in strs)) if strs else None,
+            adapter=req.adapter,
         )
         reason = req.finish_reason
         assert req.finished, f"{req.rid} did not finish"
@@ -156,4 +159,5 @@ def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
     assert sched.cache.protected_pages == 0
     assert sched.pool.num_free + sched.cache.evictable_pages == sched.pool.num_pages
     assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
+    assert not any(sched.adapters.users), f"adapter slots still used: {sched.adapters.users}"
     assert sched.num_inflight == 0
