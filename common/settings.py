@@ -66,6 +66,7 @@ class _Spec:
     metavar: str | None
     deprecated: tuple[Deprecated, ...]
     section: str | None  # a nested settings dataclass, with this title
+    many: bool = False  # a tuple: the flag takes one or more values, the variable commas
 
 
 def setting(
@@ -78,12 +79,14 @@ def setting(
     choices: tuple[Any, ...] | None = None,
     metavar: str | None = None,
     deprecated: tuple[Deprecated, ...] = (),
+    many: bool = False,
 ) -> Any:
     """A settings field. ``flag``: '' derives ``--field-name``; None makes it
     no flag. ``env``: the variable's name past the prefix (default: from the
     flag). ``parse``: text -> value for flag and environment alike (default:
-    from the field's type)."""
-    spec = _Spec(help, flag, env, parse, choices, metavar, deprecated, None)
+    from the field's type). ``many``: a tuple of such values (``--flag A B``,
+    or ``A,B`` in the environment)."""
+    spec = _Spec(help, flag, env, parse, choices, metavar, deprecated, None, many)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
@@ -143,7 +146,11 @@ def add_flags(
         if env_name in env:
             # An empty variable leaves an optional setting unset.
             empty = optional and not env[env_name].strip()
-            default = None if empty else _from_env(env_name, env[env_name], parse)
+            if spec.many:
+                items = [t.strip() for t in env[env_name].split(",") if t.strip()]
+                default = tuple(_from_env(env_name, t, parse) for t in items)
+            else:
+                default = None if empty else _from_env(env_name, env[env_name], parse)
         dest = path.replace(".", "__")
         extra: dict[str, Any] = {"dest": dest, "default": default, "help": _help(spec, env_name)}
         if kind is bool and spec.parse is None:
@@ -153,6 +160,8 @@ def add_flags(
                 extra["choices"] = spec.choices
             else:
                 extra["metavar"] = spec.metavar or f.name.upper()
+            if spec.many:
+                extra["nargs"] = "+"
             target.add_argument(flag, type=parse, **extra)
         for old in spec.deprecated:
             _add_deprecated(target, old, dest, prefix, env, parser.prog)
@@ -174,7 +183,8 @@ def _build(cls: type, values: Mapping[str, Any], path: str, fixed: Mapping[str, 
         elif spec is not None and spec.section is not None:
             kwargs[f.name] = _build(type(f.default_factory()), values, here + ".", {})
         elif here.replace(".", "__") in values:
-            kwargs[f.name] = values[here.replace(".", "__")]
+            value = values[here.replace(".", "__")]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 
 
@@ -269,7 +279,7 @@ def markdown_rows(cls: type, prefix: str, who: str) -> list[str]:
     default | what."""
     rows = []
     for f in flags_of(cls, prefix):
-        default = "-" if f.default is None else f.default
+        default = "-" if f.default in (None, ()) else f.default
         if f.kind is bool:
             default = "on" if f.default else "off"
         text = f.help.replace("|", "\\|")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,18 @@ class SecurityConfig:
     )
 
 
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _lora_path(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not path:
+        raise ValueError(f"expected NAME=PATH, got {text!r}")
+    if not _ADAPTER_NAME.match(name):
+        raise ValueError(f"adapter name {name!r}: use 1-64 of A-Z a-z 0-9 . _ -")
+    return name, path
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The core process's loop."""
@@ -130,6 +143,15 @@ class EngineConfig:
     check_integrity: bool = setting(
         False, "debug: check the page pool and radix cache after every step (slow)"
     )
+    lora_paths: tuple[tuple[str, str], ...] = setting(
+        (),
+        "LoRA adapters loaded at start, NAME=PATH each (env: comma-separated; a PEFT "
+        "directory the workers can read; NAME is also its lora_id)",
+        parse=_lora_path,
+        metavar="NAME=PATH",
+        many=True,
+    )
+    max_lora_rank: int = setting(64, "LoRA adapters of a higher rank are refused")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,47 @@ class Shutdown:
     pass
 
 
+@dataclass
+class LoadAdapter:
+    """LoadLoRAAdapter: load on every worker rank, then register."""
+
+    token: int
+    lora_id: str
+    name: str
+    path: str
+    pinned: bool
+
+
+@dataclass
+class UnloadAdapter:
+    """UnloadLoRAAdapter by lora_id (and/or name); refused while requests use it."""
+
+    token: int
+    lora_id: str
+    name: str
+
+
 # ----------------------------------------------------------- core -> API
+@dataclass(frozen=True)
+class AdapterInfo:
+    lora_id: str
+    name: str
+    path: str
+    pinned: bool
+
+
+@dataclass
+class AdapterReply:
+    """The answer to a LoadAdapter or UnloadAdapter, with the adapters loaded
+    after it (the engine's truth). ``code``: a gRPC status name when not ok."""
+
+    token: int
+    ok: bool
+    message: str
+    adapters: list[AdapterInfo]
+    code: str = "OK"
+
+
 @dataclass
 class Ready:
     model_name: str
@@ -56,6 +96,7 @@ class Ready:
     tokenizer_zip: bytes
     worker_info: dict
     sampling_worker: str = ""  # HOST:PORT of rank 0, which compiles grammars
+    adapters: list[AdapterInfo] = field(default_factory=list)  # loaded at start
 
 
 @dataclass

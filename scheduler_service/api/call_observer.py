@@ -100,6 +100,10 @@ class CallObserver:
         self.request_id = g.rid
         self.log = logger.bind(request_id=g.rid, trace_id=self.trace_id)
         self.samples = {r.rid: _Sample() for r in g.requests}
+        if g.lora_id is not None:
+            self.log = self.log.bind(lora_id=g.lora_id)
+            if self.metrics is not None:
+                self.metrics.lora_request(g.lora_id, len(g.requests))
         span = self.span
         if span is None or not span.is_recording():
             return
@@ -116,6 +120,8 @@ class CallObserver:
                 "radixserve.stream": g.stream,
             }
         )
+        if g.lora_id is not None:
+            span.set_attribute("radixserve.lora_id", g.lora_id)
         context = tracing.traceparent_of(span)
         for r in g.requests:
             r.trace_context = context
@@ -143,6 +149,8 @@ class CallObserver:
             s.last_at = now
             if m is not None:
                 m.generation_tokens += n
+                if self.g is not None and self.g.lora_id is not None:
+                    m.lora_tokens(self.g.lora_id, n)
         if d.finish is not None:
             self.finish_reasons.append(d.finish.kind)
             self.cached_tokens = max(self.cached_tokens, d.cached_tokens)

@@ -64,6 +64,10 @@ class CoreClient:
         self.queued = 0
         self.failed_code = "UNAVAILABLE"
         self._flushes: dict[int, asyncio.Future] = {}
+        self._adapter_ops: dict[int, asyncio.Future] = {}
+        # The LoRA adapters loaded, as of the core's last word (Ready, then
+        # every load or unload answer): what Generate checks lora_id against.
+        self.adapters: list[ipc.AdapterInfo] = []
         self._tokens = itertools.count(1)
         self._event_listeners: list[Callable[[list, ipc.Load], None]] = []
         self._load_listeners: list[Callable[[ipc.Load], None]] = []
@@ -153,8 +157,14 @@ class CoreClient:
             fut = self._flushes.pop(msg.token, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, ipc.AdapterReply):
+            self.adapters = msg.adapters
+            fut = self._adapter_ops.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, ipc.Ready):
             self.ready = msg
+            self.adapters = msg.adapters
             self._ready.set()
         elif isinstance(msg, ipc.Failed):
             self._fail(msg.message, msg.code)
@@ -180,6 +190,11 @@ class CoreClient:
         logger.error("core process failed", error=message, code=code)
         self.failed, self.failed_code = message, code
         self._ready.set()
+        for fut in [*self._flushes.values(), *self._adapter_ops.values()]:
+            if not fut.done():
+                fut.set_exception(self.error())
+        self._flushes.clear()
+        self._adapter_ops.clear()
         for call in {id(c): c for c in self._calls.values()}.values():
             call.queue.put_nowait(self.error())
 
@@ -241,6 +256,22 @@ class CoreClient:
         self._flushes[token] = fut
         self._send(ipc.FlushCache(token))
         return await fut
+
+    async def adapter_op(self, make: Callable[[int], object]) -> ipc.AdapterReply:
+        """Send a LoadAdapter or UnloadAdapter (``make(token)``) and wait for
+        the core's answer."""
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._adapter_ops[token] = fut
+        try:
+            self._send(make(token))
+        except Exception:
+            self._adapter_ops.pop(token, None)
+            raise
+        return await fut
+
+    def adapter_ids(self) -> set[str]:
+        return {a.lora_id for a in self.adapters}
 
     # ----------------------------------------------------------- listeners
     def on_events(self, listener: Callable[[list, ipc.Load], None]) -> Callable[[], None]:

@@ -62,6 +62,9 @@ class SchedulerMetrics(Collector):
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_tokens = 0
+        # Per LoRA adapter (lora_id): samples accepted, tokens generated.
+        self.lora_samples: dict[str, int] = {}
+        self.lora_generated: dict[str, int] = {}
         core.on_load(self._take_load)
 
     def register(self, registry: CollectorRegistry) -> None:
@@ -71,6 +74,12 @@ class SchedulerMetrics(Collector):
     def _take_load(self, load: ipc.Load) -> None:
         if load.queue_time is not None:
             self.queue.restore(load.queue_time)
+
+    def lora_request(self, lora_id: str, samples: int) -> None:
+        self.lora_samples[lora_id] = self.lora_samples.get(lora_id, 0) + samples
+
+    def lora_tokens(self, lora_id: str, n: int) -> None:
+        self.lora_generated[lora_id] = self.lora_generated.get(lora_id, 0) + n
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
@@ -89,6 +98,22 @@ class SchedulerMetrics(Collector):
         )
         for code, n in self.errors.items():
             c.add_metric([code], n)
+        yield c
+        c = CounterMetricFamily(
+            "radixserve_lora_requests",
+            "Samples accepted with a LoRA adapter, by lora_id.",
+            labels=["lora_id"],
+        )
+        for lora_id, n in self.lora_samples.items():
+            c.add_metric([lora_id], n)
+        yield c
+        c = CounterMetricFamily(
+            "radixserve_lora_generation_tokens",
+            "Tokens generated with a LoRA adapter, by lora_id.",
+            labels=["lora_id"],
+        )
+        for lora_id, n in self.lora_generated.items():
+            c.add_metric([lora_id], n)
         yield c
         yield CounterMetricFamily(
             "radixserve_prompt_tokens", "Prompt tokens of admitted samples.", self.prompt_tokens

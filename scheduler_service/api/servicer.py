@@ -26,6 +26,7 @@ from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import SampleState, chunk, complete
 from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
 from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
+from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
 from scheduler_service.api.model_info import ModelContext
 from scheduler_service.core.sampling import InvalidRequestError
@@ -66,6 +67,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.metrics = metrics
         self.grammars = grammars
         self.admin = AdminRpcs(core, model)
+        self.lora = LoraRpcs(core)
         self.shutting_down = False
 
     async def _check_grammar(self, g: GenerateCall) -> None:
@@ -98,7 +100,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         try:
             try:
                 g = generate_call(
-                    request, self.model.limits, self.model.encode, self.model.has_tokenizer
+                    request,
+                    self.model.limits,
+                    self.model.encode,
+                    self.model.has_tokenizer,
+                    self.core.adapter_ids(),
                 )
                 obs.accepted(g)
                 await self._check_grammar(g)
@@ -260,11 +266,12 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def StopProfile(self, request, context) -> cpb.ProfileResponse:
         await self._unimplemented("StopProfile", context)
 
-    async def LoadLoRAAdapter(self, request, context):
-        await self._unimplemented("LoRA adapters (LoadLoRAAdapter)", context)
+    # ---------------------------------------------------------------- LoRA
+    async def LoadLoRAAdapter(self, request, context) -> pb.LoadLoRAAdapterResponse:
+        return await self.lora.load(request, context)
 
-    async def UnloadLoRAAdapter(self, request, context):
-        await self._unimplemented("LoRA adapters (UnloadLoRAAdapter)", context)
+    async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
+        return await self.lora.unload(request, context)
 
-    async def ListLoadedLoRAAdapters(self, request, context):
-        await self._unimplemented("LoRA adapters (ListLoadedLoRAAdapters)", context)
+    async def ListLoadedLoRAAdapters(self, request, context) -> pb.ListLoadedLoRAAdaptersResponse:
+        return await self.lora.list(request, context)

@@ -49,11 +49,19 @@ class AdapterSlots:
 
     # ------------------------------------------------------------ registry
     def register(self, adapter: Adapter) -> None:
+        self.check_register(adapter)
+        self.loaded[adapter.lora_id] = adapter
+
+    def check_register(self, adapter: Adapter, loading: int = 0) -> None:
+        """Raise AdapterError if ``adapter`` could not be registered now
+        (``loading``: adapters being loaded that will count too)."""
+        if not adapter.lora_id:
+            raise AdapterError("lora_id is required")
         if adapter.lora_id in self.loaded:
             raise AdapterError(f"an adapter with lora_id {adapter.lora_id!r} is already loaded")
         if any(a.name == adapter.name for a in self.loaded.values()):
             raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
-        if len(self.loaded) >= self.max_loaded:
+        if len(self.loaded) + loading >= self.max_loaded:
             raise AdapterError(
                 f"{len(self.loaded)} adapters are loaded, the limit (--max-loaded-loras); "
                 "unload one first"
@@ -64,7 +72,6 @@ class AdapterSlots:
                 f"--max-loras-per-batch {self.max_per_batch} (one slot must stay free "
                 "for the others)"
             )
-        self.loaded[adapter.lora_id] = adapter
 
     def check_unregister(self, lora_id: str) -> Adapter:
         adapter = self.loaded.get(lora_id)

@@ -25,6 +25,7 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishStop, Request
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.recovery import WorkerRecovery
 from scheduler_service.engine.request_tracing import RequestTracer
 from scheduler_service.engine.worker_codec import WorkerCodec
@@ -49,6 +50,7 @@ class Engine:
         overlap_depth: int,
         recovery_timeout_s: float,
         check_integrity: bool = False,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.sched = sched
         self.group = group
@@ -61,7 +63,10 @@ class Engine:
         self.codec = WorkerCodec()
         self.inflight: deque[int] = deque()  # step ids sent, oldest first
         self.running = True
-        self.recovery = WorkerRecovery(sched, group, recovery_timeout_s)
+        self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
+        self.recovery = WorkerRecovery(
+            sched, group, recovery_timeout_s, before_open=self._reload_adapters
+        )
         self.loss_error = ""  # why the worker streams broke, for the log
         self.busy_ms = 0.0
         self.idle_ms = 0.0
@@ -111,6 +116,9 @@ class Engine:
         sched = self.sched
         while self.running:
             self._read_inbox(block=not self.inflight and sched.is_idle())
+            if self.adapters.busy:
+                for reply in self.adapters.poll():
+                    self.conn.send(reply)
             plan = sched.step()
             if self.check_integrity:
                 self._check("a step")
@@ -146,6 +154,8 @@ class Engine:
         if self.tracer is not None:
             self.tracer.forget_steps()
         recovery.lost(self.loss_error)
+        for reply in self.adapters.fail_loading(self.loss_error):
+            self.conn.send(reply)
         self._publish()  # AllBlocksCleared and the load go out now
         while self.running:
             if recovery.try_reconnect():
@@ -154,6 +164,16 @@ class Engine:
                 self._fail_all(recovery.message)
             self._read_inbox(block=True, timeout=recovery.wait_s())
         return False
+
+    def _reload_adapters(self) -> None:
+        """The group that came back gets every registered adapter before its
+        first plan; an adapter that no longer loads ends its requests."""
+        sched = self.sched
+        for lora_id in self.adapters.reload_all():
+            message = f"LoRA adapter {lora_id!r} could not be loaded again after a worker loss"
+            for req in [r for r in sched.requests.values() if r.adapter == lora_id]:
+                sched.abort(req.rid, message)
+            sched.adapters.unregister(lora_id)
 
     def _fail_all(self, message: str) -> None:
         """End every request the core holds with UNAVAILABLE (the calls end
@@ -185,6 +205,12 @@ class Engine:
                 self.sched.abort(rid, msg.reason)
         elif isinstance(msg, ipc.FlushCache):
             self.conn.send(self._flush(msg.token))
+        elif isinstance(msg, ipc.LoadAdapter):
+            reply = self.adapters.start_load(msg)
+            if reply is not None:
+                self.conn.send(reply)
+        elif isinstance(msg, ipc.UnloadAdapter):
+            self.conn.send(self.adapters.unload(msg))
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
         else:

@@ -21,6 +21,7 @@ from observability.logging_setup import configure_logging
 from scheduler_service import ipc
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.loop import Engine
 from scheduler_service.engine.stop_strings import StopStringMatcher
 from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
@@ -85,6 +86,12 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
         info.num_pages,
         stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
     )
+    adapters = AdapterLoader(sched, group, config.engine.max_lora_rank)
+    try:
+        adapters.preload(list(config.engine.lora_paths))
+    except WorkerError as e:
+        conn.send(ipc.Failed(str(e)))
+        return
     conn.send(
         ipc.Ready(
             model_name=model.name,
@@ -98,6 +105,7 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
             tokenizer_zip=archive,
             worker_info=json.loads(json.dumps(MessageToDict(info))),
             sampling_worker=group.ranks[0].address,
+            adapters=adapters.snapshot(),
         )
     )
     engine = Engine(
@@ -107,6 +115,7 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
         overlap_depth=config.engine.overlap_depth,
         recovery_timeout_s=config.engine.worker_recovery_timeout_s,
         check_integrity=config.engine.check_integrity,
+        adapters=adapters,
     )
     tune_gc()
     try:

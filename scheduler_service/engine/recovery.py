@@ -12,6 +12,7 @@ again as soon as the group returns.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -26,10 +27,19 @@ LOG_EVERY_S = 10.0
 
 
 class WorkerRecovery:
-    def __init__(self, sched: Scheduler, group: WorkerGroup, timeout_s: float) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        group: WorkerGroup,
+        timeout_s: float,
+        before_open: Callable[[], None] | None = None,
+    ) -> None:
         self.sched = sched
         self.group = group
         self.timeout_s = timeout_s
+        # Run on the group that came back before its streams open (the LoRA
+        # adapters are loaded again); WorkerError fails the attempt.
+        self.before_open = before_open
         self.connected = True
         self.losses = 0  # times the group's streams broke
         self.recoveries = 0  # times it came back and serving resumed
@@ -135,5 +145,13 @@ class WorkerRecovery:
                 was=sched.pool.num_pages,
             )
             sched.resize_pool(info.num_pages)
+        if self.before_open is not None:
+            try:
+                self.before_open()
+            except WorkerError as e:
+                if log:
+                    logger.info("waiting for the worker group", error=str(e))
+                self.group.drop_streams()
+                return False
         self.group.open()
         return True

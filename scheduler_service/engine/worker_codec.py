@@ -102,6 +102,8 @@ class WorkerCodec:
             heapq.heappush(self._free, slot)
             msg.leaves.append(slot)
             self._wants_logprobs.pop(rid, None)
+        for slot, lora_id in plan.adapter_slots:
+            msg.adapter_slots.add(slot=slot, name=lora_id)
         for join in plan.joins:
             self._join(join, msg.joins.add())
         sampled: list[str] = []
@@ -138,6 +140,7 @@ class WorkerCodec:
         m.prompt_len = join.prompt_len
         m.prefix_ids.extend(join.prefix_ids)
         m.num_output_tokens = join.num_output_tokens
+        m.adapter_slot = join.adapter_slot
         if join.trace_context is not None:
             m.trace.traceparent, m.trace.tracestate = join.trace_context
         lp = join.logprobs

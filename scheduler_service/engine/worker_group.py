@@ -182,6 +182,20 @@ class WorkerGroup:
                 raise WorkerError(f"worker {rank.address} refused step {r.step_id}: {r.error}")
         return results[0]
 
+    def load_adapter(self, name: str, path: str, max_rank: int, timeout_s: float) -> list:
+        """Start loading an adapter on every rank: one gRPC future per rank."""
+        request = pb.LoadAdapterRequest(name=name, path=path, max_rank=max_rank)
+        return [rank.stub.LoadAdapter.future(request, timeout=timeout_s) for rank in self.ranks]
+
+    def unload_adapter(self, name: str, timeout_s: float = 10.0) -> None:
+        """Forget an adapter on every rank (a rank that fails is logged: it
+        only keeps some memory until it restarts)."""
+        for rank in self.ranks:
+            try:
+                rank.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout_s)
+            except grpc.RpcError as e:
+                logger.warning("unloading an adapter failed", worker=rank.address, error=str(e))
+
     def tokenizer_archive(self) -> bytes:
         """The model's tokenizer files as a zip (from rank 0), checked against its sha256."""
         pieces = self.ranks[0].stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=120)

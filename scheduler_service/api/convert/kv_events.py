@@ -22,7 +22,14 @@ def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
         stored.tier = cpb.KV_CACHE_TIER_DEVICE
         stored.locality = cpb.KV_CACHE_LOCALITY_LOCAL
         if e.extra_key is not None:
-            stored.cache_salt = e.extra_key
+            # The core's namespace is "lora:ID" or "lora:ID|SALT" for an
+            # adapter's requests, the salt alone otherwise.
+            salt = e.extra_key
+            if salt.startswith("lora:"):
+                lora, _, salt = salt.removeprefix("lora:").partition("|")
+                stored.lora_name = lora
+            if salt:
+                stored.cache_salt = salt
     elif isinstance(e, BlockRemoved):
         m.removed.block_hashes.extend(e.block_hashes)
         m.removed.tier = cpb.KV_CACHE_TIER_DEVICE

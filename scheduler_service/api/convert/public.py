@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -48,6 +49,7 @@ class GenerateCall:
     prompt_len: int
     logprobs: LogprobOptions
     stream_interval: int = 1  # streamed tokens per chunk (the last chunk: what is left)
+    lora_id: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 def _finite(name: str, value: float) -> float:
@@ -156,9 +158,14 @@ def sampling_from_proto(
 
 
 def generate_call(
-    m: pb.GenerateRequest, limits: Limits, encode, has_tokenizer: bool
+    m: pb.GenerateRequest,
+    limits: Limits,
+    encode,
+    has_tokenizer: bool,
+    adapters: Collection[str] = (),
 ) -> GenerateCall:
-    """Validate and convert; ``encode(text) -> ids`` tokenizes original_text."""
+    """Validate and convert; ``encode(text) -> ids`` tokenizes original_text;
+    ``adapters``: the lora_ids loaded."""
     if m.return_hidden_states:
         raise InvalidRequestError("hidden states are not returned by radixserve")
     _refuse_unsupported(m)
@@ -166,6 +173,13 @@ def generate_call(
         raise InvalidRequestError("multimodal inputs are not supported by radixserve")
     if m.input_embeds:
         raise InvalidRequestError("input embeddings are not supported; send token ids")
+    adapter = m.lora_id or None
+    if adapter is not None and adapter not in adapters:
+        loaded = ", ".join(sorted(adapters)[:10]) or "none"
+        raise InvalidRequestError(
+            f"lora_id {adapter!r} names no loaded LoRA adapter (loaded: {loaded}); load it "
+            "with LoadLoRAAdapter first"
+        )
     ids = list(m.tokenized.input_ids)
     if not ids and m.tokenized.original_text:
         if not has_tokenizer:
@@ -212,7 +226,8 @@ def generate_call(
     # n > 1: the first sample prefills the shared prompt; the others wait for
     # that prefill to be planned and read the prompt's KV from the cache.
     requests = [
-        Request(r, list(ids), sp, lp, waits_for=rids[0] if i else None) for i, r in enumerate(rids)
+        Request(r, list(ids), sp, lp, adapter=adapter, waits_for=rids[0] if i else None)
+        for i, r in enumerate(rids)
     ]
     for r in requests:
         r.validate(limits.vocab_size, limits.context_len)
@@ -223,7 +238,7 @@ def generate_call(
         raise InvalidRequestError(
             f"stream_interval must be at most {limits.max_stream_interval}, got {interval}"
         )
-    return GenerateCall(rid, m.stream, requests, len(ids), lp, max(interval, 1))
+    return GenerateCall(rid, m.stream, requests, len(ids), lp, max(interval, 1), adapter)
 
 
 def _refuse_unsupported(m: pb.GenerateRequest) -> None:
@@ -232,8 +247,6 @@ def _refuse_unsupported(m: pb.GenerateRequest) -> None:
         raise InvalidRequestError(
             "custom_logit_processor: serialized logit processors (code) are not accepted"
         )
-    if m.lora_id:
-        raise InvalidRequestError("lora_id: LoRA adapters are not supported by this server yet")
     if m.HasField("disaggregated_params") and m.disaggregated_params.ByteSize():
         raise InvalidRequestError(
             "disaggregated_params: prefill/decode disaggregation is not supported"

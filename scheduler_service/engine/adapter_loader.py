@@ -1,0 +1,212 @@
+"""LoRA adapters on the worker group, for the core loop.
+
+Loading reads an adapter from disk on every rank (its own shard), which can
+take a while, so it never blocks a step: ``start_load`` sends the ranks
+their LoadAdapter calls as gRPC futures and ``poll`` (once per loop
+iteration) registers the adapter in the Scheduler's table once every rank
+answered. Any rank's refusal unloads it from the ranks that took it, so
+nothing is half-loaded. Unloading is refused while a request (waiting or
+running) uses the adapter; the worker keeps a slot's adapter until a plan
+reassigns the slot, so an unload never races a plan in flight.
+
+After a worker loss the group that comes back has no adapter: ``reload_all``
+loads every registered adapter on it before the first plan, so re-prefilled
+requests run with theirs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from scheduler_service import ipc
+from scheduler_service.core.adapters import Adapter, AdapterError
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
+
+logger = structlog.get_logger(__name__)
+
+LOAD_TIMEOUT_S = 300.0
+# Words of a worker's refusal that mean the directory or a file is missing.
+_MISSING = ("no such", "not found", "does not exist", "missing")
+
+
+@dataclass
+class _Loading:
+    msg: ipc.LoadAdapter
+    futures: list
+    started: float
+
+
+def _code_of(error: str) -> str:
+    return "NOT_FOUND" if any(w in error.lower() for w in _MISSING) else "INVALID_ARGUMENT"
+
+
+class AdapterLoader:
+    def __init__(self, sched: Scheduler, group: WorkerGroup, max_rank: int) -> None:
+        self.sched = sched
+        self.group = group
+        self.max_rank = max_rank
+        self._loading: list[_Loading] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._loading)
+
+    def snapshot(self) -> list[ipc.AdapterInfo]:
+        return [
+            ipc.AdapterInfo(a.lora_id, a.name, a.path, a.pinned)
+            for a in self.sched.adapters.loaded.values()
+        ]
+
+    def _reply(self, token: int, ok: bool, message: str, code: str = "OK") -> ipc.AdapterReply:
+        return ipc.AdapterReply(token, ok, message, self.snapshot(), code if not ok else "OK")
+
+    # ------------------------------------------------------------------ load
+    def preload(self, entries: list[tuple[str, str]]) -> None:
+        """--lora-paths at start (lora_id = name); WorkerError if one fails."""
+        for name, path in entries:
+            adapter = Adapter(name, name, path)
+            try:
+                self.sched.adapters.check_register(adapter)
+            except AdapterError as e:
+                raise WorkerError(f"--lora-paths {name}={path}: {e}") from None
+            error = self._load_now(name, path)
+            if error:
+                raise WorkerError(f"--lora-paths {name}={path}: {error}")
+            self.sched.adapters.register(adapter)
+            logger.info("LoRA adapter loaded", lora_id=name, path=path)
+
+    def start_load(self, msg: ipc.LoadAdapter) -> ipc.AdapterReply | None:
+        """Begin loading; an answer now if it is refused at once."""
+        adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
+        table = self.sched.adapters
+        busy = [w.msg for w in self._loading]
+        if any(m.lora_id == msg.lora_id or m.name == adapter.name for m in busy):
+            return self._reply(
+                msg.token, False, f"adapter {msg.lora_id!r} is being loaded", "ALREADY_EXISTS"
+            )
+        try:
+            table.check_register(adapter, loading=len(busy))
+        except AdapterError as e:
+            text = str(e)
+            code = "ALREADY_EXISTS" if "already loaded" in text else "INVALID_ARGUMENT"
+            if "--max-loaded-loras" in text:
+                code = "RESOURCE_EXHAUSTED"
+            return self._reply(msg.token, False, text, code)
+        if not msg.path:
+            return self._reply(msg.token, False, "lora_path is required", "INVALID_ARGUMENT")
+        futures = self.group.load_adapter(msg.lora_id, msg.path, self.max_rank, LOAD_TIMEOUT_S)
+        self._loading.append(_Loading(msg, futures, time.monotonic()))
+        return None
+
+    def poll(self) -> list[ipc.AdapterReply]:
+        """Answers for the loads every rank has finished."""
+        if not self._loading:
+            return []
+        replies, still = [], []
+        for job in self._loading:
+            if all(f.done() for f in job.futures):
+                replies.append(self._finish(job))
+            else:
+                still.append(job)
+        self._loading = still
+        return replies
+
+    def _finish(self, job: _Loading) -> ipc.AdapterReply:
+        msg = job.msg
+        errors = []
+        for f in job.futures:
+            try:
+                response = f.result()
+                if response.error:
+                    errors.append(response.error)
+            except grpc.RpcError as e:
+                errors.append(f"worker unreachable: {e.details() if hasattr(e, 'details') else e}")
+        if errors:
+            self.group.unload_adapter(msg.lora_id)  # from the ranks that took it
+            code = _code_of(errors[0])
+            if errors[0].startswith("worker unreachable"):
+                code = "UNAVAILABLE"
+            return self._reply(msg.token, False, errors[0], code)
+        adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
+        try:
+            self.sched.adapters.register(adapter)
+        except AdapterError as e:  # e.g. a same-named one loaded meanwhile
+            self.group.unload_adapter(msg.lora_id)
+            return self._reply(msg.token, False, str(e), "ALREADY_EXISTS")
+        logger.info(
+            "LoRA adapter loaded",
+            lora_id=msg.lora_id,
+            name=adapter.name,
+            path=msg.path,
+            pinned=msg.pinned,
+            ms=round((time.monotonic() - job.started) * 1e3),
+        )
+        return self._reply(msg.token, True, "")
+
+    def _load_now(self, name: str, path: str) -> str:
+        """Load on every rank and wait; the first error ('' if none)."""
+        for f in self.group.load_adapter(name, path, self.max_rank, LOAD_TIMEOUT_S):
+            try:
+                response = f.result()
+            except grpc.RpcError as e:
+                raise WorkerError(f"loading adapter {name!r}: {e}") from e
+            if response.error:
+                self.group.unload_adapter(name)
+                return response.error
+        return ""
+
+    # ---------------------------------------------------------------- unload
+    def unload(self, msg: ipc.UnloadAdapter) -> ipc.AdapterReply:
+        table = self.sched.adapters
+        lora_id = msg.lora_id
+        if not lora_id:
+            lora_id = next((a.lora_id for a in table.loaded.values() if a.name == msg.name), "")
+        adapter = table.loaded.get(lora_id)
+        if adapter is None or (msg.name and adapter.name != msg.name):
+            which = f"lora_id {msg.lora_id!r}" if msg.lora_id else f"name {msg.name!r}"
+            return self._reply(msg.token, False, f"no adapter with {which} is loaded", "NOT_FOUND")
+        users = self.sched.requests_of_adapter(lora_id)
+        if users:
+            return self._reply(
+                msg.token,
+                False,
+                f"adapter {lora_id!r} is used by {users} waiting or running requests; "
+                "unload it once they finish",
+                "FAILED_PRECONDITION",
+            )
+        table.unregister(lora_id)
+        self.group.unload_adapter(lora_id)
+        logger.info("LoRA adapter unloaded", lora_id=lora_id, name=adapter.name)
+        return self._reply(msg.token, True, "")
+
+    # ----------------------------------------------------------- worker loss
+    def fail_loading(self, why: str) -> list[ipc.AdapterReply]:
+        """The group was lost while adapters were loading: refuse them."""
+        replies = [
+            self._reply(job.msg.token, False, f"the worker group was lost: {why}", "UNAVAILABLE")
+            for job in self._loading
+        ]
+        self._loading = []
+        return replies
+
+    def reload_all(self) -> list[str]:
+        """Load every registered adapter on the group that came back (before
+        its first plan). Returns the lora_ids that failed (the caller ends
+        their requests and they are unregistered); WorkerError if a rank is
+        unreachable (the reconnect is retried)."""
+        failed = []
+        for adapter in list(self.sched.adapters.loaded.values()):
+            error = self._load_now(adapter.lora_id, adapter.path)
+            if error:
+                logger.error(
+                    "LoRA adapter could not be reloaded after a worker loss",
+                    lora_id=adapter.lora_id,
+                    error=error,
+                )
+                failed.append(adapter.lora_id)
+        return failed
