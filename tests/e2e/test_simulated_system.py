@@ -113,7 +113,6 @@ def test_unimplemented_rpcs_say_so(address):
     calls = [
         lambda: s.Embed(pb.EmbedRequest()),
         lambda: s.StartProfile(cpb.StartProfileRequest()),
-        lambda: s.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest()),
         lambda: list(s.GetTokenizer(cpb.GetTokenizerRequest())),  # no tokenizer: precondition
     ]
     codes = []
@@ -122,8 +121,8 @@ def test_unimplemented_rpcs_say_so(address):
             call()
         codes.append(err.value.code())
         assert "radixserve" in err.value.details() or "tokenizer" in err.value.details()
-    assert codes[:3] == [grpc.StatusCode.UNIMPLEMENTED] * 3
-    assert codes[3] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes[:2] == [grpc.StatusCode.UNIMPLEMENTED] * 2
+    assert codes[2] == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_health_services_reflection_and_server_info(address):
@@ -168,7 +167,7 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(address):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("lora_id", "adapter-1", "lora_id: LoRA adapters are not supported"),
+        ("lora_id", "adapter-1", "lora_id 'adapter-1' names no loaded LoRA adapter"),
         ("custom_logit_processor", "gASV...", "custom_logit_processor"),
         ("data_parallel_rank", 3, "data_parallel_rank: this scheduler has one"),
         ("require_reasoning", True, "require_reasoning"),
