@@ -2,6 +2,7 @@
 
     radixserve-client generate "The capital of France is" --stream --max-new-tokens 32
     radixserve-client chat "What is the capital of France?"
+    radixserve-client generate "SELECT" --lora-id sql   # with the LoRA adapter named sql
     radixserve-client chat                      # interactive; empty line or Ctrl-D ends
     RADIXSERVE_API_KEY=... radixserve-client --tls-ca ca.pem --server host:30000 chat "Hi"
 
@@ -57,9 +58,9 @@ def _print_stream(events, out=sys.stdout) -> str:
 
 def _generate(client: RadixClient, args: argparse.Namespace) -> None:
     if args.stream and args.n == 1:
-        _print_stream(client.stream(args.prompt, **_sampling(args)))
+        _print_stream(client.stream(args.prompt, lora_id=args.lora_id, **_sampling(args)))
         return
-    result = client.generate(args.prompt, **_sampling(args))
+    result = client.generate(args.prompt, lora_id=args.lora_id, **_sampling(args))
     for choice in result.choices:
         prefix = f"[{choice.index}] " if len(result.choices) > 1 else ""
         print(f"{prefix}{choice.text}")
@@ -89,7 +90,9 @@ def _chat(client: RadixClient, args: argparse.Namespace) -> None:
         else:
             line = args.message
         messages.append({"role": "user", "content": line})
-        reply = _print_stream(client.chat(messages, stream=True, **_sampling(args)))
+        reply = _print_stream(
+            client.chat(messages, stream=True, lora_id=args.lora_id, **_sampling(args))
+        )
         messages.append({"role": "assistant", "content": reply})
         if not interactive:
             return
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("message", nargs="?", help="one message (omit for an interactive chat)")
     c.add_argument("--system", default=None)
     for sp in (g, c):
+        sp.add_argument(
+            "--lora-id",
+            metavar="ID",
+            default=None,
+            help="the LoRA adapter to generate with (its name on the server); default: none",
+        )
         sp.add_argument("--max-new-tokens", type=int, default=256)
         sp.add_argument("--temperature", type=float, default=0.0)
         sp.add_argument("--top-p", type=float, default=1.0)

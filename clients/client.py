@@ -6,6 +6,7 @@ template to messages, and detokenizes streamed tokens incrementally.
 
     client = RadixClient("127.0.0.1:30000")
     print(client.generate("The capital of France is", max_new_tokens=8).text)
+    print(client.generate("SELECT", lora_id="sql", max_new_tokens=8).text)  # a LoRA adapter
     for event in client.chat([{"role": "user", "content": "Hi"}], stream=True):
         print(event.text, end="", flush=True)
 """
@@ -61,6 +62,7 @@ def build_request(
     sampling: Sampling,
     stream: bool,
     request_id: str | None,
+    lora_id: str | None = None,
 ) -> pb.GenerateRequest:
     ids = prompt if isinstance(prompt, list) else None
     text = prompt if isinstance(prompt, str) else ""
@@ -73,6 +75,8 @@ def build_request(
         return_logprob=sampling.logprobs,
         logprob_start_len=-1,
         top_logprobs_num=sampling.top_logprobs,
+        # The LoRA adapter to generate with (its name on the server); none: the base model.
+        lora_id=lora_id or "",
     )
     sampling.to_proto(req.sampling_params)
     return req
@@ -113,19 +117,31 @@ class RadixClient(_Connection):
             self._bundle = TokenizerBundle.from_chunks(chunks)
         return self._bundle
 
-    def generate(self, prompt: Prompt, request_id: str | None = None, **sampling) -> GenerateResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        request_id: str | None = None,
+        *,
+        lora_id: str | None = None,
+        **sampling,
+    ) -> GenerateResult:
         sp = Sampling(**sampling)
-        req = build_request(self.tokenizer, prompt, sp, False, request_id)
+        req = build_request(self.tokenizer, prompt, sp, False, request_id, lora_id)
         t = Transcriber(self.tokenizer, list(req.tokenized.input_ids), sp)
         for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             t.take(resp)
         return t.result()
 
     def stream(
-        self, prompt: Prompt, request_id: str | None = None, **sampling
+        self,
+        prompt: Prompt,
+        request_id: str | None = None,
+        *,
+        lora_id: str | None = None,
+        **sampling,
     ) -> Iterator[StreamEvent]:
         sp = Sampling(**sampling)
-        req = build_request(self.tokenizer, prompt, sp, True, request_id)
+        req = build_request(self.tokenizer, prompt, sp, True, request_id, lora_id)
         t = Transcriber(self.tokenizer, list(req.tokenized.input_ids), sp)
         for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             yield from t.take(resp)
@@ -164,22 +180,32 @@ class AsyncRadixClient(_Connection):
         return self._bundle
 
     async def generate(
-        self, prompt: Prompt, request_id: str | None = None, **sampling
+        self,
+        prompt: Prompt,
+        request_id: str | None = None,
+        *,
+        lora_id: str | None = None,
+        **sampling,
     ) -> GenerateResult:
         bundle = await self.tokenizer()
         sp = Sampling(**sampling)
-        req = build_request(bundle, prompt, sp, False, request_id)
+        req = build_request(bundle, prompt, sp, False, request_id, lora_id)
         t = Transcriber(bundle, list(req.tokenized.input_ids), sp)
         async for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             t.take(resp)
         return t.result()
 
     async def stream(
-        self, prompt: Prompt, request_id: str | None = None, **sampling
+        self,
+        prompt: Prompt,
+        request_id: str | None = None,
+        *,
+        lora_id: str | None = None,
+        **sampling,
     ) -> AsyncIterator[StreamEvent]:
         bundle = await self.tokenizer()
         sp = Sampling(**sampling)
-        req = build_request(bundle, prompt, sp, True, request_id)
+        req = build_request(bundle, prompt, sp, True, request_id, lora_id)
         t = Transcriber(bundle, list(req.tokenized.input_ids), sp)
         async for resp in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
             for event in t.take(resp):

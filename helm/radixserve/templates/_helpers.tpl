@@ -138,3 +138,30 @@ securityContext:
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ printf "k8s.pod.name=$(K8S_POD_NAME),k8s.namespace.name=$(K8S_NAMESPACE)%s" (ternary (printf ",%s" .Values.otel.resourceAttributes) "" (ne .Values.otel.resourceAttributes "")) | quote }}
 {{- end }}
+
+{{/* LoRA: on when adapters are listed or a volume is given (else nothing of
+     it renders). */}}
+{{- define "radixserve.loraEnabled" -}}
+{{- if or .Values.lora.adapters .Values.lora.volume }}true{{ end }}
+{{- end }}
+
+{{/* The scheduler's --lora-paths values, NAME=PATH: a relative path is below
+     lora.mountPath, where the worker pods mount lora.volume. The scheduler
+     sends each worker rank this same path. */}}
+{{- define "radixserve.loraPaths" -}}
+{{- $seen := dict }}
+{{- $out := list }}
+{{- $mount := trimSuffix "/" .Values.lora.mountPath }}
+{{- range .Values.lora.adapters }}
+{{- if hasKey $seen .name }}
+{{- fail (printf "lora.adapters: the name %q is listed twice" .name) }}
+{{- end }}
+{{- $_ := set $seen .name true }}
+{{- $path := ternary .path (printf "%s/%s" $mount (trimPrefix "./" .path)) (hasPrefix "/" .path) }}
+{{- $out = append $out (printf "%s=%s" .name (trimSuffix "/" $path)) }}
+{{- end }}
+{{- if gt (len $out) (int .Values.lora.maxLoadedLoras) }}
+{{- fail (printf "lora.adapters lists %d adapters, more than lora.maxLoadedLoras (%d) can hold loaded" (len $out) (int .Values.lora.maxLoadedLoras)) }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
