@@ -61,3 +61,26 @@ def test_completions_streamed_and_not(gateway):
     assert text.strip() and whole["choices"][0]["finish_reason"] in ("stop", "length")
     events = post_stream(base + "/v1/completions", body)
     assert "".join(e["choices"][0].get("text", "") for e in events if e["choices"]) == text
+
+
+def test_the_gateway_does_not_forward_a_lora_adapter(gateway):
+    """smg 1.13 has no way to pick a LoRA adapter: `model: "<base>:NAME"` is an
+    unknown model and a `lora_path` field is dropped (the scheduler would
+    refuse the unloaded adapter "sql" if it were sent), so the answer is the
+    base model's. If a gateway upgrade starts forwarding it, this fails and
+    docs/kubernetes.md ("LoRA adapters") must change."""
+    base, model = gateway
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "temperature": 0,
+        "max_tokens": 6,
+    }
+    plain = post(base + "/v1/chat/completions", body)
+    dropped = post(base + "/v1/chat/completions", {**body, "lora_path": "sql"})
+    assert dropped["choices"][0]["message"] == plain["choices"][0]["message"]
+    try:
+        post(base + "/v1/chat/completions", {**body, "model": f"{model}:sql"})
+        raise AssertionError("the gateway accepted <model>:<adapter>")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404

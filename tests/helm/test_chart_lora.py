@@ -5,6 +5,7 @@ renders exactly as before."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,24 @@ def test_template_rejects_duplicate_names_and_too_many_adapters():
     assert 'the name "sql" is listed twice' in render_error(dup)
     many = lora_sets([(f"a{i}", f"a{i}") for i in range(3)], **VOLUME, **{"lora.maxLoadedLoras": 2})
     assert "lists 3 adapters, more than lora.maxLoadedLoras (2)" in render_error(many)
+
+
+def test_rendered_lora_flags_parse_with_the_scheduler_parser(monkeypatch):
+    """The scheduler's own flag parser reads what the chart renders."""
+    from scheduler_service import config as scheduler_config
+    from tests.helm import pods
+
+    docs = render("tp2-replicas3", PVC)
+    s = next(w for w in workloads(docs) if component(w) == "scheduler")
+    env = {e["name"]: e.get("value", "") for e in container(s).get("env", []) if "value" in e}
+    for key in [k for k in os.environ if k.startswith("RADIXSERVE_")]:
+        monkeypatch.delenv(key)
+    args = [pods.expand(a, env) for a in container(s)["args"]]
+    cfg = scheduler_config.load_config(args)
+    assert cfg.engine.lora_paths == (
+        ("sql", "/adapters/sql-lora"),
+        ("chat.v2", "/adapters/team/chat"),
+        ("baked", "/opt/adapters/baked"),
+    )
+    assert cfg.engine.max_lora_rank == 32
+    assert (cfg.scheduler.max_loaded_loras, cfg.scheduler.max_loras_per_batch) == (8, 4)
