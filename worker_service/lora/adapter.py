@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -34,9 +33,7 @@ from worker_service.lora.peft_config import (
     read_lora_config,
     resolve_targets,
 )
-
-if TYPE_CHECKING:  # targets.py imports the model, whose layers import this package
-    from worker_service.lora.targets import LoraTargets, ProjectionShape
+from worker_service.lora.targets import LoraTargets, ProjectionShape
 
 # PEFT's names for the LoRA matrices of a decoder projection (the adapter
 # name is stripped when PEFT saves).

@@ -14,8 +14,35 @@ import torch
 from worker_service.lora.adapter import load_lora_adapter
 from worker_service.lora.peft_config import LORA_MODULES, read_lora_config, resolve_targets
 from worker_service.lora.store import LoadedAdapter
-from worker_service.lora.targets import LoraTargets, lora_targets
+from worker_service.lora.targets import PLACES, LoraTargets, ProjectionShape
+from worker_service.models.layers import FusedColumnLinear, RowLinear
 from worker_service.models.llama import LlamaForCausalLM
+
+
+def lora_targets(model: LlamaForCausalLM) -> LoraTargets:
+    if not model.layers:
+        return LoraTargets(0, {}, {})
+    layer = model.layers[0]
+    projections: dict[str, ProjectionShape] = {}
+    widths: dict[str, int] = {}
+    for name, (block, fused) in PLACES.items():
+        module = getattr(getattr(layer, block), fused)
+        if isinstance(module, FusedColumnLinear):
+            start, local, full = module.offsets[name]
+            lo = module.tp.rank * local
+            in_features = module.weight.shape[1]
+            projections[name] = ProjectionShape(
+                name, block, fused, True, in_features, full, lo, lo + local, start
+            )
+            widths[fused] = module.weight.shape[0]
+        else:
+            assert isinstance(module, RowLinear)
+            in_features = (module.hi - module.lo) * module.tp.size
+            out_features = module.weight.shape[0]
+            projections[name] = ProjectionShape(
+                name, block, fused, False, in_features, out_features, module.lo, module.hi
+            )
+    return LoraTargets(len(model.layers), projections, widths)
 
 
 class AdapterLoader(Protocol):

@@ -1,17 +1,15 @@
 """The model side of LoRA: for each projection an adapter may target, its
-shape in the whole model and the shard this tensor-parallel rank holds, taken
-from the model's own layers so that adapter shards line up with the base
-weights' shards by construction."""
+shape in the whole model and the shard this tensor-parallel rank holds.
+loaders.lora_targets reads them off the model's own layers, so adapter shards
+line up with the base weights' shards by construction (this module imports no
+model: the model's layers import the adapters)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker_service.models.layers import FusedColumnLinear, RowLinear
-from worker_service.models.llama import LlamaForCausalLM
-
 # projection -> (the block it sits in, the fused module holding it)
-_PLACES = {
+PLACES = {
     "q_proj": ("self_attn", "qkv_proj"),
     "k_proj": ("self_attn", "qkv_proj"),
     "v_proj": ("self_attn", "qkv_proj"),
@@ -52,29 +50,3 @@ class LoraTargets:
             for i in range(self.num_layers)
             for p in self.projections.values()
         }
-
-
-def lora_targets(model: LlamaForCausalLM) -> LoraTargets:
-    if not model.layers:
-        return LoraTargets(0, {}, {})
-    layer = model.layers[0]
-    projections: dict[str, ProjectionShape] = {}
-    widths: dict[str, int] = {}
-    for name, (block, fused) in _PLACES.items():
-        module = getattr(getattr(layer, block), fused)
-        if isinstance(module, FusedColumnLinear):
-            start, local, full = module.offsets[name]
-            lo = module.tp.rank * local
-            in_features = module.weight.shape[1]
-            projections[name] = ProjectionShape(
-                name, block, fused, True, in_features, full, lo, lo + local, start
-            )
-            widths[fused] = module.weight.shape[0]
-        else:
-            assert isinstance(module, RowLinear)
-            in_features = (module.hi - module.lo) * module.tp.size
-            out_features = module.weight.shape[0]
-            projections[name] = ProjectionShape(
-                name, block, fused, False, in_features, out_features, module.lo, module.hi
-            )
-    return LoraTargets(len(model.layers), projections, widths)
