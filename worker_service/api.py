@@ -1,5 +1,7 @@
-"""The worker's gRPC servicer: GetInfo, Execute (plans in, results out) and
-GetTokenizer. Thin: conversion lives in convert.py, execution in model_runner.py."""
+"""The worker's gRPC servicer: GetInfo, Execute (plans in, results out),
+GetTokenizer, CompileGrammar and LoadAdapter / UnloadAdapter. Thin:
+conversion lives in convert.py, execution in model_runner.py, adapters in
+lora/."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -19,6 +22,7 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.convert import grammar_from_proto, plan_from_proto, result_to_proto
 from worker_service.devices import DeviceFailure, use_device
+from worker_service.lora.peft_config import AdapterError
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
 from worker_service.sampling.grammar import GrammarError
@@ -193,6 +197,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except (GrammarError, ValueError) as e:
             return pb.CompileGrammarResponse(error=str(e))
         return pb.CompileGrammarResponse(compile_ms=ms)
+
+    def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        """Runs on a gRPC thread and never takes the step lock: the files are
+        read and sharded while steps go on, then published in one dict write."""
+        if not request.name:
+            return pb.LoadAdapterResponse(error="an adapter needs a name")
+        t0 = time.perf_counter()
+        use_device(self.worker.device)
+        try:
+            adapter = self.worker.adapter_loader.load(
+                request.name, Path(request.path), request.max_rank
+            )
+        except AdapterError as e:
+            logger.warning("adapter refused", name=request.name, path=request.path, error=str(e))
+            return pb.LoadAdapterResponse(error=f"adapter {request.name!r}: {e}")
+        self.worker.runner.adapters.put(adapter)
+        ms = (time.perf_counter() - t0) * 1e3
+        logger.info("adapter ready", name=request.name, rank=adapter.rank, load_ms=round(ms, 1))
+        return pb.LoadAdapterResponse(
+            rank=adapter.rank, target_modules=list(adapter.target_modules), load_ms=ms
+        )
+
+    def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        """Forgets the name; slots and requests holding the adapter keep it."""
+        return pb.UnloadAdapterResponse(found=self.worker.runner.adapters.remove(request.name))
 
     def GetTokenizer(
         self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext

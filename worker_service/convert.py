@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protos import worker_pb2 as pb
 from worker_service.plan import (
+    AdapterSlotSpec,
     ExtendSpec,
     JoinSpec,
     LogprobSpec,
@@ -79,6 +80,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
                 num_output_tokens=j.num_output_tokens,
                 traceparent=j.trace.traceparent,
                 tracestate=j.trace.tracestate,
+                adapter_slot=j.adapter_slot,
             )
             for j in m.joins
         ],
@@ -96,6 +98,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
         decode_slots=list(m.decode_slots),
         decode_positions=list(m.decode_positions),
         decode_new_pages=list(m.decode_new_pages),
+        adapter_slots=[AdapterSlotSpec(a.slot, a.name) for a in m.adapter_slots],
     )
 
 

@@ -21,6 +21,10 @@ Runner usage::
         attn.begin_step(batch)
         out = forward({"ids": ids, "positions": positions})
 
+The graphs hold the base model only: a decode step with any LoRA adapter row
+runs eagerly (ModelCompute.launch), its per-group matmuls depending on which
+rows use which adapter.
+
 ``forward(inputs)`` runs the model's decode forward on ``inputs`` (tensors of
 one batch size) and returns a tensor whose first dimension is that size, e.g.
 the last hidden states or the logits. The tensor ``replay`` returns is the

@@ -29,6 +29,8 @@ from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.devices import DeviceFailure, is_sticky_device_error
 from worker_service.distributed import TensorParallel
 from worker_service.kv_cache import KvCache
+from worker_service.lora.batch import LoraBatch, build_lora_batch
+from worker_service.lora.store import AdapterStore, LoadedAdapter
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.plan import LogprobSpec, Plan, PromptLogprobOut, Result
 from worker_service.request_state import SlotState
@@ -125,8 +127,11 @@ class ModelRunner:
         max_context: int = 1 << 30,
         overlap: bool = False,
         grammars: GrammarCompiler | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.compute = compute
+        # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
+        self.adapters = adapters or AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
         self.grammars = grammars
         self.num_pages = num_pages
@@ -140,6 +145,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every request (a new scheduler stream starts from nothing)."""
         self.slots.clear()
+        self.adapters.clear_slots()
         self._running = None  # its kernels finish on their own; nobody reads them
 
     def execute(self, plan: Plan) -> Result:
@@ -155,15 +161,25 @@ class ModelRunner:
             self.complete(previous)
             previous = None
         step = StartedStep(plan.step_id)
+        # One look-up of the names the plan puts in slots: the same objects are
+        # checked and applied, whatever an UnloadAdapter does meanwhile.
+        loaded = self.adapters.lookup(a.name for a in plan.adapter_slots)
         try:
             validate_plan(
-                plan, self.slots, self.num_pages, self.page_size, self.vocab_size, self.max_context
+                plan,
+                self.slots,
+                self.num_pages,
+                self.page_size,
+                self.vocab_size,
+                self.max_context,
+                self.adapters.slots,
+                loaded,
             )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
             step.result = Result(plan.step_id, error=f"step {plan.step_id}: {e}")
             return step
-        step.work = work = self._apply(plan)
+        step.work = work = self._apply(plan, loaded)
         step.num_extends = len(plan.extends)
         try:
             self._attach_grammars(work)
@@ -244,12 +260,16 @@ class ModelRunner:
         self.reset()
         return Result(step.step_id, error=f"step {step.step_id} failed on the worker: {error!r}")
 
-    def _apply(self, plan: Plan) -> list[SeqWork]:
+    def _apply(self, plan: Plan, loaded: dict[str, LoadedAdapter]) -> list[SeqWork]:
         slots = self.slots
         for slot in plan.leaves:
             del slots[slot]
+        adapters = self.adapters
+        for a in plan.adapter_slots:
+            adapters.assign(a.slot, loaded[a.name] if a.name else None)
         for join in plan.joins:
-            slots[join.slot] = SlotState.from_join(join)
+            adapter = adapters.slots[join.adapter_slot] if join.adapter_slot else None
+            slots[join.slot] = SlotState.from_join(join, adapter)
         work: list[SeqWork] = []
         for e in plan.extends:
             state = slots[e.slot]
@@ -371,12 +391,14 @@ class ModelCompute:
         the device from ``previous``'s sampled tokens."""
         device = self.device
         batch, input_ids = self._batch(work, num_extends, previous)
-        if self.graphs is not None and num_extends == 0:
+        lora = self._lora_batch(work, batch.seqs)
+        # The graphs hold the base model only: a step with adapter rows runs eagerly.
+        if self.graphs is not None and num_extends == 0 and lora is None:
             logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
             if logits is not None:  # every row of a decode step samples
                 return ModelStep(self._sample(logits, work))
         self.attn.begin_step(batch)
-        hidden = self.model(input_ids, batch.positions, self.attn, self.kv)
+        hidden = self.model(input_ids, batch.positions, self.attn, self.kv, lora)
 
         sample_rows = [
             s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
@@ -446,6 +468,13 @@ class ModelCompute:
             page_size=page_size,
         )
         return batch, ids_t
+
+    def _lora_batch(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> LoraBatch | None:
+        """The step's token rows grouped by adapter; None when all are base rows."""
+        if all(w.state.adapter is None for w in work):
+            return None
+        spans = [(w.state.adapter, s.q_start, s.q_len) for w, s in zip(work, seqs, strict=True)]
+        return build_lora_batch(spans, self.device)
 
     def _prompt_spans(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> list[_PromptSpan]:
         """Which prompt positions this step scores, and the hidden rows they need."""

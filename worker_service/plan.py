@@ -62,6 +62,18 @@ class JoinSpec:
     num_output_tokens: int = 0
     traceparent: str = ""
     tracestate: str = ""
+    # 0: the base model; k >= 1: the adapter in adapter slot k when it joins
+    # (the request keeps that adapter for its whole life on the worker).
+    adapter_slot: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSlotSpec:
+    """Adapter slot ``slot`` (1..N) holds adapter ``name`` from this plan on;
+    "" empties it."""
+
+    slot: int
+    name: str
 
 
 @dataclass(slots=True)
@@ -85,6 +97,8 @@ class Plan:
     decode_positions: list[int] = field(default_factory=list)
     # page appended to the slot's table, plus one; 0 = none
     decode_new_pages: list[int] = field(default_factory=list)
+    # applied after the leaves, before the joins
+    adapter_slots: list[AdapterSlotSpec] = field(default_factory=list)
 
 
 @dataclass(slots=True)

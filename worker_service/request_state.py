@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker_service.plan import JoinSpec, LogprobSpec, SamplingSpec
 from worker_service.sampling.grammar import GrammarState
+
+if TYPE_CHECKING:
+    from worker_service.lora.store import LoadedAdapter
 
 
 @dataclass(slots=True)
@@ -25,9 +29,12 @@ class SlotState:
     # Structured generation: the request's place in its grammar (rank 0 only;
     # built at its first sampling step, from the tokens it has by then).
     grammar: GrammarState | None = None
+    # The LoRA adapter of the slot the request joined through (None: the base
+    # model); held for the request's life, whatever happens to the slot or name.
+    adapter: LoadedAdapter | None = None
 
     @classmethod
-    def from_join(cls, join: JoinSpec) -> SlotState:
+    def from_join(cls, join: JoinSpec, adapter: LoadedAdapter | None = None) -> SlotState:
         tokens = list(join.prefix_ids)
         return cls(
             rid=join.rid,
@@ -38,6 +45,7 @@ class SlotState:
             kv_len=len(tokens),
             traceparent=join.traceparent,
             tracestate=join.tracestate,
+            adapter=adapter,
         )
 
     @property

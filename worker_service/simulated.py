@@ -6,6 +6,9 @@ scheduler tests' in-process oracle.
 It exercises everything around the model (the protocol, the scheduler, the
 engine's overlap, clients) at a cost the benchmark chooses, and its tokens
 are reproducible whatever the batching, caching or retraction. A request
+of a LoRA adapter starts its hash from ``initial_state(name)`` (each adapter,
+by the name it was loaded under, is another simulated model); LoadAdapter
+reads only the adapter's config (lora/loaders.py). A request
 with a grammar picks by the same hash among the tokens its grammar allows
 (the simulated vocabulary: byte t is token t, 256 ends a grammar).
 """
@@ -16,7 +19,7 @@ import time
 
 import numpy as np
 
-from common.simulated_model import SIMULATED_VOCAB, absorb, token_of
+from common.simulated_model import SIMULATED_VOCAB, absorb, initial_state, token_of
 from worker_service.model_runner import SeqWork
 from worker_service.sampling.grammar import allocate_bitmask
 from worker_service.sampling.rows import SampleOutput
@@ -40,7 +43,8 @@ class SimulatedCompute:
         tokens = w.state.tokens
         rid, done, value = self._hashes.get(w.slot, ("", 0, 0))
         if rid != w.state.rid or done > len(tokens):
-            done, value = 0, 0
+            adapter = w.state.adapter
+            done, value = 0, initial_state(None if adapter is None else adapter.name)
         value = absorb(value, tokens[done:])
         self._hashes[w.slot] = (w.state.rid, len(tokens), value)
         return value

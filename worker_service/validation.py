@@ -7,6 +7,8 @@ silently wrong answer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from worker_service.plan import Plan
 from worker_service.request_state import SlotState
 
@@ -22,14 +24,24 @@ def validate_plan(
     page_size: int,
     vocab_size: int,
     max_context: int,
+    adapter_slots: Mapping[int, object] | None = None,
+    loaded: Mapping[str, object] | None = None,
 ) -> None:
+    """``adapter_slots``: adapter slot -> adapter before the plan;
+    ``loaded``: the adapters the plan's slot assignments name that are loaded."""
     held = set(slots)
     for slot in plan.leaves:
         if slot not in held:
             raise PlanError(f"leave of slot {slot}, which the worker does not hold")
         held.discard(slot)
+    filled = _check_adapter_slots(plan, adapter_slots or {}, loaded or {})
     joined: dict[int, int] = {}  # slot -> kv_len at join
     for j in plan.joins:
+        if j.adapter_slot and j.adapter_slot not in filled:
+            raise PlanError(
+                f"join of slot {j.slot} ({j.rid}) uses adapter slot {j.adapter_slot}, "
+                "which holds no adapter"
+            )
         if j.slot in held:
             raise PlanError(f"join of slot {j.slot} ({j.rid}), which the worker already holds")
         _check_tokens(j.prefix_ids, vocab_size, f"join of {j.rid}: prefix")
@@ -82,6 +94,27 @@ def validate_plan(
             _check_pages([new_page - 1], num_pages, f"decode of slot {slot}")
         _check_context(slot, pos + 1, max_context)
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
+
+
+def _check_adapter_slots(
+    plan: Plan, before: Mapping[int, object], loaded: Mapping[str, object]
+) -> set[int]:
+    """The adapter slots that hold an adapter once the plan's assignments apply."""
+    filled = set(before)
+    assigned: set[int] = set()
+    for a in plan.adapter_slots:
+        if a.slot < 1:
+            raise PlanError(f"adapter slot {a.slot}: slots are numbered from 1 (0 is the base)")
+        if a.slot in assigned:
+            raise PlanError(f"adapter slot {a.slot} is assigned twice in one plan")
+        assigned.add(a.slot)
+        if not a.name:
+            filled.discard(a.slot)
+        elif a.name not in loaded:
+            raise PlanError(f"adapter slot {a.slot}: adapter {a.name!r} is not loaded")
+        else:
+            filled.add(a.slot)
+    return filled
 
 
 def _check_tokens(ids: list[int], vocab_size: int, what: str) -> None:

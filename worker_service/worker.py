@@ -15,6 +15,7 @@ from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
 from worker_service.kernels import select_kernels
 from worker_service.kv_cache import KvCache, parse_bytes
+from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader, ModelAdapterLoader
 from worker_service.model_runner import ModelCompute, ModelRunner
 from worker_service.models.config import ModelConfig
 from worker_service.models.registry import build_model
@@ -47,6 +48,8 @@ class Worker:
     tp: TensorParallel
     source: ModelSource | None
     vocab_size: int
+    # LoadAdapter's reader: this rank's shard of the weights, or (simulated) the config.
+    adapter_loader: AdapterLoader
 
     def tokenizer_files(self) -> dict[str, bytes]:
         if self.source is None:
@@ -81,6 +84,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             tp,
             None,
             cfg.simulated_vocab,
+            ConfigOnlyLoader(),
         )
 
     source = open_model(None if cfg.model == "default" else cfg.model)
@@ -159,6 +163,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         tp,
         source,
         mcfg.vocab_size,
+        ModelAdapterLoader(model, device),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from worker_service.model_runner import ModelRunner
 from worker_service.plan import (
+    AdapterSlotSpec,
     ExtendSpec,
     JoinSpec,
     LogprobSpec,
@@ -33,6 +34,7 @@ class DriverRequest:
     share_from: int | None = None  # index of an earlier request whose pages it reuses
     sampling: SamplingSpec = GREEDY
     logprobs: LogprobSpec = field(default_factory=LogprobSpec)
+    adapter_slot: int = 0  # LoRA: 0 = base model
     # filled in while running
     slot: int = -1
     pages: list[int] = field(default_factory=list)
@@ -59,10 +61,17 @@ class PlanDriver:
         req.pages.extend(new)
         return new
 
-    def run(self, reqs: list[DriverRequest], max_steps: int = 10_000) -> list[DriverRequest]:
+    def run(
+        self,
+        reqs: list[DriverRequest],
+        max_steps: int = 10_000,
+        adapter_slots: list[AdapterSlotSpec] | None = None,
+    ) -> list[DriverRequest]:
+        """``adapter_slots`` ride on the first plan that runs."""
         for i, r in enumerate(reqs):
             r.slot = i
         step = 0
+        assign = list(adapter_slots or [])
         while not all(r.done for r in reqs):
             plan = Plan(self.step_id, Mode.MIXED)
             decoding: list[DriverRequest] = []
@@ -82,6 +91,7 @@ class PlanDriver:
                 plan.decode_new_pages.append(new[0] + 1 if new else 0)
                 r.kv_len += 1
             if plan.extends or plan.decode_slots:
+                plan.adapter_slots, assign = assign, []
                 self._apply(reqs, plan)
             step += 1
             self.step_id += 1
@@ -104,7 +114,15 @@ class PlanDriver:
             r.kv_len = n_pages * self.page_size
             prefix = r.prompt[: r.kv_len]
         plan.joins.append(
-            JoinSpec(r.slot, f"r{r.slot}", r.sampling, r.logprobs, len(r.prompt), prefix)
+            JoinSpec(
+                r.slot,
+                f"r{r.slot}",
+                r.sampling,
+                r.logprobs,
+                len(r.prompt),
+                prefix,
+                adapter_slot=r.adapter_slot,
+            )
         )
         r.joined = True
 

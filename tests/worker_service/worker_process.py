@@ -100,12 +100,21 @@ class PlanStream:
 
 
 def greedy_over_grpc(
-    streams: list[PlanStream], prompts: list[list[int]], steps: int, page_size: int
+    streams: list[PlanStream],
+    prompts: list[list[int]],
+    steps: int,
+    page_size: int,
+    adapter_slots: list[int] | None = None,
+    assign: list[tuple[int, str]] = (),
 ) -> list[list[int]]:
     """Prefill every prompt in one plan, then decode them together; every
-    stream (rank) gets the same plans, the first one's tokens are returned."""
+    stream (rank) gets the same plans, the first one's tokens are returned.
+    LoRA: ``assign`` (adapter slot, name) rides on the first plan and prompt i
+    joins through adapter slot ``adapter_slots[i]`` (0: base model)."""
     greedy = pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0)
     plan = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_PREFILL)
+    for slot, name in assign:
+        plan.adapter_slots.add(slot=slot, name=name)
     next_page = 0
     tables: list[list[int]] = []
     for slot, prompt in enumerate(prompts):
@@ -113,7 +122,13 @@ def greedy_over_grpc(
         table = list(range(next_page, next_page + n_pages))
         next_page += n_pages
         tables.append(table)
-        plan.joins.add(slot=slot, rid=f"r{slot}", sampling=greedy, prompt_len=len(prompt))
+        plan.joins.add(
+            slot=slot,
+            rid=f"r{slot}",
+            sampling=greedy,
+            prompt_len=len(prompt),
+            adapter_slot=adapter_slots[slot] if adapter_slots else 0,
+        )
         plan.extends.add(slot=slot, start_pos=0, input_ids=prompt, new_pages=table, sample=True)
     outputs: list[list[int]] = [[] for _ in prompts]
     kv = [len(p) for p in prompts]

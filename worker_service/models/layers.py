@@ -8,6 +8,11 @@
 
 Weights arrive whole (as in the checkpoint) through ``load`` and each layer
 keeps its own rows or columns.
+
+A linear built with a ``LoraSite`` adds the running step's LoRA deltas
+(worker_service/lora/batch.py) when the step has adapter rows: a column
+linear to its output shard, a row linear to its partial sums before the
+all-reduce (which sums the ranks' partial deltas as it does the base's).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 from worker_service.distributed import TensorParallel
 from worker_service.kernels import Kernels
+from worker_service.lora.batch import LoraSite
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -61,9 +67,11 @@ class FusedColumnLinear(nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
+        lora: LoraSite | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.lora = lora
         self.offsets: dict[str, tuple[int, int, int]] = {}  # name -> (start, local size, full)
         start = 0
         for name, full in parts.items():
@@ -76,7 +84,10 @@ class FusedColumnLinear(nn.Module):
         self.bias = _param((start,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and (batch := self.lora.context.batch) is not None:
+            batch.column(self.lora.layer, self.lora.module, x, out)
+        return out
 
     def load(self, part: str, kind: str, tensor: torch.Tensor) -> None:
         start, local, _ = self.offsets[part]
@@ -96,15 +107,20 @@ class RowLinear(nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
+        lora: LoraSite | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.lora = lora
         self.lo, self.hi = tp.shard(in_features, "row-parallel input features")
         self.weight = _param((out_features, self.hi - self.lo), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight)
+        if self.lora is not None and (batch := self.lora.context.batch) is not None:
+            batch.row(self.lora.layer, self.lora.module, x, partial)
+        out = self.tp.all_reduce(partial)
         return out + self.bias if self.bias is not None else out
 
     def load(self, kind: str, tensor: torch.Tensor) -> None:

@@ -20,6 +20,10 @@ the next layer's input norm or, after the last layer, the final norm:
 
 which is the Hugging Face computation, op for op (the torch kernels add, then
 norm: the CPU path stays bit-identical).
+
+LoRA: ``forward`` takes the step's ``LoraBatch`` (None: base model only) and
+hands it to every projection through the model's ``LoraContext`` for the
+length of the forward; each projection knows its layer and module name.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.distributed import TensorParallel
 from worker_service.kernels import Kernels, select_kernels
 from worker_service.kv_cache import KvCache
+from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
 from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding
 from worker_service.models.rope import RotaryEmbedding
@@ -46,14 +51,26 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         parts = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
-        self.qkv_proj = FusedColumnLinear(cfg.hidden_size, parts, cfg.qkv_bias, tp, dtype, device)
-        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, False, tp, dtype, device)
+        self.qkv_proj = FusedColumnLinear(
+            cfg.hidden_size,
+            parts,
+            cfg.qkv_bias,
+            tp,
+            dtype,
+            device,
+            LoraSite(lora, layer, "qkv_proj"),
+        )
+        self.o_proj = RowLinear(
+            cfg.q_size, cfg.hidden_size, False, tp, dtype, device, LoraSite(lora, layer, "o_proj")
+        )
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
@@ -87,15 +104,29 @@ class LlamaMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
     ) -> None:
         super().__init__()
         self.kernels = kernels
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
         self.gate_up_proj = FusedColumnLinear(
-            cfg.hidden_size, parts, cfg.mlp_bias, tp, dtype, device
+            cfg.hidden_size,
+            parts,
+            cfg.mlp_bias,
+            tp,
+            dtype,
+            device,
+            LoraSite(lora, layer, "gate_up_proj"),
         )
         self.down_proj = RowLinear(
-            cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype, device
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            cfg.mlp_bias,
+            tp,
+            dtype,
+            device,
+            LoraSite(lora, layer, "down_proj"),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,13 +142,15 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device, kernels)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device, kernels, lora, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, kernels)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, kernels, lora, layer)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,8 +174,11 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.dtype = dtype
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        # The running step's LoRA work, shared by every projection.
+        self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device, kernels) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, tp, dtype, device, kernels, self.lora, i)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.lm_head = (
@@ -163,9 +199,23 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         kv: KvCache,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Final hidden states (T, hidden) of a flat token batch (the module
-        docstring has the loop's shape)."""
+        docstring has the loop's shape); ``lora``: the step's adapter rows."""
+        self.lora.batch = lora
+        try:
+            return self._forward(input_ids, positions, attn, kv)
+        finally:
+            self.lora.batch = None
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv: KvCache,
+    ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         layers = self.layers
         if not layers:
