@@ -191,3 +191,30 @@ def test_sampler_off_exports_nothing_and_logs_keep_the_callers_trace(tmp_path):
         ln for ln in json_lines(tmp_path / "scheduler.log") if ln.get("event") == "request finished"
     ]
     assert [(ln["request_id"], ln["trace_id"]) for ln in done] == [("off1", CALLER_TRACE)]
+
+
+def test_generate_span_names_the_lora_adapter(tmp_path):
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
+    receiver = OtlpReceiver().start()
+    try:
+        scheduler = [*SCHEDULER, "--lora-paths", f"sql={adapter}"]
+        with separate(tmp_path, WORKER, scheduler, env=tracing_env(receiver)) as address:
+            s = stub(address)
+            req = pb.GenerateRequest(
+                request_id="with-lora",
+                tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                sampling_params=pb.SamplingParams(max_new_tokens=3, ignore_eos=True),
+                lora_id="sql",
+            )
+            md = [("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01")]
+            (out,) = list(s.Generate(req, metadata=md))
+            assert len(out.complete.output_ids) == 3
+        spans = receiver.wait_for(lambda got: "Generate" in {x.name for x in got})
+    finally:
+        receiver.stop()
+    (gen,) = [x for x in spans if x.name == "Generate" and x.trace_id == CALLER_TRACE]
+    assert gen.attributes["radixserve.lora_id"] == "sql"
