@@ -123,6 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline-device", default="cpu")
     b.add_argument("--baseline-dtype", default="auto")
 
+    c = p.add_argument_group("peer comparison")
+    c.add_argument(
+        "--compare-openai",
+        default=None,
+        metavar="URL",
+        help="also send the same workload to this OpenAI API (e.g. vLLM's server), "
+        "alternating which goes first; ratios are ours / peer of per-figure medians",
+    )
+    c.add_argument("--compare-model", default=None, help="the peer's model name")
+    c.add_argument(
+        "--compare-tokenizer",
+        default=None,
+        help="the peer's model ('default', a .gguf file or an HF directory), for its "
+        "tokenizer (default: --tokenizer, else 'default')",
+    )
+    c.add_argument("--repeats", type=int, default=3, help="runs of each side when comparing")
+
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None)
     o.add_argument("--plots-dir", default=None)
@@ -152,6 +169,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.compare_openai and args.baseline != "none":
+        p.error("--compare-openai and --baseline are run one at a time")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.vocab_size is not None and args.vocab_size < 2:
         p.error("--vocab-size must be at least 2")
 
@@ -238,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     # Stdout carries the table and the JSON line; the model-loading code's
     # structlog messages would land there too by default.
     configure_logging(args.log_level)
+    if args.compare_openai:
+        return compare_main(args)
     try:
         requests, run = asyncio.run(serve_run(args))
     except (WorkloadError, OSError) as e:
@@ -281,6 +304,33 @@ def main(argv: list[str] | None = None) -> int:
     last = {"results": summaries, **{k: report[k] for k in ("ratios",) if k in report}}
     print(strict_json(last))
     return 0 if summaries[args.backend]["completed"] else 1
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    """This server against --compare-openai, alternating, --repeats times."""
+    from clients.bench.compare import PEER, median_summary, ratio_ranges, run_alternating
+
+    try:
+        sides, last, per_repeat = run_alternating(args, serve_run, summarize)
+    except (WorkloadError, OSError) as e:
+        print(f"radixserve-bench: {e}", file=sys.stderr)
+        return 2
+    summaries = {name: median_summary(runs) for name, runs in sides.items()}
+    report: dict = {
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "results": summaries,
+        "ratios": ratios(summaries[args.backend], summaries[PEER]),
+        "ratio_ranges": ratio_ranges(per_repeat),
+        "repeats": {name: runs for name, runs in sides.items()},
+    }
+    print(f"medians of {args.repeats} alternating runs each; ratio = {args.backend} / {PEER}")
+    print(table(summaries, report["ratios"]))
+    if args.plots_dir:
+        report["plots"] = [str(x) for x in save_plots(last, args.plots_dir)]
+    if args.output_json:
+        Path(args.output_json).write_text(strict_json(report, indent=2))
+    print(strict_json({k: report[k] for k in ("results", "ratios", "ratio_ranges")}))
+    return 0 if all(s["completed"] for s in summaries.values()) else 1
 
 
 def strict_json(value: object, indent: int | None = None) -> str:

@@ -221,3 +221,40 @@ def test_the_json_report_is_strict_json():
     text = strict_json({"rate": math.inf, "hit": math.nan, "xs": [1.5, -math.inf], "n": 3})
     assert json.loads(text) == {"rate": None, "hit": None, "xs": [1.5, None], "n": 3}
     assert "Infinity" not in text and "NaN" not in text
+
+
+def test_compare_medians_and_peer_arguments():
+    import argparse
+    import math
+
+    from clients.bench.compare import median_summary, peer_args, ratio_ranges
+
+    runs = [
+        {"output_tokens_per_s": 10.0, "tpot_ms": {"p50": 5.0}, "errors": ["a"]},
+        {"output_tokens_per_s": 30.0, "tpot_ms": {"p50": math.nan}, "errors": []},
+        {"output_tokens_per_s": 20.0, "tpot_ms": {"p50": 7.0}, "errors": ["b"]},
+    ]
+    m = median_summary(runs)
+    assert m == {"output_tokens_per_s": 20.0, "tpot_ms": {"p50": 6.0}, "errors": ["a", "b"]}
+    args = argparse.Namespace(
+        backend="radixserve",
+        base_url=None,
+        model=None,
+        tokenizer=None,
+        api_key="secret",
+        save_trace="t.jsonl",
+        compare_openai="http://127.0.0.1:8100",
+        compare_model="m",
+        compare_tokenizer=None,
+    )
+    peer = peer_args(args)
+    assert (peer.backend, peer.base_url, peer.model, peer.tokenizer) == (
+        "openai",
+        "http://127.0.0.1:8100",
+        "m",
+        "default",
+    )
+    assert peer.api_key is None and peer.save_trace is None and args.backend == "radixserve"
+    keys = ("output_tokens_per_s", "request_throughput", "ttft_p50", "tpot_p50", "e2e_p50")
+    r = ratio_ranges([dict.fromkeys(keys, 1.0), dict.fromkeys(keys, 2.0)])
+    assert r["tpot_p50"] == [1.0, 2.0]

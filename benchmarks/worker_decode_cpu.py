@@ -1,0 +1,80 @@
+"""The worker's decode step on the CPU, in process (a program, not a test):
+the default model, ``--batch`` requests of ``--context`` prompt tokens
+prefilled, then ``--steps`` decode steps timed one by one; prints the
+median ms per step per batch size. ``--profile`` adds torch's profiler table
+of one batch size's steps (where the time goes, by op).
+
+    python benchmarks/worker_decode_cpu.py --batch 1 16 32 --context 320 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from worker_service.config import WorkerConfig
+from worker_service.worker import build_worker
+
+
+def measure(runner, batch: int, context: int, steps: int, page_size: int, profile: bool) -> dict:
+    driver = PlanDriver(runner, page_size)
+    times: list[float] = []
+    original = driver._apply
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    started = False
+
+    def timed(reqs, plan):
+        nonlocal started
+        decode = not plan.extends
+        if decode and profile and not started:  # decode steps only
+            prof.start()
+            started = True
+        t0 = time.perf_counter()
+        original(reqs, plan)
+        if decode:
+            times.append(time.perf_counter() - t0)
+
+    driver._apply = timed
+    reqs = [
+        DriverRequest([(7 * i + j) % 40000 + 100 for j in range(context)], steps + 1)
+        for i in range(batch)
+    ]
+    driver.run(reqs)
+    if started:
+        prof.stop()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    return {"batch": batch, "ms_per_step": statistics.median(times) * 1e3, "steps": len(times)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument("--context", type=int, default=320)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    worker = build_worker(
+        WorkerConfig(model="default", threads=args.threads, page_size=args.page_size)
+    )
+    out = []
+    for b in args.batch:
+        r = measure(worker.runner, b, args.context, args.steps, args.page_size, args.profile)
+        print(f"batch {b}: {r['ms_per_step']:.1f} ms per decode step", flush=True)
+        out.append(r)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

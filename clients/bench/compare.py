@@ -1,0 +1,79 @@
+"""--compare-openai: the same workload against this server and a peer's
+OpenAI completions endpoint (e.g. vLLM's own server), alternating which goes
+first, ``--repeats`` times; the report quotes each side's per-figure medians
+and ours / peer ratios of the medians (these machines are shared and noisy:
+one run each would measure the neighbours)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from clients.bench.records import RequestRecord
+from clients.bench.report import RATIOS, ratios
+
+PEER = "peer"
+
+
+def peer_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The same workload, sent to the peer's OpenAI endpoint."""
+    peer = copy.copy(args)
+    peer.backend = "openai"
+    peer.base_url = args.compare_openai
+    peer.model = args.compare_model
+    peer.tokenizer = args.compare_tokenizer or args.tokenizer or "default"
+    peer.api_key = None
+    peer.save_trace = None
+    return peer
+
+
+def median_summary(summaries: Sequence[Mapping]) -> dict:
+    """Per-figure medians of several runs' summaries (errors: all of them)."""
+    first = summaries[0]
+    out: dict = {}
+    for key, value in first.items():
+        values = [s[key] for s in summaries]
+        if isinstance(value, Mapping):
+            out[key] = median_summary(values)
+        elif isinstance(value, list):
+            out[key] = sorted({x for v in values for x in v})[:10]
+        else:
+            finite = [float(v) for v in values if not math.isnan(float(v))]
+            out[key] = statistics.median(finite) if finite else math.nan
+    return out
+
+
+def run_alternating(
+    args: argparse.Namespace, serve_run, summarize
+) -> tuple[dict[str, list[dict]], dict[str, tuple[list[RequestRecord], float]], list[dict]]:
+    """(summaries per side, the last run of each side, ratios per repeat)."""
+    sides = {args.backend: args, PEER: peer_args(args)}
+    summaries: dict[str, list[dict]] = {name: [] for name in sides}
+    last: dict[str, tuple[list[RequestRecord], float]] = {}
+    per_repeat: list[dict] = []
+    for i in range(args.repeats):
+        order = list(sides) if i % 2 == 0 else list(reversed(sides))
+        got = {}
+        for name in order:
+            _, run = asyncio.run(serve_run(sides[name]))
+            got[name] = summarize(run.records, run.duration_s)
+            summaries[name].append(got[name])
+            last[name] = (run.records, run.duration_s)
+        per_repeat.append(ratios(got[args.backend], got[PEER]))
+        print(
+            f"repeat {i + 1}/{args.repeats} ({' then '.join(order)}): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in per_repeat[-1].items()),
+            flush=True,
+        )
+    return summaries, last, per_repeat
+
+
+def ratio_ranges(per_repeat: Sequence[Mapping[str, float]]) -> dict[str, list[float]]:
+    return {k: [min(r[k] for r in per_repeat), max(r[k] for r in per_repeat)] for k in RATIOS}
+
+
+__all__ = ["PEER", "median_summary", "peer_args", "ratio_ranges", "run_alternating"]
