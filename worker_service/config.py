@@ -68,6 +68,11 @@ class WorkerConfig:
         "CPU threads for torch (0: all cores); leave a core to a scheduler on the same "
         "machine, a busy core makes every small op of a multi-threaded worker wait",
     )
+    onednn_linears: bool = setting(
+        True,
+        "CPU: run the projections and the LM head through oneDNN with weights packed once "
+        "(faster than torch's plain linear; keeps a second copy of the weights)",
+    )
     cuda_graphs: bool = setting(
         True, "replay captured CUDA graphs for decode steps (CUDA + flashinfer)"
     )

@@ -95,6 +95,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model.init_random_weights(seed=0)
     else:
         model.load_weights(source.tensors(dtype))
+    if device.type == "cpu" and cfg.onednn_linears:
+        logger.info("packed linears for oneDNN", layers=model.pack_linears_for_cpu())
     spec = AttentionSpec(
         num_heads=mcfg.num_heads // tp.size,
         num_kv_heads=model.num_local_kv_heads,

@@ -24,6 +24,7 @@ from torch import nn
 from worker_service.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.lora.batch import LoraSite
+from worker_service.models import cpu_linear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -82,9 +83,16 @@ class FusedColumnLinear(nn.Module):
         self.sizes = [size for _, size, _ in self.offsets.values()]
         self.weight = _param((start, in_features), dtype, device)
         self.bias = _param((start,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None  # pack_for_cpu()
+
+    def pack_for_cpu(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            out = cpu_linear.linear(x, self.packed, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         if self.lora is not None and (batch := self.lora.context.batch) is not None:
             batch.column(self.lora.layer, self.lora.module, x, out)
         return out
@@ -115,9 +123,16 @@ class RowLinear(nn.Module):
         self.lo, self.hi = tp.shard(in_features, "row-parallel input features")
         self.weight = _param((out_features, self.hi - self.lo), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None  # pack_for_cpu()
+
+    def pack_for_cpu(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        if self.packed is not None:
+            partial = cpu_linear.linear(x, self.packed, None)
+        else:
+            partial = F.linear(x, self.weight)
         if self.lora is not None and (batch := self.lora.context.batch) is not None:
             batch.row(self.lora.layer, self.lora.module, x, partial)
         out = self.tp.all_reduce(partial)
@@ -143,6 +158,10 @@ class VocabEmbedding(nn.Module):
         padded = -(-vocab // tp.size) * tp.size
         self.lo, self.hi = tp.shard(padded, "vocabulary")
         self.weight = _param((self.hi - self.lo, dim), dtype, device)
+        self.packed: torch.Tensor | None = None  # pack_for_cpu(): the LM head's copy
+
+    def pack_for_cpu(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
@@ -154,7 +173,10 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits (gathered across ranks)."""
-        local = F.linear(hidden, self.weight).float()
+        if self.packed is not None:
+            local = cpu_linear.linear(hidden, self.packed, None).float()
+        else:
+            local = F.linear(hidden, self.weight).float()
         return self.tp.all_gather_last_dim(local)[..., : self.vocab]
 
     def load(self, tensor: torch.Tensor) -> None:

@@ -233,6 +233,18 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
+    def pack_linears_for_cpu(self) -> int:
+        """Pack every projection and the LM head for oneDNN (models/cpu_linear.py),
+        once the weights are loaded; how many were packed (0 off the CPU)."""
+        packed = 0
+        for module in [*self.modules()]:
+            if module is self.embed_tokens and module is not self.lm_head:
+                continue  # an embedding table only, never a matmul
+            if hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu()
+                packed += module.packed is not None
+        return packed
+
     # ------------------------------------------------------------ weights
     @torch.no_grad()
     def init_random_weights(self, seed: int = 0) -> None:
