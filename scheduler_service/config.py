@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.settings import Deprecated, add_flags, build, section, setting
+from scheduler_service.core.adapters import ADAPTER_NAME
 from scheduler_service.core.config import SchedulerConfig
 
 ENV_PREFIX = "RADIXSERVE_"
@@ -108,14 +108,11 @@ class SecurityConfig:
     )
 
 
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
 def _lora_path(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not path:
         raise ValueError(f"expected NAME=PATH, got {text!r}")
-    if not _ADAPTER_NAME.match(name):
+    if not ADAPTER_NAME.match(name):
         raise ValueError(f"adapter name {name!r}: use 1-64 of A-Z a-z 0-9 . _ -")
     return name, path
 

@@ -3,50 +3,27 @@
 ``ModelRunner`` owns what a plan means: leaves before joins, pages appended
 to tables, extends before decodes, each decode computing the request's last
 sampled token. The arithmetic is delegated to a ``Compute``: ``ModelCompute``
-below (the real model) or ``SimulatedCompute`` (simulated.py).
-
-``ModelCompute`` is one step of the real model: flat batch -> forward ->
-logits -> tokens. Only the rows that need logits reach the LM head: the last
-token of every sampling request, and the prompt positions whose logprobs were
-asked for (the logits at position p score the prompt token at p + 1).
+(model_compute.py, the real model) or ``SimulatedCompute`` (simulated.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import structlog
 import torch
 
-from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
-from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.devices import DeviceFailure, is_sticky_device_error
-from worker_service.distributed import TensorParallel
-from worker_service.kv_cache import KvCache
-from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.lora.store import AdapterStore, LoadedAdapter
-from worker_service.models.llama import LlamaForCausalLM
-from worker_service.plan import LogprobSpec, Plan, PromptLogprobOut, Result
+from worker_service.plan import Plan, Result
 from worker_service.request_state import SlotState
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError
-from worker_service.sampling.logprobs import token_logprobs
-from worker_service.sampling.rows import SampleOutput, SampleRow
-from worker_service.sampling.sampler import SampleLaunch, Sampler
-from worker_service.transfer import to_device
+from worker_service.sampling.rows import SampleOutput
 from worker_service.validation import PlanError, validate_plan
 
 logger = structlog.get_logger(__name__)
-
-# Prompt rows per LM-head call when scoring prompt logprobs: 1024 rows of a
-# 128k vocabulary are 0.5 GB of float32 logits; a whole 8k-token chunk at once
-# would be 4 GB.
-PROMPT_LOGIT_ROWS = 1024
 
 
 @dataclass(slots=True)
@@ -317,247 +294,3 @@ class ModelRunner:
             result.ids_logprobs.extend(lps)
         result.prompt_logprobs = out.prompt_logprobs
         return result
-
-
-@dataclass(slots=True)
-class _PromptSpan:
-    work: SeqWork
-    start: int  # first prompt position reported
-    end: int  # exclusive
-    rows: list[int]  # hidden rows of positions max(start, 1) - 1 .. end - 2
-
-
-@dataclass
-class ModelStep:
-    """A model step queued on the device (ModelCompute.launch)."""
-
-    sample: SampleLaunch | None
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        if self.sample is None:
-            raise ValueError("this step samples nothing")
-        return self.sample.tokens
-
-
-class ModelCompute:
-    """One step of the real model (see the module docstring)."""
-
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        attn: AttentionBackend,
-        kv: KvCache,
-        sampler: Sampler,
-        tp: TensorParallel,
-        device: torch.device,
-    ) -> None:
-        self.model = model
-        self.attn = attn
-        self.kv = kv
-        self.sampler = sampler
-        self.tp = tp
-        self.device = device
-        self.page_size = kv.page_size
-        self.eos_token_ids = tuple(model.config.eos_token_ids)
-        self.graphs: DecodeGraphs | None = None
-
-    def capture_decode_graphs(self) -> None:
-        """Capture decode forwards (model + LM head) in CUDA graphs, one per batch
-        size the attention backend offers; decode-only steps then replay them."""
-        largest = max(self.attn.graph_sizes)
-        buffers = {
-            "ids": torch.zeros(largest, dtype=torch.long, device=self.device),
-            "positions": torch.zeros(largest, dtype=torch.long, device=self.device),
-        }
-
-        def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            hidden = self.model(inputs["ids"], inputs["positions"], self.attn, self.kv)
-            return self.model.logits(hidden)
-
-        self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
-        self.graphs.capture()
-
-    def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
-        return self.finish(self.launch(work, num_extends, None))
-
-    def launch(
-        self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
-    ) -> ModelStep:
-        """Queue the step: layout up, attention planned, forward, LM head and
-        sampling on the device; the host does not wait (but for prompt
-        logprobs, read back here). Decode inputs still PENDING are gathered on
-        the device from ``previous``'s sampled tokens."""
-        device = self.device
-        batch, input_ids = self._batch(work, num_extends, previous)
-        lora = self._lora_batch(work, batch.seqs)
-        # The graphs hold the base model only: a step with adapter rows runs eagerly.
-        if self.graphs is not None and num_extends == 0 and lora is None:
-            logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
-            if logits is not None:  # every row of a decode step samples
-                return ModelStep(self._sample(logits, work))
-        self.attn.begin_step(batch)
-        hidden = self.model(input_ids, batch.positions, self.attn, self.kv, lora)
-
-        sample_rows = [
-            s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
-        ]
-        step = ModelStep(None)
-        if sample_rows:
-            (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
-            logits = self.model.logits(hidden.index_select(0, index))
-            step.sample = self._sample(logits, [w for w in work if w.sample])
-        for span in self._prompt_spans(work, batch.seqs):
-            step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
-        return step
-
-    def finish(self, step: ModelStep) -> SampleOutput:
-        """The step's samples on the host: its one wait for the device."""
-        out = step.sample.result() if step.sample is not None else SampleOutput()
-        out.prompt_logprobs = step.prompt_logprobs
-        return out
-
-    # ------------------------------------------------------------- batch
-    def _batch(
-        self, work: list[SeqWork], num_extends: int, previous: ModelStep | None = None
-    ) -> tuple[AttentionBatch, torch.Tensor]:
-        """The step's layout, built with numpy on the host and sent to the device
-        in one non-blocking copy from pinned memory (no stream synchronisation)."""
-        page_size, n = self.page_size, len(work)
-        seqs: list[SequenceSlice] = []
-        tables: list[list[int]] = []
-        q_start = 0
-        for w in work:
-            q_len = len(w.inputs)
-            kv_len = w.start + q_len
-            table = w.state.pages[: -(-kv_len // page_size)]
-            if len(table) * page_size < kv_len:
-                raise ValueError(f"slot {w.slot}: its pages do not cover {kv_len} positions")
-            seqs.append(SequenceSlice(q_start, q_len, kv_len, table))
-            tables.append(table)
-            q_start += q_len
-        starts = np.fromiter((w.start for w in work), np.int64, n)
-        q_lens = np.fromiter((s.q_len for s in seqs), np.int64, n)
-        n_pages = np.fromiter((len(t) for t in tables), np.int64, n)
-        seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
-        first_row = np.cumsum(q_lens) - q_lens
-        positions = np.arange(q_start, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
-        flat_tables = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
-        table_base = np.cumsum(n_pages) - n_pages
-        pages = flat_tables[table_base[seq_of] + positions // page_size]
-        ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
-        # Decodes whose input the previous step is still sampling: (row, index
-        # among its sampled tokens); their ids are gathered on the device.
-        waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
-        if waiting and previous is None:
-            raise ValueError("a decode input is pending but no previous step was given")
-        gather = np.array(waiting, dtype=np.int64).reshape(-1, 2).T
-        ids[gather[0]] = 0
-        pos_t, pages_t, offsets_t, ids_t, gather_t = to_device(
-            [positions, pages, positions % page_size, ids, gather], self.device
-        )
-        if waiting:
-            ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
-        batch = AttentionBatch(
-            seqs=seqs,
-            num_extends=num_extends,
-            positions=pos_t,
-            write_pages=pages_t,
-            write_offsets=offsets_t,
-            page_size=page_size,
-        )
-        return batch, ids_t
-
-    def _lora_batch(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> LoraBatch | None:
-        """The step's token rows grouped by adapter; None when all are base rows."""
-        if all(w.state.adapter is None for w in work):
-            return None
-        spans = [(w.state.adapter, s.q_start, s.q_len) for w, s in zip(work, seqs, strict=True)]
-        return build_lora_batch(spans, self.device)
-
-    def _prompt_spans(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> list[_PromptSpan]:
-        """Which prompt positions this step scores, and the hidden rows they need."""
-        spans: list[_PromptSpan] = []
-        for w, s in zip(work, seqs, strict=True):
-            state = w.state
-            if not state.wants_prompt_logprobs or w.start >= state.prompt_len:
-                continue
-            end_known = w.start + len(w.inputs)  # positions < end_known are in this chunk
-            if w.next_token is not None:
-                end_known += 1  # and the next prompt token is given
-            start = max(state.logprobs.logprob_start_len, w.start + 1 if w.start else 0)
-            end = min(end_known, state.prompt_len)
-            if end <= start:
-                continue
-            scored = range(max(start, 1), end)  # position 0 has no logprob
-            rows = [s.q_start + (p - 1 - w.start) for p in scored]
-            spans.append(_PromptSpan(w, start, end, rows))
-        return spans
-
-    # ------------------------------------------------------------- sample
-    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleLaunch:
-        rows = [self._sample_row(w) for w in work]
-        if self.tp.rank == 0:
-            launched = self.sampler.launch(logits, rows)
-        else:  # the tokens come from rank 0; the logprobs are rank 0's to report
-            n = len(rows)
-            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            plain = [SampleRow(r.sampling, LogprobSpec(), (), ()) for r in rows]
-            zeros = torch.zeros((n, 1), dtype=torch.float32, device=self.device)
-            launched = SampleLaunch(tokens, [zeros], plain)
-        if self.tp.enabled:
-            # Every rank keeps the tokens on its device: the next step's decode
-            # inputs are gathered from them (overlap), and all ranks agree.
-            self.tp.broadcast_from_first(launched.tokens)
-        return launched
-
-    def _sample_row(self, w: SeqWork) -> SampleRow:
-        """The token lists are copied only for rows whose penalties read them."""
-        state, sp = w.state, w.state.sampling
-        tokens, n_prompt = state.tokens, state.prompt_len
-        eos = self.eos_token_ids
-        if state.grammar is not None and sp.min_new_tokens:
-            # The grammar decides where the output may end: min_new_tokens
-            # does not mask its end tokens (they may be all it allows).
-            sp, eos = dataclasses.replace(sp, min_new_tokens=0, stop_token_ids=()), ()
-        return SampleRow(
-            sampling=sp,
-            logprobs=state.logprobs,
-            prompt_ids=tokens[:n_prompt] if sp.repetition_penalty != 1.0 else (),
-            output_ids=tokens[n_prompt:] if sp.has_penalties else (),
-            eos_token_ids=eos,
-            num_outputs=len(tokens) - n_prompt,
-            grammar=state.grammar,
-        )
-
-    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:
-        """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:
-        a long prompt's full float32 logits (rows x vocabulary) would not fit."""
-        w, state = span.work, span.work.state
-        lp = state.logprobs
-        first = max(span.start, 1)
-        targets = np.array(
-            [
-                state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
-                for p in range(first, span.end)
-            ],
-            dtype=np.int64,
-        )
-        head = [math.nan] if span.start == 0 else []
-        out = PromptLogprobOut(w.slot, span.start, head)
-        rows = np.array(span.rows, dtype=np.int64)
-        for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
-            index, ids = to_device(
-                [rows[at : at + PROMPT_LOGIT_ROWS], targets[at : at + PROMPT_LOGIT_ROWS]],
-                self.device,
-            )
-            logits = self.model.logits(hidden.index_select(0, index))
-            scored = token_logprobs(logits, ids, lp.top_logprobs_num, lp.token_ids_logprob)
-            out.logprobs += scored.logprobs
-            if lp.top_logprobs_num:
-                out.top_ids += [i for ids_ in scored.top_ids for i in ids_]
-                out.top_logprobs += [x for lps in scored.top_logprobs for x in lps]
-            if lp.token_ids_logprob:
-                out.ids_logprobs += [x for lps in scored.ids_logprobs for x in lps]
-        return out

@@ -16,7 +16,8 @@ from worker_service.dtypes import resolve_dtype
 from worker_service.kernels import select_kernels
 from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader, ModelAdapterLoader
-from worker_service.model_runner import ModelCompute, ModelRunner
+from worker_service.model_compute import ModelCompute
+from worker_service.model_runner import ModelRunner
 from worker_service.models.config import ModelConfig
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (

@@ -9,19 +9,15 @@ the reason; every answer lists the adapters loaded after it.
 
 from __future__ import annotations
 
-import re
-
 import grpc
 import structlog
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service import ipc
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.core.adapters import ADAPTER_NAME
 
 logger = structlog.get_logger(__name__)
-
-# lora_ids and names: what a Prometheus label, a log field and a path segment take.
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class LoraRpcs:

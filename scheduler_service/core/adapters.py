@@ -17,12 +17,22 @@ joins, so a slot is only reassigned once its last user has left.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# lora_ids and names (from --lora-paths and LoadLoRAAdapter): what a metric
+# label, a log field and a path segment all take.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
 
 class AdapterError(ValueError):
-    """An adapter operation the table refuses (the message says why)."""
+    """An adapter operation the table refuses: the message says why, ``code``
+    what kind of refusal (a gRPC status name, which the service answers with)."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +68,18 @@ class AdapterSlots:
         if not adapter.lora_id:
             raise AdapterError("lora_id is required")
         if adapter.lora_id in self.loaded:
-            raise AdapterError(f"an adapter with lora_id {adapter.lora_id!r} is already loaded")
+            raise AdapterError(
+                f"an adapter with lora_id {adapter.lora_id!r} is already loaded", "ALREADY_EXISTS"
+            )
         if any(a.name == adapter.name for a in self.loaded.values()):
-            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+            raise AdapterError(
+                f"an adapter named {adapter.name!r} is already loaded", "ALREADY_EXISTS"
+            )
         if len(self.loaded) + loading >= self.max_loaded:
             raise AdapterError(
                 f"{len(self.loaded)} adapters are loaded, the limit (--max-loaded-loras); "
-                "unload one first"
+                "unload one first",
+                "RESOURCE_EXHAUSTED",
             )
         if adapter.pinned and self.pinned_count() >= self.max_per_batch - 1:
             raise AdapterError(
@@ -140,6 +155,10 @@ class AdapterSlots:
         if not 1 <= slot <= self.max_per_batch or self.users[slot] <= 0:
             raise AdapterError(f"adapter slot {slot} released but not held")
         self.users[slot] -= 1
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._changes)
 
     def take_changes(self) -> list[tuple[int, str]]:
         """Slot assignments since the last plan, for the next one."""

@@ -200,7 +200,8 @@ class Scheduler:
             else:
                 self.stats.prefill_steps += 1
         plan.entries.extend(decode_entries)
-        plan.adapter_slots = self.adapters.take_changes()
+        if self.adapters.changed:
+            plan.adapter_slots = self.adapters.take_changes()
         entries = record.entries
         requests = self.requests
         for e in decode_entries:

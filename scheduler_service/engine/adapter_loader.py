@@ -92,13 +92,7 @@ class AdapterLoader:
         try:
             table.check_register(adapter, loading=len(busy))
         except AdapterError as e:
-            text = str(e)
-            code = "ALREADY_EXISTS" if "already loaded" in text else "INVALID_ARGUMENT"
-            if "--max-loaded-loras" in text:
-                code = "RESOURCE_EXHAUSTED"
-            return self._reply(msg.token, False, text, code)
-        if not msg.path:
-            return self._reply(msg.token, False, "lora_path is required", "INVALID_ARGUMENT")
+            return self._reply(msg.token, False, str(e), e.code)
         futures = self.group.load_adapter(msg.lora_id, msg.path, self.max_rank, LOAD_TIMEOUT_S)
         self._loading.append(_Loading(msg, futures, time.monotonic()))
         return None
@@ -118,26 +112,17 @@ class AdapterLoader:
 
     def _finish(self, job: _Loading) -> ipc.AdapterReply:
         msg = job.msg
-        errors = []
-        for f in job.futures:
-            try:
-                response = f.result()
-                if response.error:
-                    errors.append(response.error)
-            except grpc.RpcError as e:
-                errors.append(f"worker unreachable: {e.details() if hasattr(e, 'details') else e}")
-        if errors:
+        error, unreachable = self._first_error(job.futures)
+        if error:
             self.group.unload_adapter(msg.lora_id)  # from the ranks that took it
-            code = _code_of(errors[0])
-            if errors[0].startswith("worker unreachable"):
-                code = "UNAVAILABLE"
-            return self._reply(msg.token, False, errors[0], code)
+            code = "UNAVAILABLE" if unreachable else _code_of(error)
+            return self._reply(msg.token, False, error, code)
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
         try:
             self.sched.adapters.register(adapter)
         except AdapterError as e:  # e.g. a same-named one loaded meanwhile
             self.group.unload_adapter(msg.lora_id)
-            return self._reply(msg.token, False, str(e), "ALREADY_EXISTS")
+            return self._reply(msg.token, False, str(e), e.code)
         logger.info(
             "LoRA adapter loaded",
             lora_id=msg.lora_id,
@@ -148,17 +133,28 @@ class AdapterLoader:
         )
         return self._reply(msg.token, True, "")
 
-    def _load_now(self, name: str, path: str) -> str:
-        """Load on every rank and wait; the first error ('' if none)."""
-        for f in self.group.load_adapter(name, path, self.max_rank, LOAD_TIMEOUT_S):
+    @staticmethod
+    def _first_error(futures: list) -> tuple[str, bool]:
+        """The ranks' LoadAdapter answers (waited for): the first refusal ('' if
+        none), and whether it is a rank that could not be reached."""
+        for f in futures:
             try:
                 response = f.result()
             except grpc.RpcError as e:
-                raise WorkerError(f"loading adapter {name!r}: {e}") from e
+                return f"worker unreachable: {e.details() if hasattr(e, 'details') else e}", True
             if response.error:
-                self.group.unload_adapter(name)
-                return response.error
-        return ""
+                return response.error, False
+        return "", False
+
+    def _load_now(self, name: str, path: str) -> str:
+        """Load on every rank and wait; the first refusal ('' if none)."""
+        futures = self.group.load_adapter(name, path, self.max_rank, LOAD_TIMEOUT_S)
+        error, unreachable = self._first_error(futures)
+        if unreachable:
+            raise WorkerError(f"loading adapter {name!r}: {error}")
+        if error:
+            self.group.unload_adapter(name)
+        return error
 
     # ---------------------------------------------------------------- unload
     def unload(self, msg: ipc.UnloadAdapter) -> ipc.AdapterReply:

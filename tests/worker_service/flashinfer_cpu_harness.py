@@ -49,6 +49,8 @@ from tests.worker_service.flashinfer_reference import (
     GraphTape,
     KernelContractError,
     Placement,
+)
+from tests.worker_service.flashinfer_reference_modules import (
     ReferenceDecodeModule,
     ReferencePrefillModule,
 )

@@ -42,7 +42,8 @@ from worker_service.distributed import TensorParallel
 from worker_service.kernels import Kernels, SamplingFilters, TorchKernels, select_kernels
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
 from worker_service.kv_cache import KvCache
-from worker_service.model_runner import ModelCompute, ModelRunner
+from worker_service.model_compute import ModelCompute
+from worker_service.model_runner import ModelRunner
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
 from worker_service.plan import LogprobSpec, SamplingSpec

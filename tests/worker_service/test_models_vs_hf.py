@@ -25,7 +25,7 @@ from transformers import (
 from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
-from worker_service import model_runner
+from worker_service import model_compute
 from worker_service.plan import LogprobSpec
 
 STEPS = 34
@@ -123,7 +123,7 @@ def test_prompt_logprobs_and_top_logprobs_match_hf(tmp_path):
 
 def test_prompt_logprobs_go_through_the_lm_head_a_few_rows_at_a_time(tmp_path, monkeypatch):
     # A long prompt's float32 logits (rows x vocabulary) must never exist at once.
-    monkeypatch.setattr(model_runner, "PROMPT_LOGIT_ROWS", 3)
+    monkeypatch.setattr(model_compute, "PROMPT_LOGIT_ROWS", 3)
     hf = tiny_model("llama3-rope-scaling", tmp_path)
     runner = runner_for(tmp_path, page_size=4, num_pages=256)
     model = runner.compute.model
