@@ -2,9 +2,12 @@
 the default model, ``--batch`` requests of ``--context`` prompt tokens
 prefilled, then ``--steps`` decode steps timed one by one; prints the
 median ms per step per batch size. ``--profile`` adds torch's profiler table
-of one batch size's steps (where the time goes, by op).
+of one batch size's steps (where the time goes, by op). ``--ab-decode-kernel
+N`` measures each batch size N times with the CPU decode kernel and N times
+without it (torch's gather and SDPA), alternating, and prints the ratio.
 
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --context 320 --threads 1
+    python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-decode-kernel 3
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from worker_service.worker import build_worker
 def measure(runner, batch: int, context: int, steps: int, page_size: int, profile: bool) -> dict:
     driver = PlanDriver(runner, page_size)
     times: list[float] = []
+    cpu: list[float] = []
     original = driver._apply
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -39,10 +43,11 @@ def measure(runner, batch: int, context: int, steps: int, page_size: int, profil
         if decode and profile and not started:  # decode steps only
             prof.start()
             started = True
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         original(reqs, plan)
         if decode:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
 
     driver._apply = timed
     reqs = [
@@ -53,7 +58,14 @@ def measure(runner, batch: int, context: int, steps: int, page_size: int, profil
     if started:
         prof.stop()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    return {"batch": batch, "ms_per_step": statistics.median(times) * 1e3, "steps": len(times)}
+    return {
+        "batch": batch,
+        "ms_per_step": statistics.median(times) * 1e3,
+        # This thread's CPU time: with one torch thread, the step's own work,
+        # less sensitive than wall time to other processes on a shared machine.
+        "cpu_ms_per_step": statistics.median(cpu) * 1e3,
+        "steps": len(times),
+    }
 
 
 def main() -> None:
@@ -64,16 +76,55 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--ab-decode-kernel", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args()
     worker = build_worker(
         WorkerConfig(model="default", threads=args.threads, page_size=args.page_size)
     )
+    if args.ab_decode_kernel:
+        ab_decode_kernel(worker, args)
+        return
     out = []
     for b in args.batch:
         r = measure(worker.runner, b, args.context, args.steps, args.page_size, args.profile)
-        print(f"batch {b}: {r['ms_per_step']:.1f} ms per decode step", flush=True)
+        print(
+            f"batch {b}: {r['ms_per_step']:.1f} ms per decode step "
+            f"({r['cpu_ms_per_step']:.1f} ms of this thread's CPU)",
+            flush=True,
+        )
         out.append(r)
     print(json.dumps(out))
+
+
+def ab_decode_kernel(worker, args) -> None:
+    attn = worker.runner.compute.attn
+    kernel = attn.decode_kernel
+    if kernel is None:
+        raise SystemExit("the CPU decode kernel is not available here")
+    report = []
+    for b in args.batch:
+        sides: dict[str, list[dict]] = {"kernel": [], "torch": []}
+        for _ in range(args.ab_decode_kernel):
+            for side, runs in sides.items():
+                attn.decode_kernel = kernel if side == "kernel" else None
+                runs.append(
+                    measure(worker.runner, b, args.context, args.steps, args.page_size, False)
+                )
+        attn.decode_kernel = kernel
+        row: dict = {"batch": b}
+        for unit in ("ms_per_step", "cpu_ms_per_step"):
+            k = statistics.median(r[unit] for r in sides["kernel"])
+            t = statistics.median(r[unit] for r in sides["torch"])
+            row[unit] = {"kernel": round(k, 2), "torch": round(t, 2), "ratio": round(k / t, 3)}
+        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
+        print(
+            f"batch {b}: kernel {w['kernel']:.1f} ms, torch {w['torch']:.1f} ms per decode step "
+            f"(kernel/torch {w['ratio']:.2f}); CPU {c['kernel']:.1f} vs {c['torch']:.1f} ms "
+            f"({c['ratio']:.2f})",
+            flush=True,
+        )
+        report.append(row)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

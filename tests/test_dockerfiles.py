@@ -35,6 +35,9 @@ def test_dockerfile_copies_every_package_and_pins_like_the_makefile(flavor):
     uid = values["podSecurityContext"]["runAsUser"]
     assert f"USER {uid}:{values['podSecurityContext']['runAsGroup']}" in text
     assert text.count("FROM ") == 2  # multi-stage: the build tools stay behind
+    if flavor == "cpu":  # the worker compiles its decode kernel at start
+        runtime = text.split("\nFROM ")[-1]
+        assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", runtime), runtime
 
 
 @pytest.mark.parametrize("flavor", sorted(DOCKERFILES))

@@ -73,6 +73,12 @@ class WorkerConfig:
         "CPU: run the projections and the LM head through oneDNN with weights packed once "
         "(faster than torch's plain linear; keeps a second copy of the weights)",
     )
+    cpu_decode_kernel: bool = setting(
+        True,
+        "CPU: decode attention through a small C kernel that reads the KV pages in place "
+        "(built with the host's C compiler on first use and cached; torch's gather and "
+        "SDPA where it cannot be built)",
+    )
     cuda_graphs: bool = setting(
         True, "replay captured CUDA graphs for decode steps (CUDA + flashinfer)"
     )

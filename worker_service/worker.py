@@ -8,6 +8,7 @@ import structlog
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionSpec
+from worker_service.attention.cpu_paged_kernel import load_paged_decode
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.devices import resolve_device, use_device
@@ -111,7 +112,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # buffers) is allocated before the KV pool is sized from the memory left;
     # what the decode graphs and a step's activations take comes out of the
     # share of free memory the pool leaves (GPU_KV_FRACTION).
-    attn = _attention(cfg.attention_backend, spec, device)
+    attn = _attention(cfg, spec, device)
     sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, None, cfg.kernels))
     num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
     # One page more than the scheduler is told about: decode CUDA graphs pad
@@ -152,6 +153,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         pages=num_pages,
         page_size=cfg.page_size,
         attention=attn.name,
+        cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
         kernels=model.kernels.name,
     )
     return Worker(
@@ -170,11 +172,17 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     )
 
 
-def _attention(name: str, spec: AttentionSpec, device: torch.device) -> AttentionBackend:
+def _attention(cfg: WorkerConfig, spec: AttentionSpec, device: torch.device) -> AttentionBackend:
+    name = cfg.attention_backend
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttention(spec)
+        kernel = None
+        if device.type == "cpu" and cfg.cpu_decode_kernel:
+            kernel = load_paged_decode(
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
+            )
+        return TorchAttention(spec, kernel)
     from worker_service.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(spec)

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker_service.attention.base import AttentionBackend, AttentionBatch
+from worker_service.attention.base import AttentionBackend, AttentionBatch, AttentionSpec
+from worker_service.attention.cpu_paged_kernel import DecodeLayout, PagedDecodeKernel
 from worker_service.kv_cache import KvCache
 from worker_service.transfer import to_device
 
@@ -39,6 +40,18 @@ class _DecodeRows:
 class TorchAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self, spec: AttentionSpec, decode_kernel: PagedDecodeKernel | None = None) -> None:
+        super().__init__(spec)
+        # On CPU, decode rows attend through the compiled kernel, which reads
+        # the pages in place; without it, through the gather and SDPA below.
+        usable = (
+            decode_kernel is not None
+            and spec.device.type == "cpu"
+            and decode_kernel.supports(spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        )
+        self.decode_kernel = decode_kernel if usable else None
+        self._layout: DecodeLayout | None = None
+
     def begin_step(self, batch: AttentionBatch) -> None:
         device = self.spec.device
         window = self.spec.sliding_window
@@ -49,7 +62,17 @@ class TorchAttention(AttentionBackend):
             [np.asarray(s.page_table, dtype=np.int64) for s in batch.seqs], device
         )
         self._masks: list[torch.Tensor | None] = []
-        self._decode = self._decode_batch(batch)
+        self._decode, self._layout = None, None
+        if self.decode_kernel is not None:
+            decodes = [s for s in batch.seqs if s.q_len == 1]
+            if decodes:
+                self._layout = DecodeLayout(
+                    [s.q_start for s in decodes],
+                    [s.kv_len for s in decodes],
+                    [s.page_table for s in decodes],
+                )
+        else:
+            self._decode = self._decode_batch(batch)
         for s in batch.seqs:
             if s.q_len == 1:
                 self._masks.append(None)  # attends in the decode batch
@@ -98,6 +121,15 @@ class TorchAttention(AttentionBackend):
         kv.write(layer, batch.write_pages, batch.write_offsets, k, v)
         out = torch.empty_like(q)
         groups = self.spec.num_heads // self.spec.num_kv_heads
+        if self._layout is not None:
+            self.decode_kernel(
+                q.contiguous(),
+                kv.layers[layer],
+                out,
+                self._layout,
+                self.spec.sliding_window,
+                self.spec.scale,
+            )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
             n, kv_heads = len(d.rows), cache.shape[-2]

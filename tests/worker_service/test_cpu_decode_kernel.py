@@ -1,0 +1,123 @@
+"""The CPU decode-attention kernel (worker_service/attention/cpu_kernels/
+paged_decode.c) against the torch path it replaces (gather + SDPA), over page
+sizes, head groups, head dims, windows, dtypes, thread splits and steps that
+mix extends with decodes; and the fallbacks when it cannot be built or does
+not fit the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker_service.test_flashinfer_backend import make_batch
+from worker_service.attention import cpu_paged_kernel
+from worker_service.attention.base import AttentionSpec
+from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
+from worker_service.attention.torch_backend import TorchAttention
+from worker_service.kv_cache import KvCache
+
+CPU = torch.device("cpu")
+NUM_PAGES = 320
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    k = load_paged_decode(9, 3, 64, 1)  # the default model's shape
+    assert k is not None, "the kernel must build on the CI machine (gcc is there)"
+    return k
+
+
+def attend(
+    spec: AttentionSpec, kernel: PagedDecodeKernel | None, batch, q, k, v, kv
+) -> torch.Tensor:
+    attn = TorchAttention(spec, kernel)
+    assert (attn.decode_kernel is not None) == (kernel is not None)
+    attn.begin_step(batch)
+    return attn.forward(0, q, k, v, kv)
+
+
+def case(page_size, heads, kv_heads, head_dim, window, dtype, extends, decodes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    spec = AttentionSpec(heads, kv_heads, head_dim, page_size, window, dtype, CPU)
+    kv = KvCache(1, NUM_PAGES, page_size, kv_heads, head_dim, dtype, CPU)
+    kv.layers[0].copy_(torch.randn(kv.layers[0].shape, generator=gen))
+    batch = make_batch(extends, decodes, page_size, NUM_PAGES, gen)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    return spec, batch, q, k, v, kv
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(
+    ("page_size", "heads", "kv_heads", "head_dim"),
+    [(16, 9, 3, 64), (1, 4, 4, 64), (4, 8, 2, 128), (16, 6, 1, 32), (3, 10, 2, 16)],
+)
+def test_kernel_matches_torch(kernel, page_size, heads, kv_heads, head_dim, window, dtype) -> None:
+    # Lengths at and around page boundaries, a one-token context and a long
+    # row; an extend with a prefix and a whole prompt in the same step.
+    decodes = [1, page_size, page_size + 1, 37, 150, 2]
+    spec, batch, q, k, v, kv = case(
+        page_size, heads, kv_heads, head_dim, window, dtype, [(5, 20), (9, 9)], decodes
+    )
+    want = attend(spec, None, batch, q, k, v, kv)
+    got = attend(spec, kernel, batch, q, k, v, kv)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert torch.isfinite(got).all()
+
+
+def test_kernel_splits_across_threads(kernel) -> None:
+    spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [], [40, 90, 3, 17, 64, 5])
+    want = attend(spec, kernel, batch, q, k, v, kv)
+    threaded = PagedDecodeKernel(kernel.library, threads=3)
+    got = attend(spec, threaded, batch, q, k, v, kv)
+    assert torch.equal(got, want)  # the same arithmetic per task, whichever thread runs it
+
+
+def test_kernel_reads_strided_queries(kernel) -> None:
+    """q, k, v arrive as views of one fused projection, as in the model."""
+    spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [(4, 30)], [12, 33])
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv = fused[:, : 9 * 64].view(-1, 9, 64)
+    assert not qv.is_contiguous()
+    want = attend(spec, None, batch, q, k, v, kv)
+    torch.testing.assert_close(
+        attend(spec, kernel, batch, qv, k, v, kv), want, **tol(torch.float32)
+    )
+
+
+def test_unsupported_shapes_stay_on_torch(kernel) -> None:
+    # head_dim 40 is not a multiple of 16: the backend keeps the torch path.
+    spec = AttentionSpec(4, 2, 40, 16, None, torch.float32, CPU)
+    assert TorchAttention(spec, kernel).decode_kernel is None
+    spec16 = AttentionSpec(4, 2, 64, 16, None, torch.float16, CPU)
+    assert TorchAttention(spec16, kernel).decode_kernel is None
+    assert kernel.supports(torch.float32, 9, 3, 64)
+    assert not kernel.supports(torch.float32, 34, 2, 64)  # group of 17
+
+
+def test_build_is_cached_and_keyed(kernel, tmp_path) -> None:
+    first = cpu_paged_kernel.build(3, 64, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_paged_kernel.build(3, 64, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert list(tmp_path.iterdir()) == [first]  # no temporary left behind
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert load_paged_decode(9, 3, 64, 1) is None
+
+
+def test_failed_build_leaves_nothing(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", "false")  # exists, exits 1
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_paged_kernel.build(3, 64, tmp_path)
+    assert not any(tmp_path.iterdir())

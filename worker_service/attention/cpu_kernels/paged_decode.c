@@ -1,0 +1,229 @@
+/* Decode attention over the paged KV cache, read in place (no gather).
+ *
+ * One query per sequence. The cache of one layer has the layout
+ * (num_pages, 2, page_size, kv_heads, head_dim): index 0 of the second axis
+ * holds keys, 1 values. Position p of sequence i lives in page
+ * page_ids[indptr[i] + p / page_size], slot p % page_size.
+ *
+ * Work is split into tasks, one per (sequence, kv head); a task serves the
+ * kv head's whole group of query heads, so each key and value row is read
+ * from memory once for all of them. The caller runs the task range
+ * [task_begin, task_end) and may split the range across threads.
+ *
+ * Plain C, called through ctypes with raw pointers; built by
+ * cpu_paged_kernel.py with the host compiler. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* dtype codes shared with the Python side */
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+/* 16 floats, loaded from any float address (GCC/Clang vector extensions:
+ * AVX-512 registers where the CPU has them, pairs or quads of narrower ones
+ * elsewhere). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+/* Sum of the 16 lanes as a tree of halves (a lane-by-lane loop is 15
+ * dependent additions, the compiler may not reorder them). */
+static inline float hsum(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the maximum), to within a few
+ * ulp: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial. Vectorisable,
+ * unlike the C library's expf without -ffast-math. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    /* round to nearest by adding and removing 1.5 * 2^23 (plain arithmetic, so
+     * the loop vectorises; roundf is a library call) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* Row `index` of `base` as floats: in place for float32, else converted into `scratch`. */
+static inline const float *float_row(float *scratch, const void *base, int64_t index, int dim,
+                                     int dtype) {
+    if (dtype == DT_F32) return (const float *)base + index;
+    const uint16_t *src = (const uint16_t *)base + index;
+#pragma omp simd
+    for (int d = 0; d < dim; d++) scratch[d] = bf16_to_float(src[d]);
+    return scratch;
+}
+
+enum { MAX_GROUP = 16, MAX_CHUNKS = 16 }; /* head_dim up to 256 */
+
+/* One (sequence, kv head) task. Inlined into a copy per common (group,
+ * chunks) pair, so those loops have constant bounds and the accumulators can
+ * stay in registers. */
+static inline __attribute__((always_inline)) void decode_task(
+    const int group, const int chunks, const int64_t task, const void *q, const int q_dtype,
+    const void *cache, const int cache_dtype, void *out, const int64_t *rows,
+    const int64_t *lens, const int64_t *indptr, const int64_t *page_ids, const int page_size,
+    const int heads, const int kv_heads, const int head_dim, const int window, const float scale,
+    float *scores, float *row) {
+    const int64_t slot_stride = (int64_t)kv_heads * head_dim;       /* next position in a page */
+    const int64_t half_stride = (int64_t)page_size * slot_stride;   /* keys -> values */
+    const int64_t page_stride = 2 * half_stride;
+    v16 qs[MAX_GROUP][MAX_CHUNKS];
+    v16 acc[MAX_GROUP][MAX_CHUNKS];
+    float inv_sum[MAX_GROUP];
+
+    const int64_t seq = task / kv_heads;
+    const int kvh = (int)(task % kv_heads);
+    const int64_t len = lens[seq];
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    const int64_t span = len - first;
+    const int64_t *pages = page_ids + indptr[seq];
+    const int64_t q_index = (rows[seq] * heads + (int64_t)kvh * group) * head_dim;
+
+    for (int g = 0; g < group; g++) {
+        const float *qg = float_row(row, q, q_index + (int64_t)g * head_dim, head_dim, q_dtype);
+        for (int c = 0; c < chunks; c++) qs[g][c] = *(const v16 *)(qg + 16 * c) * scale;
+    }
+
+    /* scores = scale * q . k, page by page */
+    const int64_t first_page = first / page_size;
+    for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
+        const int64_t base = pages[pg] * page_stride + (int64_t)kvh * head_dim;
+        const int from = pg == first_page ? (int)(first % page_size) : 0;
+        const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
+        for (int slot = from; slot < to; slot++, i++) {
+            const float *k = float_row(row, cache, base + slot * slot_stride, head_dim,
+                                       cache_dtype);
+            v16 kc[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) kc[c] = *(const v16 *)(k + 16 * c);
+            for (int g = 0; g < group; g++) {
+                v16 dot = qs[g][0] * kc[0];
+                for (int c = 1; c < chunks; c++) dot += qs[g][c] * kc[c];
+                scores[(int64_t)g * span + i] = hsum(dot);
+            }
+        }
+    }
+    /* softmax per query head */
+    for (int g = 0; g < group; g++) {
+        float *s = scores + (int64_t)g * span;
+        float m = s[0];
+        for (int64_t i = 1; i < span; i++) m = s[i] > m ? s[i] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < span; i++) {
+            s[i] = exp_nonpositive(s[i] - m);
+            sum += s[i];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    /* out = softmax . v */
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) acc[g][c] = (v16){0};
+    for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
+        const int64_t base = pages[pg] * page_stride + half_stride + (int64_t)kvh * head_dim;
+        const int from = pg == first_page ? (int)(first % page_size) : 0;
+        const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
+        for (int slot = from; slot < to; slot++, i++) {
+            const float *v = float_row(row, cache, base + slot * slot_stride, head_dim,
+                                       cache_dtype);
+            v16 vc[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) vc[c] = *(const v16 *)(v + 16 * c);
+            for (int g = 0; g < group; g++) {
+                const float w = scores[(int64_t)g * span + i];
+                for (int c = 0; c < chunks; c++) acc[g][c] += w * vc[c];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const int64_t o = q_index + (int64_t)g * head_dim;
+        for (int c = 0; c < chunks; c++) {
+            const v16 a = acc[g][c] * inv_sum[g];
+            if (q_dtype == DT_F32) {
+                *(v16 *)((float *)out + o + 16 * c) = a;
+            } else {
+                uint16_t *dst = (uint16_t *)out + o + 16 * c;
+                for (int i = 0; i < 16; i++) dst[i] = float_to_bf16(a[i]);
+            }
+        }
+    }
+    }
+
+/* Returns 0; -1 when a scratch allocation fails; -2 for a shape it does not
+ * handle (head_dim not a multiple of 16 or over 256, group over 16). */
+int paged_decode(
+    const void *q,          /* (T, heads, head_dim), dtype q_dtype */
+    int q_dtype,
+    const void *cache,      /* one layer: (pages, 2, page_size, kv_heads, head_dim) */
+    int cache_dtype,
+    void *out,              /* (T, heads, head_dim), dtype q_dtype */
+    const int64_t *rows,    /* (n,) row of each sequence's query in q and out */
+    const int64_t *lens,    /* (n,) keys to attend: positions [0, len) */
+    const int64_t *indptr,  /* (n + 1,) */
+    const int64_t *page_ids,
+    int page_size, int heads, int kv_heads, int head_dim,
+    int window,             /* > 0: attend only the last `window` positions */
+    float scale,
+    int64_t task_begin, int64_t task_end) {
+    const int group = heads / kv_heads;
+    const int chunks = head_dim / 16;
+    if (head_dim % 16 != 0 || chunks > MAX_CHUNKS || group > MAX_GROUP || group < 1) return -2;
+    int64_t max_len = 1;
+    for (int64_t t = task_begin; t < task_end; t++) {
+        int64_t len = lens[t / kv_heads];
+        if (len > max_len) max_len = len;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(group * max_len));
+    float *row = malloc(sizeof(float) * (size_t)head_dim);
+    if (!scores || !row) {
+        free(scores);
+        free(row);
+        return -1;
+    }
+    for (int64_t task = task_begin; task < task_end; task++) {
+#define TASK(G, C)                                                                              \
+    decode_task(G, C, task, q, q_dtype, cache, cache_dtype, out, rows, lens, indptr, page_ids,  \
+                page_size, heads, kv_heads, head_dim, window, scale, scores, row)
+        /* The model's own shape (-DGROUP=..., -DCHUNKS=... at build time) gets a
+         * copy with constant loop bounds: about 4x faster than the general one.
+         * One copy per build keeps the build near a second. */
+#if defined(GROUP) && defined(CHUNKS)
+        if (group == GROUP && chunks == CHUNKS)
+            TASK(GROUP, CHUNKS);
+        else
+#endif
+            TASK(group, chunks);
+#undef TASK
+    }
+    free(scores);
+    free(row);
+    return 0;
+}

@@ -1,0 +1,233 @@
+"""The CPU decode-attention kernel (cpu_kernels/paged_decode.c): built with the
+host's C compiler on first use, cached, and called through ctypes.
+
+It reads every decode row's keys and values where they lie in the page pool,
+instead of gathering them into a padded batch first and handing that to
+torch's attention. Built for the machine it runs on (-march=native), so the
+cache key includes the CPU's feature flags and the compiler's version, and a
+build never runs on a CPU it was not made for. Where there is no compiler
+or the build fails, ``load_paged_decode`` returns None and attention stays on
+the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+logger = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.c"
+# -fopenmp-simd vectorises the marked loops (reductions included) without
+# linking an OpenMP runtime, which would compete with torch's own threads.
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+LIBS = ("-lm",)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (under $XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "radixserve" / "kernels"
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build(group: int, head_dim: int, directory: Path | None = None) -> Path:
+    """Compile the kernel with a fast copy for ``group`` query heads per kv
+    head and ``head_dim`` (or find it already built); return the library's
+    path. Raises RuntimeError when there is no compiler or the build fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC, cc or gcc) found")
+    flags = [*CFLAGS]
+    if head_dim % 16 == 0:
+        flags += [f"-DGROUP={group}", f"-DCHUNKS={head_dim // 16}"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    key = hashlib.sha256(
+        SOURCE.read_bytes()
+        + " ".join(flags).encode()
+        + version.stdout.encode()
+        + _cpu_identity().encode()
+    ).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"paged_decode-g{group}-d{head_dim}-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build to a private name, then rename: workers starting together may
+    # build at once, and none may load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    done = subprocess.run(
+        [cc, *flags, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+class PagedDecodeKernel:
+    """Decode attention for the torch backend on CPU. ``threads`` > 1 splits the
+    (row, kv head) tasks over a pool; ctypes releases the GIL during a call."""
+
+    def __init__(self, library: Path, threads: int = 1) -> None:
+        lib = ctypes.CDLL(str(library))
+        fn = lib.paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,  # q
+            ctypes.c_int,
+            ctypes.c_void_p,  # cache
+            ctypes.c_int,
+            ctypes.c_void_p,  # out
+            _I64P,  # rows
+            _I64P,  # lens
+            _I64P,  # indptr
+            _I64P,  # page_ids
+            ctypes.c_int,  # page_size
+            ctypes.c_int,  # heads
+            ctypes.c_int,  # kv_heads
+            ctypes.c_int,  # head_dim
+            ctypes.c_int,  # window
+            ctypes.c_float,  # scale
+            ctypes.c_int64,  # task_begin
+            ctypes.c_int64,  # task_end
+        ]
+        self._fn = fn
+        self.library = library
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    @staticmethod
+    def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """The shapes and dtypes the kernel handles (its C side refuses others)."""
+        group, rest = divmod(heads, kv_heads)
+        return (
+            dtype in DTYPE_CODES
+            and rest == 0
+            and 1 <= group <= MAX_GROUP
+            and head_dim % 16 == 0
+            and head_dim <= MAX_HEAD_DIM
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        out: torch.Tensor,
+        layout: DecodeLayout,
+        window: int | None,
+        scale: float,
+    ) -> None:
+        """Attention of the decode rows ``layout.rows`` of q (T, heads, D) over
+        one layer's cache (pages, 2, page_size, kv_heads, D), into the same
+        rows of out."""
+        if not (q.is_contiguous() and cache.is_contiguous() and out.is_contiguous()):
+            raise ValueError("the CPU decode kernel needs contiguous q, cache and out")
+        _, heads, head_dim = q.shape
+        page_size, kv_heads = cache.shape[2], cache.shape[3]
+        args = (
+            q.data_ptr(),
+            DTYPE_CODES[q.dtype],
+            cache.data_ptr(),
+            DTYPE_CODES[cache.dtype],
+            out.data_ptr(),
+            layout.rows_p,
+            layout.lens_p,
+            layout.indptr_p,
+            layout.pages_p,
+            page_size,
+            heads,
+            kv_heads,
+            head_dim,
+            window or 0,
+            scale,
+        )
+        tasks = layout.num_rows * kv_heads
+        if self._pool is None or tasks < 2 * self.threads:
+            self._check(self._fn(*args, 0, tasks))
+            return
+        bounds = np.linspace(0, tasks, self.threads + 1).astype(np.int64)
+        futures = [
+            self._pool.submit(self._fn, *args, int(a), int(b))
+            for a, b in itertools.pairwise(bounds[1:])
+        ]
+        self._check(self._fn(*args, int(bounds[0]), int(bounds[1])))
+        for f in futures:
+            self._check(f.result())
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status == -1:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
+        if status != 0:
+            raise ValueError(f"the CPU decode kernel refused its arguments (status {status})")
+
+
+class DecodeLayout:
+    """One step's decode rows for the kernel: int64 arrays kept alive for the
+    step, with their ctypes pointers made once (not once per layer)."""
+
+    def __init__(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> None:
+        self.num_rows = len(rows)
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.lens = np.asarray(lens, dtype=np.int64)
+        self.indptr = np.zeros(len(tables) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in tables], out=self.indptr[1:])
+        self.pages = (
+            np.concatenate([np.asarray(t, dtype=np.int64) for t in tables])
+            if tables
+            else np.zeros(0, dtype=np.int64)
+        )
+        self.rows_p = self.rows.ctypes.data_as(_I64P)
+        self.lens_p = self.lens.ctypes.data_as(_I64P)
+        self.indptr_p = self.indptr.ctypes.data_as(_I64P)
+        self.pages_p = self.pages.ctypes.data_as(_I64P)
+
+
+def load_paged_decode(
+    heads: int, kv_heads: int, head_dim: int, threads: int = 1
+) -> PagedDecodeKernel | None:
+    """The kernel for a model's (per-rank) attention shape, built if needed;
+    None (and a warning) where it cannot be built or does not fit the shape."""
+    if not PagedDecodeKernel.supports(torch.float32, heads, kv_heads, head_dim):
+        logger.info("CPU decode kernel does not fit this model's heads; attention stays on torch")
+        return None
+    try:
+        return PagedDecodeKernel(build(heads // kv_heads, head_dim), threads)
+    except (RuntimeError, OSError) as e:
+        logger.warning("CPU decode kernel unavailable; attention stays on torch", error=str(e))
+        return None
