@@ -99,7 +99,9 @@ class CallObserver:
         self.g = g
         self.request_id = g.rid
         self.log = logger.bind(request_id=g.rid, trace_id=self.trace_id)
-        self.samples = {r.rid: _Sample() for r in g.requests}
+        # keyed by the samples' internal rids, which the CoreClient gives
+        # them at submit (after this): filled as their outputs come
+        self.samples = {}
         if g.lora_id is not None:
             self.log = self.log.bind(lora_id=g.lora_id)
             if self.metrics is not None:
@@ -130,7 +132,9 @@ class CallObserver:
     def delta(self, d: ipc.DeltaOut, now: float) -> None:
         s = self.samples.get(d.rid)
         if s is None:
-            return
+            if self.g is None:
+                return
+            s = self.samples[d.rid] = _Sample()
         n = len(d.token_ids)
         m = self.metrics
         if n:

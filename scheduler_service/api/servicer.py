@@ -33,6 +33,10 @@ from scheduler_service.core.sampling import InvalidRequestError
 
 logger = structlog.get_logger(__name__)
 
+# How long a new call waits for a cancelled call with the same request id to
+# let it go (the cancel may reach the old call's coroutine after the new call).
+RID_REUSE_GRACE_S = 1.0
+
 
 def _status_of(e: BaseException) -> str:
     """The gRPC status name an exception ends a call with."""
@@ -108,6 +112,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 )
                 obs.accepted(g)
                 await self._check_grammar(g)
+                await self.core.wait_free([r.rid for r in g.requests], RID_REUSE_GRACE_S)
                 call = self.core.submit(g.requests)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
@@ -194,6 +199,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         call = self.core.find(request.request_id)
         if call is not None:
             self.core.abort(call.rids, request.reason or "aborted by the client")
+            self.core.release(call)  # the id is free for a new call at once
         # Like SGLang: success whether or not the id was known.
         return pb.AbortResponse(success=True, message=f"Request {request.request_id} aborted")
 
