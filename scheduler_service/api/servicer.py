@@ -25,6 +25,7 @@ from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import SampleState, chunk, complete
 from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
+from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
 from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
 from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
@@ -94,6 +95,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Undecodable):  # bytes that did not parse (decode_guard.py)
+            await refuse_undecodable(request, self.metrics, context)
         obs = CallObserver(
             self.metrics,
             self.model.served_model_name,

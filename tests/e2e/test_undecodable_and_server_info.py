@@ -10,6 +10,7 @@ import json
 import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
+from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from tests.e2e.sim_server import assert_idle_and_clean, simulated_server
@@ -39,6 +40,7 @@ def _raw(channel: grpc.Channel, method: str, streaming: bool):
         ("Generate", True, "sglang.grpc.scheduler.GenerateRequest"),
         ("Abort", False, "sglang.grpc.scheduler.AbortRequest"),
         ("GetLoads", False, "sglang.grpc.scheduler.GetLoadsRequest"),
+        ("SubscribeKvEvents", True, "smg.grpc.common.SubscribeKvEventsRequest"),
     ],
 )
 def test_undecodable_request_is_invalid_argument(server, method, streaming, message):
@@ -88,3 +90,13 @@ def test_server_info_reports_unset_options_as_null(server):
     # sequences are lists, not their Python repr
     assert isinstance(args["workers"], list) and args["workers"][0].startswith("grpc://")
     assert args["lora_paths"] == []
+
+
+def test_guarded_streaming_methods_still_serve(server):
+    address, _, _ = server
+    # the method itself answers through the guard (the simulated model has no
+    # tokenizer files: its own clear refusal, not an error of the guard)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(address).GetTokenizer(cpb.GetTokenizerRequest(), timeout=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    assert e.value.details() == "this model has no tokenizer to serve"
