@@ -95,9 +95,9 @@ def test_routing_key_reaches_the_policy(tmp_path):
             async with grpc.aio.insecure_channel(address) as ch:
                 s = pb_grpc.SglangSchedulerStub(ch)
                 keyed = asyncio.create_task(
-                    _run(s, _request("keyed", [1] * 8, 300, routing_key="A"), log)
+                    _run(s, _request("keyed", [1] * 8, 600, routing_key="A"), log)
                 )
-                short = asyncio.create_task(_run(s, _request("short", [2] * 8, 60), log))
+                short = asyncio.create_task(_run(s, _request("short", [2] * 8, 150), log))
                 while ("short", "first") not in log or ("keyed", "first") not in log:
                     await asyncio.sleep(0.005)
                 # both wait for the slot "short" frees: "same" (key A, like the
