@@ -37,6 +37,10 @@ def _sampling(args: argparse.Namespace) -> dict:
     }
     if args.json_schema:
         sampling["json_schema"] = Path(args.json_schema).read_text()
+    if args.priority is not None:
+        sampling["priority"] = args.priority
+    if args.routing_key is not None:
+        sampling["routing_key"] = args.routing_key
     if args.regex:
         sampling["regex"] = args.regex
     if args.ebnf:
@@ -138,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--top-k", type=int, default=-1)
         sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
         sp.add_argument("--n", type=int, default=1)
+        sp.add_argument(
+            "--priority",
+            type=int,
+            default=None,
+            help="the request's priority (the server orders and preempts by it with "
+            "--enable-priority-scheduling)",
+        )
+        sp.add_argument(
+            "--routing-key",
+            metavar="KEY",
+            default=None,
+            help="the request's routing key (the server's routing-key policy batches "
+            "requests with the same key)",
+        )
         grammar = sp.add_mutually_exclusive_group()
         grammar.add_argument(
             "--json-schema", metavar="FILE", help="the output is JSON valid against this schema"

@@ -37,6 +37,11 @@ class Sampling:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict | None = None
+    # Sent in custom_params (the public proto has no field for them): the
+    # request's priority (used with --enable-priority-scheduling) and its
+    # routing key (used by --schedule-policy routing-key). None: not sent.
+    priority: int | None = None
+    routing_key: str | None = None
 
     def to_proto(self, m: pb.SamplingParams) -> None:
         m.temperature = self.temperature
@@ -67,6 +72,10 @@ class Sampling:
             raise ValueError(f"one constraint at most, got {sorted(given)}")
         for field_name, value in given.items():
             setattr(m, field_name, value if isinstance(value, str) else json.dumps(value))
+        custom = {"priority": self.priority, "routing_key": self.routing_key}
+        custom = {k: v for k, v in custom.items() if v is not None}
+        if custom:
+            m.custom_params.update(custom)
 
 
 @dataclass

@@ -31,11 +31,19 @@ LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 logger = structlog.get_logger(__name__)
 
 
+def _json_value(v: object) -> object:
+    """A Struct value: an unset option is null (not the string "None"), a
+    sequence a list; what JSON cannot hold (paths, enums) its string."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple, frozenset, set)):
+        return [_json_value(x) for x in v]
+    return str(v)
+
+
 def _struct(values: dict) -> Struct:
     s = Struct()
-    s.update(
-        {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in values.items()}
-    )
+    s.update({k: _json_value(v) for k, v in values.items()})
     return s
 
 

@@ -35,12 +35,13 @@ def _metadata(pairs: Iterable[tuple[str, Any]] | None) -> dict[str, str]:
 
 
 class _Sample:
-    __slots__ = ("first_at", "last_at", "tokens")
+    __slots__ = ("cached", "first_at", "last_at", "tokens")
 
     def __init__(self) -> None:
         self.first_at = 0.0
         self.last_at = 0.0
         self.tokens = 0
+        self.cached = 0  # the core's latest count (a worker loss can lower it)
 
 
 class CallObserver:
@@ -99,7 +100,9 @@ class CallObserver:
         self.g = g
         self.request_id = g.rid
         self.log = logger.bind(request_id=g.rid, trace_id=self.trace_id)
-        self.samples = {r.rid: _Sample() for r in g.requests}
+        # keyed by the samples' internal rids, which the CoreClient gives
+        # them at submit (after this): filled as their outputs come
+        self.samples = {}
         if g.lora_id is not None:
             self.log = self.log.bind(lora_id=g.lora_id)
             if self.metrics is not None:
@@ -130,7 +133,9 @@ class CallObserver:
     def delta(self, d: ipc.DeltaOut, now: float) -> None:
         s = self.samples.get(d.rid)
         if s is None:
-            return
+            if self.g is None:
+                return
+            s = self.samples[d.rid] = _Sample()
         n = len(d.token_ids)
         m = self.metrics
         if n:
@@ -141,19 +146,18 @@ class CallObserver:
                     self.ttft_s = ttft
                 if m is not None:
                     m.ttft.observe(ttft)
-                    m.prompt_tokens += self.g.prompt_len if self.g else 0
-                    m.cached_tokens += d.cached_tokens
             elif m is not None:
                 m.itl.observe_many((now - s.last_at) / n, n)
             s.tokens += n
             s.last_at = now
+            s.cached = d.cached_tokens
             if m is not None:
                 m.generation_tokens += n
                 if self.g is not None and self.g.lora_id is not None:
                     m.lora_tokens(self.g.lora_id, n)
         if d.finish is not None:
             self.finish_reasons.append(d.finish.kind)
-            self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
+            s.cached = d.cached_tokens
             if m is not None:
                 m.finished[d.finish.kind] = m.finished.get(d.finish.kind, 0) + 1
                 if s.tokens:
@@ -168,8 +172,17 @@ class CallObserver:
         e2e = time.perf_counter() - self.started
         output = sum(s.tokens for s in self.samples.values())
         prompt = self.g.prompt_len if self.g else 0
-        if code is not None and self.metrics is not None:
-            self.metrics.error(code)
+        # A sample's prompt and cached tokens count once its call is over,
+        # with the core's final count: the number the response carried.
+        self.cached_tokens = max((s.cached for s in self.samples.values()), default=0)
+        m = self.metrics
+        if m is not None:
+            for s in self.samples.values():
+                if s.tokens:
+                    m.prompt_tokens += prompt
+                    m.cached_tokens += s.cached
+            if code is not None:
+                m.error(code)
         span = self.span
         if span is not None:
             if span.is_recording():

@@ -29,12 +29,22 @@ logger = structlog.get_logger(__name__)
 
 @dataclass
 class Call:
-    """One Generate call: its samples' rids and the queue their outputs go to."""
+    """One Generate call: its samples' rids and the queue their outputs go to.
+
+    ``rids`` are internal: each sample's public rid with ``#`` and a number
+    unique in this process (``submit`` gives them), so that the core, the
+    workers and the output routing never mix two calls that reuse a public
+    id (a client that cancels X and at once sends X again). ``public`` are
+    the public sample rids, held (refusing a second live call with the same
+    id) until the call is cancelled, aborted or over."""
 
     rids: list[str]
+    public: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # samples with no output yet: they count against --max-queued-requests
     unstarted: set[str] = field(default_factory=set)
+    # set once the public rids are free again
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class CoreUnavailable(RuntimeError):
@@ -57,7 +67,9 @@ class CoreClient:
         self.ready: ipc.Ready | None = None
         self.load: ipc.Load | None = None
         self.failed: str | None = None
-        self._calls: dict[str, Call] = {}  # sample rid -> its call
+        self._calls: dict[str, Call] = {}  # internal sample rid -> its call
+        self._public: dict[str, Call] = {}  # public sample rid -> its live call
+        self._call_numbers = itertools.count(1)
         # Samples submitted that have had no output (token, finish or
         # rejection) yet. Counted here, on the event loop that also submits,
         # so the bound is exact: no snapshot from the core can lag behind it.
@@ -202,9 +214,9 @@ class CoreClient:
     def submit(self, requests: list[Request], bounded: bool = True) -> Call:
         """``bounded=False`` (health probes) skips --max-queued-requests: a
         busy server must not look dead to its probes."""
-        call = Call([r.rid for r in requests])
-        for rid in call.rids:
-            if rid in self._calls:
+        public = [r.rid for r in requests]
+        for rid in public:
+            if rid in self._public:
                 raise ValueError(f"request id {rid!r} is already in use")
         limit = self.config.limits.max_queued_requests
         if bounded and limit > 0 and self.queued + len(requests) > limit:
@@ -212,6 +224,15 @@ class CoreClient:
                 f"the server is overloaded: {self.queued} requests are queued, the limit "
                 f"(--max-queued-requests) is {limit}; retry later"
             )
+        number = next(self._call_numbers)
+        internal = {rid: f"{rid}#{number}" for rid in public}
+        for r in requests:
+            r.rid = internal[r.rid]
+            if r.waits_for is not None:
+                r.waits_for = internal.get(r.waits_for, r.waits_for)
+        call = Call([r.rid for r in requests], public)
+        for rid in public:
+            self._public[rid] = call
         for rid in call.rids:
             self._calls[rid] = call
         call.unstarted.update(call.rids)
@@ -232,22 +253,45 @@ class CoreClient:
             call.unstarted.discard(rid)
             self.queued -= 1
 
+    def release(self, call: Call) -> None:
+        """Free the call's public rids at once (it is being aborted): a new
+        call may take them while this one's last outputs still come in."""
+        for rid in call.public:
+            if self._public.get(rid) is call:
+                del self._public[rid]
+        call.released.set()
+
     def forget(self, call: Call) -> None:
+        self.release(call)
         self.queued -= len(call.unstarted)
         call.unstarted.clear()
         for rid in call.rids:
             if self._calls.get(rid) is call:
                 del self._calls[rid]
 
+    async def wait_free(self, public_rids: list[str], grace_s: float) -> None:
+        """Wait up to ``grace_s`` for live calls holding these public rids to
+        let them go. A client that cancels X and at once sends X again can
+        be faster than the cancel's news reaching the old call's coroutine;
+        a real duplicate is still refused (by ``submit``) after the grace."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        for rid in public_rids:
+            call = self._public.get(rid)
+            left = deadline - asyncio.get_running_loop().time()
+            if call is not None and left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(call.released.wait(), left)
+
     def find(self, rid: str) -> Call | None:
-        """The call a public request id names (its own rid or its samples')."""
-        call = self._calls.get(rid)
+        """The live call a public request id names (its own rid or its samples')."""
+        call = self._public.get(rid)
         if call is not None:
             return call
-        return next((c for r, c in self._calls.items() if r.startswith(rid + "-")), None)
+        return next((c for r, c in self._public.items() if r.startswith(rid + "-")), None)
 
     @property
     def active_requests(self) -> int:
+        """Samples whose outputs are still routed (aborted ones until their end)."""
         return len(self._calls)
 
     async def flush(self) -> ipc.Flushed:

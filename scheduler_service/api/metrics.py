@@ -116,14 +116,16 @@ class SchedulerMetrics(Collector):
             c.add_metric([lora_id], n)
         yield c
         yield CounterMetricFamily(
-            "radixserve_prompt_tokens", "Prompt tokens of admitted samples.", self.prompt_tokens
+            "radixserve_prompt_tokens",
+            "Prompt tokens of samples that got a token (counted when the call ends).",
+            self.prompt_tokens,
         )
         yield CounterMetricFamily(
             "radixserve_generation_tokens", "Tokens generated and sent.", self.generation_tokens
         )
         yield CounterMetricFamily(
             "radixserve_cached_tokens",
-            "Prompt tokens served from the prefix cache.",
+            "Prompt tokens those samples read from the prefix cache, once.",
             self.cached_tokens,
         )
         load = self.core.load

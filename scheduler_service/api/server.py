@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from observability import health_port, tracing
 from scheduler_service.api.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.api.decode_guard import DecodeGuard
 from scheduler_service.api.grammar_check import GrammarChecker
 from scheduler_service.api.metrics import SchedulerMetrics, start_metrics
 from scheduler_service.api.model_info import ModelContext
@@ -59,7 +60,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         servicer = SchedulerServicer(core, model, metrics, grammars)
         limit = config.limits.max_message_mb << 20
         server = grpc.aio.server(
-            interceptors=interceptors,
+            # after the API key check: garbage without a key is UNAUTHENTICATED
+            interceptors=[*interceptors, DecodeGuard(SERVICE_NAME, metrics)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),

@@ -25,6 +25,7 @@ from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import SampleState, chunk, complete
 from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
+from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
 from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
 from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
@@ -32,6 +33,10 @@ from scheduler_service.api.model_info import ModelContext
 from scheduler_service.core.sampling import InvalidRequestError
 
 logger = structlog.get_logger(__name__)
+
+# How long a new call waits for a cancelled call with the same request id to
+# let it go (the cancel may reach the old call's coroutine after the new call).
+RID_REUSE_GRACE_S = 1.0
 
 
 def _status_of(e: BaseException) -> str:
@@ -90,6 +95,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Undecodable):  # bytes that did not parse (decode_guard.py)
+            await refuse_undecodable(request, self.metrics, context)
         obs = CallObserver(
             self.metrics,
             self.model.served_model_name,
@@ -108,6 +115,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 )
                 obs.accepted(g)
                 await self._check_grammar(g)
+                await self.core.wait_free([r.rid for r in g.requests], RID_REUSE_GRACE_S)
                 call = self.core.submit(g.requests)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
@@ -194,6 +202,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         call = self.core.find(request.request_id)
         if call is not None:
             self.core.abort(call.rids, request.reason or "aborted by the client")
+            self.core.release(call)  # the id is free for a new call at once
         # Like SGLang: success whether or not the id was known.
         return pb.AbortResponse(success=True, message=f"Request {request.request_id} aborted")
 

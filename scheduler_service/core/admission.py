@@ -38,7 +38,6 @@ class PrefillDecision:
     # fit even in an empty pool (an idle scheduler admits whatever fits).
     stuck: bool = False
     # Prompt tokens the admitted requests found in the cache.
-    hit_tokens: int = 0
 
 
 class _InBatchPrefixes:
@@ -133,5 +132,4 @@ def plan_admission(
         # An idle scheduler admits whatever fits; if it admitted nothing, the
         # request first in line can never fit.
         stuck=adder.nothing_running and not adder.admitted,
-        hit_tokens=adder.hit_tokens,
     )

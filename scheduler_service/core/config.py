@@ -78,6 +78,15 @@ class SchedulerConfig:
         "a request sharing at least this many uncached prompt tokens with one admitted in "
         "the same step waits a step and reads them from the cache (0: off)",
     )
+    # lpm orders by cached prefix only, so a request that matches nothing can
+    # wait behind a stream of matching ones for as long as the stream lasts.
+    # Aging: one that has waited this long goes ahead of them.
+    lpm_max_wait_s: float = setting(
+        1.0,
+        "lpm: a request that has waited this many seconds in the queue goes ahead of the "
+        "prefix-matched ones, oldest first, so none starves (0: off)",
+        flag="--lpm-max-wait",
+    )
     max_loras_per_batch: int = setting(
         4,
         "most distinct LoRA adapters in one step (the worker's adapter slots); a request "
@@ -107,6 +116,8 @@ class SchedulerConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_loras_per_batch < 1 or self.max_loaded_loras < 1:
             raise ValueError("max_loras_per_batch and max_loaded_loras must be >= 1")
+        if self.lpm_max_wait_s < 0:
+            raise ValueError(f"lpm_max_wait_s must be >= 0, got {self.lpm_max_wait_s}")
         if self.prefix_hold_tokens < 0:
             raise ValueError("prefix_hold_tokens must be >= 0")
         if self.max_prefill_tokens < 1:

@@ -4,8 +4,12 @@
 - ``lpm``: longest cached prefix first. Of several waiting requests that
   share a prefix the cache does not hold yet, only the first keeps its place
   and the rest wait a step, so they hit the cache once it is computed
-  (in-batch prefix deduplication). Past 128 waiting it is fcfs (matching the
-  whole queue every step would cost more than it saves).
+  (in-batch prefix deduplication). Aging: a request that has waited
+  ``lpm_max_wait_s`` goes ahead of all that have waited less, oldest first,
+  so a prompt that matches nothing cannot starve behind a stream of matching
+  ones (SGLang's lpm has no such bound). Past 128 waiting it is fcfs, in
+  arrival order (matching the whole queue every step would cost more than
+  it saves).
 - ``dfs-weight``: walk the cache tree depth-first, heaviest subtree (most
   waiting requests) first, so requests sharing prefixes run together.
 - ``lof``: longest max_new_tokens first (priority first when enabled).
@@ -42,14 +46,16 @@ class SchedulePolicy:
         # Sorting key sign: high values first unless low values are asked for.
         self.priority_sign = 1 if config.schedule_low_priority_values_first else -1
         self._rng = random.Random(config.random_seed)
+        self.lpm_max_wait_s = config.lpm_max_wait_s
 
     def active_policy(self, num_waiting: int) -> str:
         if self.policy == "lpm" and num_waiting > LPM_FALLBACK_QUEUE_LEN:
             return "fcfs"
         return self.policy
 
-    def order(self, waiting: list[Request], running: Iterable[Request]) -> None:
-        """Sort ``waiting`` in place (stable: ties keep arrival order)."""
+    def order(self, waiting: list[Request], running: Iterable[Request], now: float = 0.0) -> None:
+        """Sort ``waiting`` in place (stable: ties keep arrival order); ``now``
+        is the scheduler's clock (lpm's aging)."""
         if self.policy == "fcfs":
             if self.priority:
                 sign = self.priority_sign
@@ -57,8 +63,9 @@ class SchedulePolicy:
             return
         policy = self.active_policy(len(waiting))
         if policy == "lpm":
-            deprioritized = self._match_waiting(waiting, dedup=True)
-            waiting.sort(key=lambda r: float("inf") if r in deprioritized else -r.match_len)
+            self._lpm_order(waiting, now)
+        elif policy == "fcfs":  # lpm's fallback on a long queue: arrival order
+            waiting.sort(key=lambda r: r.times.queue_entry)
         elif policy == "dfs-weight":
             self._match_waiting(waiting, dedup=False)
             waiting[:] = self._dfs_order(waiting)
@@ -74,6 +81,22 @@ class SchedulePolicy:
             self._sort_by_routing_key(waiting, running)
 
     # ----------------------------------------------------------- helpers
+    def _lpm_order(self, waiting: list[Request], now: float) -> None:
+        deprioritized = self._match_waiting(waiting, dedup=True)
+        inf = float("inf")
+        if self.lpm_max_wait_s <= 0:
+            waiting.sort(key=lambda r: inf if r in deprioritized else -r.match_len)
+            return
+        aged = now - self.lpm_max_wait_s
+
+        def key(r: Request) -> tuple[int, float]:
+            entry = r.times.queue_entry
+            if entry <= aged:
+                return (0, entry)  # waited long enough: oldest first, ahead of the rest
+            return (1, inf if r in deprioritized else -r.match_len)
+
+        waiting.sort(key=key)
+
     def _match_waiting(self, waiting: list[Request], dedup: bool) -> set[Request]:
         """Record each request's cached prefix; return those to hold back a step."""
         deprioritized: set[Request] = set()

@@ -54,7 +54,6 @@ class PrefillAdder:
         self.admitted: list[tuple[Request, int]] = []
         self.new_chunked: Request | None = None
         self.preempted: list[Request] = []
-        self.hit_tokens = 0
 
     # ------------------------------------------------------------ budgets
     def running_need(self, req: Request) -> float:
@@ -90,14 +89,13 @@ class PrefillAdder:
             return AddResult.OTHER
         return AddResult.CONTINUE
 
-    def _charge(self, prefix_len: int, extend: int, max_new: int) -> None:
+    def _charge(self, extend: int, max_new: int) -> None:
         extend = self._ceil_paged(extend)
         self.rem_total_offset += extend + max_new + self.page_size
         self.cur_rem_offset += extend + self.page_size
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
-        self.hit_tokens += prefix_len
 
     def _chunk_end(self, req: Request, start: int, budget: int) -> int:
         """End of a chunk of at most ``budget`` tokens from ``start``, cut at a
@@ -133,7 +131,7 @@ class PrefillAdder:
         self.admitted.append((req, end))
         self.new_chunked = req if truncated else None
         max_new = 0 if truncated else min(req.sampling.max_new_tokens, CLIP_MAX_NEW_TOKENS)
-        self._charge(0, end - start, max_new)
+        self._charge(end - start, max_new)
         return self.budget_state()
 
     def add_one_req(self, req: Request) -> AddResult:
@@ -165,7 +163,7 @@ class PrefillAdder:
         fits = req.num_tokens <= physical_end
         if fits and (chunk is None or paged_extend <= chunk):
             end = req.num_tokens
-            self._charge(prefix, extend, min(req.sampling.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+            self._charge(extend, min(req.sampling.max_new_tokens, CLIP_MAX_NEW_TOKENS))
         elif chunk is None:
             cache.unlock(req.match_node)
             return AddResult.NO_TOKEN
@@ -176,7 +174,7 @@ class PrefillAdder:
                 cache.unlock(req.match_node)
                 return AddResult.OTHER if fits else AddResult.NO_TOKEN
             self.new_chunked = req
-            self._charge(prefix, end - prefix, 0)
+            self._charge(end - prefix, 0)
         self.kv.attach_prefix(req, req.match_pages, req.match_len, req.match_node)
         self.admitted.append((req, end))
         return self.budget_state()

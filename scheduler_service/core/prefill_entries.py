@@ -42,7 +42,11 @@ def plan_prefill(
         tokens = request_tokens(req)
         if req.state is not RequestState.PREFILLING:
             req.move_to(RequestState.PREFILLING)
-            req.cached_tokens += start
+            if not req.cache_hits_counted:
+                req.cache_hits_counted = True
+                hit = min(start, len(req.prompt_ids))
+                req.cached_tokens = hit
+                stats.cached_tokens += hit
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
                 stats.prompt_tokens += len(req.prompt_ids)

@@ -137,7 +137,13 @@ class Request:
     prompt_logprobs_sent: int = 0
 
     # --- statistics ---
+    # Prompt tokens read from the prefix cache, counted once at the first
+    # admission (SGLang's rule): a retracted or preempted request reads back
+    # what it computed itself, which is no hit. A worker loss drops the cache
+    # and resets the count (what was read is recomputed): the next admission
+    # counts again.
     cached_tokens: int = 0
+    cache_hits_counted: bool = False
     retractions: int = 0
     preemptions: int = 0
 

@@ -241,7 +241,7 @@ class Scheduler:
         if full and not cfg.enable_priority_scheduling:
             return []
         if self.waiting:
-            self.policy.order(self.waiting, self.running)
+            self.policy.order(self.waiting, self.running, self._clock())
         decision = plan_admission(
             cfg,
             self.kv,
@@ -263,7 +263,6 @@ class Scheduler:
             self.stats.preemptions += 1
             self.waiting.append(req)
         self.chunked = decision.chunked
-        self.stats.cached_tokens += decision.hit_tokens
         return decision.admitted
 
     def _abort_unschedulable(self) -> None:
@@ -457,6 +456,12 @@ class Scheduler:
         self.waiting[:0] = holders
         for req in self.waiting:  # matches point into the cache being dropped
             req.match_pages, req.match_node, req.match_len = [], None, 0
+        for req in self.requests.values():
+            # What they read from the cache is gone and will be computed
+            # again: the next admission counts their hits afresh.
+            self.stats.cached_tokens -= req.cached_tokens
+            req.cached_tokens = 0
+            req.cache_hits_counted = False
         self._inflight.clear()
         self._departures.clear()  # the new worker holds no request state to drop
         self.adapters.reset()  # and no adapter in its slots

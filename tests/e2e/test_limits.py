@@ -37,10 +37,14 @@ def _request(ids=(1, 2, 3), sampling=None, **fields) -> pb.GenerateRequest:
     )
 
 
-def _seed(value) -> pb.SamplingParams:
+def _custom(key: str, value) -> pb.SamplingParams:
     params = Struct()
-    params.update({"seed": value})
+    params.update({key: value})
     return pb.SamplingParams(max_new_tokens=2, custom_params=params)
+
+
+def _seed(value) -> pb.SamplingParams:
+    return _custom("seed", value)
 
 
 CASES = [
@@ -74,6 +78,12 @@ CASES = [
     (_request(sampling=_seed(-1.0)), "custom_params.seed must be an integer"),
     (_request(sampling=_seed(2.0**64)), "custom_params.seed must be an integer"),
     (_request(sampling=_seed("x")), "custom_params.seed must be a finite number"),
+    (_request(sampling=_custom("priority", "high")), "custom_params.priority must be a finite"),
+    (_request(sampling=_custom("priority", 1.5)), "custom_params.priority must be an integer"),
+    (_request(sampling=_custom("priority", 2.0**31)), "priority must be an integer in [-2^31"),
+    (_request(sampling=_custom("routing_key", 7)), "custom_params.routing_key must be a string"),
+    (_request(sampling=_custom("routing_key", "")), "routing_key must have 1 to 256 characters"),
+    (_request(sampling=_custom("routing_key", "k" * 257)), "must have 1 to 256 characters"),
     (_request(sampling=pb.SamplingParams(top_k=-2)), "top_k must be -1 or >= 1"),
     (_request(sampling=pb.SamplingParams(min_p=math.nan)), "min_p must be a finite number"),
 ]
@@ -94,6 +104,9 @@ def test_the_largest_allowed_request_is_served(address):
     assert r.complete.completion_tokens == 2
     (r,) = list(s.Generate(_request(sampling=_seed(2.0**53)), timeout=10))
     assert r.complete.completion_tokens == 2
+    for key, value in (("priority", -(2.0**31)), ("routing_key", "k" * 256)):
+        (r,) = list(s.Generate(_request(sampling=_custom(key, value)), timeout=10))
+        assert r.complete.completion_tokens == 2
 
 
 def test_a_message_past_max_message_mb_is_resource_exhausted_by_grpc(address):

@@ -2,9 +2,9 @@
 the load needs forces requests to be retracted and resumed, and every
 output is still what the same request gives alone on a roomy server.
 
-Priority preemption is not reachable from the public API (sglang's
-GenerateRequest carries no priority); the core covers it, outputs checked
-against the simulated worker's oracle:
+Priority preemption (priority in SamplingParams.custom_params) is tested end
+to end in tests/e2e/test_priority_and_routing_key.py, and in the core with
+outputs checked against the simulated worker's oracle:
 tests/scheduler_service/core/test_scheduler.py::test_priority_preempts_and_the_preempted_request_resumes.
 """
 

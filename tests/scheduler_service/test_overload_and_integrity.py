@@ -43,20 +43,38 @@ def _load() -> ipc.Load:
 def test_samples_count_until_their_first_output_or_until_forgotten():
     core = _core(3)
     a = core.submit([_req("a-0"), _req("a-1")])
-    core.submit([_req("b")])
+    b = core.submit([_req("b")])
     assert core.queued == 3
     with pytest.raises(QueueFull, match=r"the limit \(--max-queued-requests\) is 3"):
         core.submit([_req("c")])
-    assert "c" not in core._calls  # refused before anything was recorded
-    core._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [5])], _load()))
-    core._dispatch(ipc.Outputs([ipc.DeltaOut("a-0", [6])], _load()))  # counted once
+    assert core.find("c") is None  # refused before anything was recorded
+    core._dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [5])], _load()))
+    core._dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [6])], _load()))  # counted once
     assert core.queued == 2
     core.submit([_req("c")])
     core.forget(a)  # a-1 never started: the call ended (e.g. client cancel)
-    core._dispatch(ipc.Rejected("b", "bad"))
+    core._dispatch(ipc.Rejected(b.rids[0], "bad"))
     assert core.queued == 1
     # health probes are never refused
     core.submit([_req("p1"), _req("p2"), _req("p3")], bounded=False)
+
+
+def test_a_reused_request_id_never_gets_the_old_calls_outputs():
+    core = _core(0)
+    old = core.submit([_req("x")])
+    with pytest.raises(ValueError, match="already in use"):
+        core.submit([_req("x")])
+    core.release(old)  # aborted: the id is free at once
+    new = core.submit([_req("x")])
+    assert old.rids != new.rids and core.find("x") is new
+    # the old call's late finish and clean-up stay with it
+    core._dispatch(
+        ipc.Outputs([ipc.DeltaOut(old.rids[0], [], finish=ipc.Finish("abort"))], _load())
+    )
+    core.forget(old)
+    assert new.queue.empty() and core.find("x") is new
+    core._dispatch(ipc.Outputs([ipc.DeltaOut(new.rids[0], [7])], _load()))
+    assert new.queue.get_nowait().token_ids == [7]
 
 
 @pytest.mark.parametrize("limit", [0, -1])

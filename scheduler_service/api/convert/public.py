@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from scheduler_service.api.convert import custom_params
 from scheduler_service.config import LimitsConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
@@ -31,7 +32,6 @@ class Limits(LimitsConfig):
     context_len: int  # the model's context, capped by the KV pool
 
 
-SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
 # The public API's constraint fields -> our grammar kinds.
 _GRAMMAR_KIND_OF_FIELD = {
     "regex": "regex",
@@ -56,20 +56,6 @@ def _finite(name: str, value: float) -> float:
     if math.isnan(value) or math.isinf(value):
         raise InvalidRequestError(f"{name} must be a finite number, got {value}")
     return value
-
-
-def _seed(value) -> int:
-    number = value.number_value
-    if value.WhichOneof("kind") != "number_value" or not math.isfinite(number):
-        got = value.WhichOneof("kind") or "nothing"
-        raise InvalidRequestError(
-            f"custom_params.seed must be a finite number, got {got}: {number}"
-        )
-    if not (0 <= number < SEED_LIMIT and number == int(number)):
-        raise InvalidRequestError(
-            f"custom_params.seed must be an integer in [0, 2^64), got {number}"
-        )
-    return int(number)
 
 
 def sampling_from_proto(
@@ -132,9 +118,7 @@ def sampling_from_proto(
                 f"{limits.max_grammar_bytes}"
             )
         grammar = (_GRAMMAR_KIND_OF_FIELD[field], text)
-    seed = None
-    if m.HasField("custom_params") and "seed" in m.custom_params.fields:
-        seed = _seed(m.custom_params.fields["seed"])
+    seed = custom_params.seed(m.custom_params)
     return SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=m.min_new_tokens,
@@ -225,8 +209,19 @@ def generate_call(
     rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     # n > 1: the first sample prefills the shared prompt; the others wait for
     # that prefill to be planned and read the prompt's KV from the cache.
+    priority = custom_params.priority(m.sampling_params.custom_params)
+    routing_key = custom_params.routing_key(m.sampling_params.custom_params)
     requests = [
-        Request(r, list(ids), sp, lp, adapter=adapter, waits_for=rids[0] if i else None)
+        Request(
+            r,
+            list(ids),
+            sp,
+            lp,
+            priority=priority,
+            adapter=adapter,
+            routing_key=routing_key,
+            waits_for=rids[0] if i else None,
+        )
         for i, r in enumerate(rids)
     ]
     for r in requests:

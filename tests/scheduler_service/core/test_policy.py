@@ -76,6 +76,30 @@ def test_lpm_falls_back_to_fcfs_past_128_waiting():
     assert order("lpm", waiting[2:], cache)[0] == "hit"  # 128 waiting: lpm again
 
 
+def test_lpm_fallback_past_128_waiting_is_arrival_order():
+    # (issue 19) the queue left as earlier lpm sorts made it is not fcfs
+    waiting = [req(f"r{i}", [i + 1000], t=float((i * 37) % 130)) for i in range(130)]
+    got = order("lpm", waiting, cache_with())
+    assert got == [r.rid for r in sorted(waiting, key=lambda r: r.times.queue_entry)]
+
+
+def test_lpm_ages_requests_that_waited_past_lpm_max_wait():
+    cache = cache_with(SYS_A)
+    waiting = [
+        req("hit", SYS_A + [1], t=9.5),
+        req("old", [7, 8, 9], t=5.0),
+        req("older", [4, 5, 6], t=2.0),
+        req("young", [1, 2, 3], t=9.8),
+    ]
+    config = SchedulerConfig(schedule_policy="lpm", lpm_max_wait_s=3.0)
+    SchedulePolicy(config, cache).order(waiting, [], now=10.0)
+    # waited >= 3 s: oldest first, ahead of the prefix match; then lpm's order
+    assert [r.rid for r in waiting] == ["older", "old", "hit", "young"]
+    config = SchedulerConfig(schedule_policy="lpm", lpm_max_wait_s=0.0)  # off
+    SchedulePolicy(config, cache).order(waiting, [], now=10.0)
+    assert waiting[0].rid == "hit"
+
+
 def test_dfs_weight_groups_requests_under_the_heaviest_subtree_first():
     cache = cache_with(SYS_A, SYS_B)
     waiting = [

@@ -1,0 +1,71 @@
+"""The keys radixserve reads from ``SamplingParams.custom_params`` (a JSON
+object, google.protobuf.Struct): the public API (SGLang's proto) has no
+field for them.
+
+- ``seed`` (integer in [0, 2^64)): the sampling seed.
+- ``priority`` (integer in [-2^31, 2^31)): the request's priority; it orders
+  the queue and preempts with ``--enable-priority-scheduling`` (higher runs
+  first unless ``--schedule-low-priority-values-first``), else it is unused.
+- ``routing_key`` (non-empty string, at most 256 characters): the
+  ``routing-key`` policy runs requests whose key is common in the running
+  batch first.
+
+Other keys are ignored, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from google.protobuf.struct_pb2 import Struct, Value
+
+from scheduler_service.core.sampling import InvalidRequestError
+
+SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
+PRIORITY_LIMIT = 1 << 31
+MAX_ROUTING_KEY_LEN = 256
+
+
+def _integer(name: str, value: Value, low: int, high: int, shown: str) -> int:
+    number = value.number_value
+    if value.WhichOneof("kind") != "number_value" or not math.isfinite(number):
+        got = value.WhichOneof("kind") or "nothing"
+        raise InvalidRequestError(
+            f"custom_params.{name} must be a finite number, got {got}: {number}"
+        )
+    if not (low <= number < high and number == int(number)):
+        raise InvalidRequestError(
+            f"custom_params.{name} must be an integer in {shown}, got {number}"
+        )
+    return int(number)
+
+
+def seed(params: Struct) -> int | None:
+    if "seed" not in params.fields:
+        return None
+    return _integer("seed", params.fields["seed"], 0, SEED_LIMIT, "[0, 2^64)")
+
+
+def priority(params: Struct) -> int:
+    """0 when not given (SGLang's default)."""
+    if "priority" not in params.fields:
+        return 0
+    return _integer(
+        "priority", params.fields["priority"], -PRIORITY_LIMIT, PRIORITY_LIMIT, "[-2^31, 2^31)"
+    )
+
+
+def routing_key(params: Struct) -> str | None:
+    if "routing_key" not in params.fields:
+        return None
+    value = params.fields["routing_key"]
+    if value.WhichOneof("kind") != "string_value":
+        got = value.WhichOneof("kind") or "nothing"
+        raise InvalidRequestError(f"custom_params.routing_key must be a string, got {got}")
+    key = value.string_value
+    if not key or len(key) > MAX_ROUTING_KEY_LEN:
+        raise InvalidRequestError(
+            f"custom_params.routing_key must have 1 to {MAX_ROUTING_KEY_LEN} characters, "
+            f"got {len(key)}"
+        )
+    return key
