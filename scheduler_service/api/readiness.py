@@ -46,7 +46,14 @@ class Readiness:
         self._reported: tuple[bool, bool] | None = None  # (ready, live) last set
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._unsubscribe = core.on_load(lambda _load: self._wake.set())
+        self._connected = True  # as of the last load snapshot
+        self._unsubscribe = core.on_load(self._on_load)
+
+    def _on_load(self, load) -> None:
+        """Every step's snapshot comes here: wake the updater only on a change."""
+        if load.worker_connected != self._connected:
+            self._connected = load.worker_connected
+            self._wake.set()
 
     def not_ready_reason(self) -> str | None:
         """Why new work should go elsewhere now; None when ready."""
