@@ -47,6 +47,15 @@ class PublicApiConfig:
     tokenizer: str | None = setting(
         None, "local tokenizer directory (default: fetched from the worker)"
     )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "
+        "and let the streams in flight finish for at most this many seconds, then end the "
+        "rest with UNAVAILABLE and exit (a second signal ends them at once)",
+        flag="--drain-timeout",
+        metavar="SECONDS",
+        parse=_at_least_zero(float),
+    )
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import threading
@@ -26,15 +27,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = build_worker(cfg)
     server, port = serve(worker)
     print(f"radixserve-worker listening on {cfg.host}:{port}", flush=True)
-    stop = threading.Event()
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():
+            force.set()  # a second signal: stop now
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
-    logger.info("shutting down")
-    server.stop(grace=2).wait()
+    logger.info("shutting down", drain_timeout_s=cfg.drain_timeout_s)
+    # The scheduler's open stream is served until it closes it (a scheduler
+    # draining on SIGTERM too finishes its streams first), at most
+    # --drain-timeout; with no stream open the worker stops at once.
+    stopped = server.stop(grace=cfg.drain_timeout_s)
+    while not stopped.wait(0.1):
+        if force.is_set():
+            server.stop(grace=None).wait()
+            break
     if getattr(server, "health_server", None) is not None:
         server.health_server.stop(grace=None)
     tracing.shutdown_tracing()  # after the last step: the span process flushes it too
+    # Objects frozen are left out of the interpreter's last full collection at
+    # exit, which takes seconds over a loaded model's objects.
+    gc.freeze()
     return 0
 
 

@@ -63,6 +63,13 @@ class WorkerConfig:
     simulated_step_ms: float = setting(0.0, "the simulated model's time per step")
     simulated_vocab: int = setting(SIMULATED_VOCAB, "the simulated model's vocabulary size")
     max_message_mb: int = setting(64, "gRPC message size limit")
+    drain_timeout_s: float = setting(
+        60.0,
+        "on SIGTERM/SIGINT keep serving the scheduler's open stream until it closes it "
+        "(its own drain), at most this many seconds (a second signal stops at once)",
+        flag="--drain-timeout",
+        metavar="SECONDS",
+    )
     threads: int = setting(
         0,
         "CPU threads for torch (0: all cores); leave a core to a scheduler on the same "

@@ -57,6 +57,10 @@ class CoreBroken(CoreUnavailable):
     code = "INTERNAL"
 
 
+class DrainEnded(CoreUnavailable):
+    """The server shut down (its drain timed out) before the call finished."""
+
+
 class QueueFull(RuntimeError):
     """Too many samples wait for their first token (--max-queued-requests)."""
 
@@ -293,6 +297,16 @@ class CoreClient:
     def active_requests(self) -> int:
         """Samples whose outputs are still routed (aborted ones until their end)."""
         return len(self._calls)
+
+    def end_calls(self, message: str) -> int:
+        """End every call in flight with UNAVAILABLE and ``message`` (a drain
+        that ran out of time); the core drops their requests. Returns how many."""
+        calls = list({id(c): c for c in self._calls.values()}.values())
+        for call in calls:
+            call.queue.put_nowait(DrainEnded(message))
+            with contextlib.suppress(CoreUnavailable, OSError):
+                self.abort(call.rids, message)
+        return len(calls)
 
     async def flush(self) -> ipc.Flushed:
         token = next(self._tokens)

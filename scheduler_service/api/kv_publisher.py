@@ -44,6 +44,12 @@ class KvEventPublisher:
             else:
                 q.put_nowait(batch)
 
+    def close(self) -> None:
+        """End every subscription (the server is stopping)."""
+        for q in self._subscribers:
+            q.put_nowait(None)
+        self._subscribers.clear()
+
     async def subscribe(self) -> AsyncIterator[cpb.KvEventBatch]:
         q: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(q)

@@ -21,9 +21,11 @@ from observability import health_port, tracing
 from scheduler_service.api.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
 from scheduler_service.api.decode_guard import DecodeGuard
+from scheduler_service.api.drain import drain
 from scheduler_service.api.grammar_check import GrammarChecker
 from scheduler_service.api.metrics import SchedulerMetrics, start_metrics
 from scheduler_service.api.model_info import ModelContext
+from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.servicer import SchedulerServicer
 from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.tls import TlsConfigError, public_server_credentials
@@ -37,9 +39,19 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 STARTUP_ERRORS = (TlsConfigError, ApiKeyFileError, CoreUnavailable)
 
 
-async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
-    stop = stop or _stop_on_signals()
+# Once the drain is over, what RPCs are left (an Abort, a GetLoads; the KV
+# event and health Watch streams, which never end by themselves) get this long.
+STOP_GRACE_S = 0.5
+
+
+async def serve(
+    config: ServiceConfig, stop: asyncio.Event | None = None, force: asyncio.Event | None = None
+) -> None:
+    """Run until ``stop`` is set (or SIGINT/SIGTERM), then drain and shut down
+    (drain.py); ``force`` (or a second signal) cuts the drain short."""
+    if stop is None:
+        stop, force = _stop_on_signals()
+    force = force or asyncio.Event()
     api = config.api
     # Security files first: a bad one stops the service before the core starts.
     credentials = public_server_credentials(config.security)
@@ -91,8 +103,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             health_server = await health_port.start_aio(health, api.host, api.health_port)
         if metrics is not None:
             start_metrics(api.metrics_port, api.host, metrics)
-        for name in ("", SERVICE_NAME):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        readiness = Readiness(health, core, ("", SERVICE_NAME))
+        await readiness.start()
         if api.port_file:
             Path(api.port_file).write_text(str(port))
         logger.info(
@@ -108,8 +120,11 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         await stop.wait()
         logger.info("shutting down")
         servicer.begin_shutdown()
-        await health.enter_graceful_shutdown()
-        await server.stop(grace=5)
+        await readiness.drain()
+        await drain(core, api.drain_timeout_s, force)
+        servicer.admin.publisher.close()
+        await readiness.stop()
+        await server.stop(grace=STOP_GRACE_S)
         if health_server is not None:
             await health_server.stop(grace=None)
     finally:
@@ -120,9 +135,17 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
+def _stop_on_signals() -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, force): the first SIGINT/SIGTERM starts the drain, a second one
+    ends it at once."""
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+        loop.add_signal_handler(sig, on_signal)
+    return stop, force

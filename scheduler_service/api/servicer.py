@@ -24,12 +24,19 @@ from scheduler_service.api.admin import AdminRpcs
 from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import SampleState, chunk, complete
-from scheduler_service.api.core_client import Call, CoreClient, CoreUnavailable, QueueFull
+from scheduler_service.api.core_client import (
+    Call,
+    CoreClient,
+    CoreUnavailable,
+    DrainEnded,
+    QueueFull,
+)
 from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
 from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
 from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
 from scheduler_service.api.model_info import ModelContext
+from scheduler_service.api.readiness import WORKERS_LOST
 from scheduler_service.core.sampling import InvalidRequestError
 
 logger = structlog.get_logger(__name__)
@@ -37,6 +44,8 @@ logger = structlog.get_logger(__name__)
 # How long a new call waits for a cancelled call with the same request id to
 # let it go (the cancel may reach the old call's coroutine after the new call).
 RID_REUSE_GRACE_S = 1.0
+
+SHUTTING_DOWN = "the server is shutting down and takes no new requests; retry on another server"
 
 
 def _status_of(e: BaseException) -> str:
@@ -54,6 +63,8 @@ def _status_of(e: BaseException) -> str:
 
 def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
     """(status name, message) for a call that met a failed core."""
+    if isinstance(e, DrainEnded):
+        return "UNAVAILABLE", str(e)
     if e.code == "INTERNAL":
         return "INTERNAL", f"internal error, the scheduler stopped: {e}"
     return "UNAVAILABLE", f"no worker can serve: {e}"
@@ -88,7 +99,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             raise InvalidRequestError(verdict)
 
     def begin_shutdown(self) -> None:
-        """From now on HealthCheck says the server is going away."""
+        """From now on HealthCheck says the server is going away and new
+        Generate calls end UNAVAILABLE (a gateway retries them elsewhere)."""
         self.shutting_down = True
 
     # ------------------------------------------------------------ Generate
@@ -105,6 +117,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         )
         code, message = None, ""
         try:
+            if self.shutting_down:
+                code, message = "UNAVAILABLE", SHUTTING_DOWN
+                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
             try:
                 g = generate_call(
                     request,
@@ -212,6 +227,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             return pb.HealthCheckResponse(healthy=False, message="Server is shutting down")
         if self.core.failed:
             return pb.HealthCheckResponse(healthy=False, message=self.core.failed)
+        load = self.core.load
+        if load is not None and not load.worker_connected:
+            # No probe: it would only wait for the workers (readiness.py).
+            return pb.HealthCheckResponse(healthy=False, message=WORKERS_LOST)
         probe = pb.GenerateRequest(
             request_id=f"HEALTH_CHECK_{time.time_ns()}",
             tokenized=pb.TokenizedInput(input_ids=[0]),

@@ -115,7 +115,10 @@ class Engine:
     def _loop(self) -> None:
         sched = self.sched
         while self.running:
-            self._read_inbox(block=not self.inflight and sched.is_idle())
+            idle = not self.inflight and sched.is_idle()
+            self._read_inbox(block=idle)
+            if idle and (ended := self.group.ended()):
+                raise WorkerError(ended)  # noticed while idle: ready no more (readiness.py)
             if self.adapters.busy:
                 for reply in self.adapters.poll():
                     self.conn.send(reply)
@@ -156,9 +159,12 @@ class Engine:
         recovery.lost(self.loss_error)
         for reply in self.adapters.fail_loading(self.loss_error):
             self.conn.send(reply)
-        self._publish()  # AllBlocksCleared and the load go out now
+        # AllBlocksCleared and the load go out now: the API process turns
+        # not ready while the group is away (api/readiness.py), ready once back.
+        self._publish(force=True)
         while self.running:
             if recovery.try_reconnect():
+                self._publish(force=True)
                 return True
             if recovery.expired():
                 self._fail_all(recovery.message)
@@ -247,10 +253,12 @@ class Engine:
         return ipc.Flushed(token, True, f"freed {freed} cached pages")
 
     # -------------------------------------------------------------- outputs
-    def _publish(self) -> None:
+    def _publish(self, force: bool = False) -> None:
+        """Send the outputs and events since the last call with the load;
+        nothing when there are none, unless ``force`` (the load alone)."""
         deltas = self.sched.drain()
         events = self.sched.cache.take_events()
-        if not deltas and not events:
+        if not deltas and not events and not force:
             return
         # Plain tokens go as columns (ipc.Outputs), the rest as DeltaOuts.
         out: list[ipc.DeltaOut] = []

@@ -182,6 +182,15 @@ class WorkerGroup:
                 raise WorkerError(f"worker {rank.address} refused step {r.step_id}: {r.error}")
         return results[0]
 
+    def ended(self) -> str | None:
+        """Why a rank's stream has ended, or None while all are open. An idle
+        loop reads no result, so this is how it learns of a worker lost meanwhile."""
+        for rank in self.ranks:
+            results = rank.results
+            if results is not None and results.done():
+                return f"the stream to worker {rank.address} ended: {results.details()}"
+        return None
+
     def load_adapter(self, name: str, path: str, max_rank: int, timeout_s: float) -> list:
         """Start loading an adapter on every rank: one gRPC future per rank."""
         request = pb.LoadAdapterRequest(name=name, path=path, max_rank=max_rank)

@@ -99,12 +99,12 @@ def start(
     return subprocess.Popen(command, env=full, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def grpc_probe(port: int) -> bool:
-    """A kubelet gRPC probe: grpc.health.v1 Check of the service "" on the port."""
+def grpc_probe(port: int, service: str = "") -> bool:
+    """A kubelet gRPC probe: grpc.health.v1 Check of ``service`` on the port."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2
+                health_pb2.HealthCheckRequest(service=service), timeout=2
             )
         except grpc.RpcError:
             return False
@@ -122,7 +122,7 @@ def http_probe(port: int, path: str) -> bool:
 def probe(container: dict, kind: str = "startupProbe") -> bool:
     spec = container[kind]
     if "grpc" in spec:
-        return grpc_probe(int(spec["grpc"]["port"]))
+        return grpc_probe(int(spec["grpc"]["port"]), spec["grpc"].get("service", ""))
     port = spec["httpGet"]["port"]
     if isinstance(port, str):
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)

@@ -77,11 +77,13 @@ def test_rendered_commands_parse_with_the_real_parsers(value_set, monkeypatch, t
             assert cfg.log_format == "json" and cfg.scheduler.schedule_policy == "lpm"
             assert cfg.limits.max_queued_requests == 1024
             assert cfg.engine.worker_recovery_timeout_s == 120
+            assert cfg.api.drain_timeout_s == 60
         elif component(w) == "worker":
             assert c["command"] == ["radixserve-worker"]
             cfg = worker_config.load_config(args, env)
             assert cfg.tp_rank == 0 and cfg.tp_size == int(env["RADIXSERVE_WORKER_TP_SIZE"])
             assert cfg.device == env["RADIXSERVE_WORKER_DEVICE"]
+            assert cfg.drain_timeout_s == 75  # preStop 5 + the scheduler's drain 60 + 10
         else:
             assert c["command"] == ["smg"] and args[0] == "launch"
             parsed = parse_router_args(args[1:])

@@ -165,3 +165,17 @@ securityContext:
 {{- end }}
 {{- toJson $out }}
 {{- end }}
+
+{{/* Graceful drain (docs/kubernetes.md): the scheduler sleeps preStop, drains
+     its streams for at most drainTimeout, then exits; its workers keep serving
+     it meanwhile and a little longer; each pod's terminationGracePeriodSeconds
+     covers all of it plus time to exit. */}}
+{{- define "radixserve.schedulerGraceSeconds" -}}
+{{- add .Values.scheduler.preStopSleepSeconds .Values.scheduler.drainTimeoutSeconds 15 }}
+{{- end }}
+{{- define "radixserve.workerDrainSeconds" -}}
+{{- add .Values.scheduler.preStopSleepSeconds .Values.scheduler.drainTimeoutSeconds 10 }}
+{{- end }}
+{{- define "radixserve.workerGraceSeconds" -}}
+{{- add (include "radixserve.workerDrainSeconds" . | int) 15 }}
+{{- end }}
