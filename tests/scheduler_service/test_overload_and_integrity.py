@@ -110,6 +110,9 @@ class IdleGroup:
     def open(self) -> None:
         pass
 
+    def ended(self) -> str | None:
+        return None  # every stream open
+
 
 def test_a_broken_invariant_stops_the_core_with_an_internal_failure():
     sched = Scheduler(SchedulerConfig(page_size=4), 16)
