@@ -129,6 +129,9 @@ class WorkerGroup:
             ("grpc.keepalive_timeout_ms", keepalive_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # Any ping (flow-control probes too) unanswered as long: without
+            # it a probe in flight waits 60 s and holds the keepalive back.
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),
             *options,
         ]
         self._metadata = worker_token.metadata(token)
