@@ -117,6 +117,8 @@ def test_a_flapping_worker_fails_the_requests_at_the_recovery_timeout(tmp_path: 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    # they ended while the worker was still flapping, not one timeout after it stopped
+    assert "ended_while_flapping" in timeline, "the requests outlived the flapping"
     for tokens, err in results:
         assert isinstance(err, grpc.aio.AioRpcError), (len(tokens), err)
         assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -124,6 +126,4 @@ def test_a_flapping_worker_fails_the_requests_at_the_recovery_timeout(tmp_path: 
         assert "never stayed up" in err.details()
         assert 0 < len(tokens) < 5000
     assert log.count("worker group back") >= 2
-    # they ended while the worker was still flapping, not one timeout after it stopped
-    assert "ended_while_flapping" in timeline, "the requests outlived the flapping"
     print(f"the streams ended after {timeline['ended_while_flapping'] - 1} losses")
