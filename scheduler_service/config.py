@@ -148,7 +148,9 @@ class EngineConfig:
     worker_recovery_timeout_s: float = setting(
         60.0,
         "when the worker group is lost, streams pause while it is reconnected; past this "
-        "many seconds they end with UNAVAILABLE (and new requests too until it is back)",
+        "many seconds from the first loss (a group that keeps coming back and dying is one "
+        "outage until it stays up 10 s) they end with UNAVAILABLE (and new requests too "
+        "until it is back)",
         flag="--worker-recovery-timeout",
         metavar="SECONDS",
         parse=_at_least_zero(float),
