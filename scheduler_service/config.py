@@ -166,7 +166,8 @@ class EngineConfig:
     worker_step_timeout_s: float = setting(
         0.0,
         "a step result not back within this many seconds counts as a lost worker group "
-        "(recovery runs); 0: max(60, 20 x the p99 of the last 1024 steps' waits)",
+        "(recovery runs); 0: max(60, 20 x the p99 of the last 1024 steps' waits). Raise it "
+        "where one prefill chunk can take longer (a large model on CPU)",
         flag="--worker-step-timeout",
         metavar="SECONDS",
         parse=_at_least_zero(float),
