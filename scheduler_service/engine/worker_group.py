@@ -246,8 +246,10 @@ class WorkerGroup:
         self._watchdog.arm(OPEN_TIMEOUT_S, "the session opening")
         try:
             for rank in self.ranks:
-                self._next(rank)
+                ack = self._next(rank)
                 accepted += 1
+                if ack.error:  # not a session-speaking worker
+                    raise WorkerError(f"worker {rank.address} refused the session: {ack.error}")
         finally:
             self._watchdog.disarm()
             if accepted:  # a rank holds this epoch now: the next session goes above it
@@ -278,7 +280,7 @@ class WorkerGroup:
         at most the step deadline. StepFailed if a rank answered an error."""
         deadline = self.deadline
         t0 = time.monotonic()
-        self._watchdog.arm(deadline.current_s, "a step result")
+        self._watchdog.arm(deadline.current_s, "a step result (--worker-step-timeout)")
         try:
             results = [self._next(rank) for rank in self.ranks]
         finally:
@@ -305,8 +307,8 @@ class WorkerGroup:
         """The watchdog's thread: no answer in time. Breaking every stream ends
         the wait at once (the engine then recovers the group)."""
         self._hung = (
-            f"no answer from the worker group within {timeout_s:g} s, waiting for {what} "
-            "(a hung worker; --worker-step-timeout)"
+            f"no answer from the worker group within {timeout_s:g} s, waiting for {what}: "
+            "a hung worker"
         )
         logger.error("worker group hung: breaking its streams", waited_for=what, s=timeout_s)
         for rank in self.ranks:
