@@ -30,11 +30,15 @@ def _at_least_zero(kind: type) -> object:
     return parse
 
 
+class _OutOfRange(argparse.ArgumentTypeError, ValueError):
+    """Shown as is by argparse (a flag) and by the settings' env reader."""
+
+
 def _at_least(floor: float) -> object:
     def parse(text: str) -> float:
         value = float(text)
         if value < floor:
-            raise ValueError(f"must be at least {floor:g}")
+            raise _OutOfRange(f"{text} is below the least allowed, {floor:g}")
         return value
 
     return parse
