@@ -121,6 +121,14 @@ def test_strangers_streams_are_refused_and_cost_the_scheduler_nothing(tmp_path: 
         assert all(reason == "length" for _, reason in disturbed), disturbed
         assert _metric(metrics, "radixserve_worker_losses_total") == 0
         assert _metric(metrics, "radixserve_worker_recoveries_total") == 0
+        # the API process's own worker channel (grammars) carries the token too
+        regex = pb.GenerateRequest(
+            request_id="digits",
+            tokenized=pb.TokenizedInput(input_ids=[1, 2]),
+            sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=10, regex="[0-9]{3}"),
+        )
+        (done,) = list(stub(address).Generate(regex, timeout=60))
+        assert bytes(t for t in done.complete.output_ids if t < 256).decode().isdigit()
         # the other RPCs want the token as well
         with grpc.insecure_channel(waddress) as ch:
             w = worker_pb2_grpc.WorkerStub(ch)
