@@ -41,6 +41,7 @@ from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
 logger = structlog.get_logger(__name__)
 
 
+PROTOCOL_VERSION = 2  # the workers' WorkerInfo.protocol_version this scheduler speaks
 OPEN_TIMEOUT_S = 10.0  # a session opening not answered by then fails the attempt
 
 
@@ -205,6 +206,12 @@ class WorkerGroup:
         return self._form_group(infos)
 
     def _form_group(self, infos: list[pb.WorkerInfo]) -> pb.WorkerInfo:
+        for info, rank in zip(infos, self.ranks, strict=True):
+            if info.protocol_version != PROTOCOL_VERSION:
+                raise WorkerError(
+                    f"worker {rank.address} speaks worker protocol {info.protocol_version}, this "
+                    f"scheduler {PROTOCOL_VERSION}: upgrade schedulers and workers together"
+                )
         by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
         ranks = [i.tp_rank for i, _ in by_rank]
         if ranks != list(range(len(infos))) or any(i.tp_size != len(infos) for i in infos):
