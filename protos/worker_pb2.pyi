@@ -64,7 +64,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device")
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: ModelInfo
     page_size: int
@@ -81,7 +82,16 @@ class WorkerInfo(_message.Message):
     tp_size: int
     attention_backend: str
     device: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    session_epoch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias_ids", "logit_bias_values", "seed", "grammar")
@@ -238,7 +248,7 @@ class Extend(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots")
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +258,7 @@ class StepPlan(_message.Message):
     DECODE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     mode: ForwardMode
     leaves: _containers.RepeatedScalarFieldContainer[int]
@@ -257,7 +268,8 @@ class StepPlan(_message.Message):
     decode_positions: _containers.RepeatedScalarFieldContainer[int]
     decode_new_pages: _containers.RepeatedScalarFieldContainer[int]
     adapter_slots: _containers.RepeatedCompositeFieldContainer[AdapterSlot]
-    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ...) -> None: ...
+    session: SessionOpen
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")

@@ -77,8 +77,15 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """Plans in, results out, one result per plan, in order. A new stream
-        replaces the previous one and starts with no request state.
+        """Plans in, results out, one result per plan, in order. The first message
+        opens a session (StepPlan.session, nothing else set; answered by an empty
+        StepResult of the same step_id): only an epoch above every epoch the
+        worker has accepted takes it over, and then the previous stream is ended
+        (ABORTED) and the worker starts with no request state. A stream that does
+        not open a session so is refused (INVALID_ARGUMENT; a stale epoch:
+        FAILED_PRECONDITION) and changes nothing. With a worker token set, every
+        Worker RPC needs the metadata `authorization: Bearer TOKEN`
+        (UNAUTHENTICATED otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,6 +30,20 @@ def _at_least_zero(kind: type) -> object:
     return parse
 
 
+class _OutOfRange(argparse.ArgumentTypeError, ValueError):
+    """Shown as is by argparse (a flag) and by the settings' env reader."""
+
+
+def _at_least(floor: float) -> object:
+    def parse(text: str) -> float:
+        value = float(text)
+        if value < floor:
+            raise _OutOfRange(f"{text} is below the least allowed, {floor:g}")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class PublicApiConfig:
     host: str = setting("127.0.0.1", "address the public, health and metrics ports bind")
@@ -115,6 +129,12 @@ class SecurityConfig:
         "expect this name in the workers' certificate whatever their addresses",
         metavar="NAME",
     )
+    worker_token_file: str | None = setting(
+        None,
+        "a file holding the shared worker token, sent on every worker RPC (the workers' "
+        "--worker-token-file); use it whenever mutual TLS is off",
+        metavar="PATH",
+    )
 
 
 def _lora_path(text: str) -> tuple[str, str]:
@@ -141,8 +161,27 @@ class EngineConfig:
     worker_recovery_timeout_s: float = setting(
         60.0,
         "when the worker group is lost, streams pause while it is reconnected; past this "
-        "many seconds they end with UNAVAILABLE (and new requests too until it is back)",
+        "many seconds from the first loss (a group that keeps coming back and dying is one "
+        "outage until it stays up 10 s) they end with UNAVAILABLE (and new requests too "
+        "until it is back)",
         flag="--worker-recovery-timeout",
+        metavar="SECONDS",
+        parse=_at_least_zero(float),
+    )
+    worker_keepalive_s: float = setting(
+        10.0,
+        "ping each worker channel this often; a worker that leaves a ping unanswered as "
+        "long counts as lost (a stopped process, a dead host). At least 1",
+        flag="--worker-keepalive",
+        metavar="SECONDS",
+        parse=_at_least(1.0),
+    )
+    worker_step_timeout_s: float = setting(
+        0.0,
+        "a step result not back within this many seconds counts as a lost worker group "
+        "(recovery runs); 0: max(60, 20 x the p99 of the last 1024 steps' waits). Raise it "
+        "where one prefill chunk can take longer (a large model on CPU)",
+        flag="--worker-step-timeout",
         metavar="SECONDS",
         parse=_at_least_zero(float),
     )
@@ -190,7 +229,7 @@ def check_security_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -
         given = [flag for flag in group if getattr(args, _dest(flag))]
         if given and len(given) != len(group):
             p.error(f"{' '.join(group)} go together (given: {' '.join(given)})")
-    for flag in (*groups[0], *groups[1], "--api-key-file"):
+    for flag in (*groups[0], *groups[1], "--api-key-file", "--worker-token-file"):
         path = getattr(args, _dest(flag))
         if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             p.error(f"{flag} {path}: no such file or not readable")

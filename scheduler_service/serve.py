@@ -82,6 +82,8 @@ def _worker_args(
         cmd += ["--worker-tls-ca", security.worker_tls_ca]
         cmd += ["--worker-tls-cert", security.worker_tls_cert or ""]
         cmd += ["--worker-tls-key", security.worker_tls_key or ""]
+    if security.worker_token_file:
+        cmd += ["--worker-token-file", security.worker_token_file]
     if worker.device == "cpu":
         # Leave a core to the scheduler: a busy core makes every small op of a
         # multi-threaded worker wait.

@@ -1,5 +1,6 @@
 """TLS material of the scheduler: the public port's server credentials and the
-client credentials of the channels to the workers (mutual TLS).
+client credentials of the channels to the workers (mutual TLS), and the
+shared worker token sent on every worker call (when mutual TLS is off).
 
 The files are read once, when the service starts; a certificate rotated on
 disk takes effect at the next start (a rolling restart on Kubernetes).
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from common.worker_token import TokenFileError, read_token
 from scheduler_service.config import SecurityConfig
 
 logger = structlog.get_logger(__name__)
@@ -60,3 +62,13 @@ def worker_channel_credentials(
         # Worker pods' DNS names vary; one certificate with a fixed name serves them all.
         options.append(("grpc.ssl_target_name_override", config.worker_tls_server_name))
     return creds, options
+
+
+def worker_token(config: SecurityConfig) -> str | None:
+    """The shared worker token (--worker-token-file), or None."""
+    if not config.worker_token_file:
+        return None
+    try:
+        return read_token(config.worker_token_file)
+    except TokenFileError as e:
+        raise TlsConfigError(str(e)) from e

@@ -26,17 +26,20 @@ from worker_service.lora.peft_config import AdapterError
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
 from worker_service.sampling.grammar import GrammarError
+from worker_service.session import SessionFence, SessionRefused, Undecodable
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
 
 logger = structlog.get_logger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Execute streams open a fenced session
 # Exit status of a worker whose GPU context broke: `radixserve serve` (or
 # Kubernetes) restarts it, and the scheduler re-prefills what it was running.
 EXIT_DEVICE_FAILURE = 70
 TOKENIZER_CHUNK = 1 << 20
+# An Execute stream that has not sent its opening message by then is refused.
+OPEN_TIMEOUT_S = 10.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -53,6 +56,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tracer = tracer
         self._lock = threading.Lock()  # one step at a time
         self._stream_gen = 0
+        self.sessions = SessionFence()
+        # The active session's result queue: a session that takes over ends it.
+        self._active_results: queue.SimpleQueue | None = None
         self._tokenizer_zip: bytes | None = None
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
@@ -80,6 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tp_size=w.tp.size,
             attention_backend=w.attention_backend,
             device=str(w.device),
+            session_epoch=self.sessions.highest_epoch,
         )
 
     def Execute(
@@ -88,21 +95,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Three stages, each on its own thread: reading plans off the stream
         (a plan sent ahead is read while the step before it runs), executing
         them back to back, and sending results (gRPC blocks the sender until
-        a result is written, which must never delay the next step)."""
-        with self._lock:
-            self._stream_gen += 1
-            gen = self._stream_gen
-            self.worker.runner.reset()
-            if self.tracer is not None:
-                self.tracer.reset()
-        logger.info("scheduler stream opened", peer=context.peer())
+        a result is written, which must never delay the next step).
+
+        The first message must open a session (session.py): until it has, the
+        active session and the worker's state are untouched."""
+        plans: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
+        try:
+            opening = plans.get(timeout=OPEN_TIMEOUT_S)
+        except queue.Empty:
+            opening = Undecodable(f"no opening message within {OPEN_TIMEOUT_S:g} s")
+        peer = context.peer()
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            self.sessions.check(opening)  # refuse without waiting for the lock
+            with self._lock:
+                session = self.sessions.take(opening, peer)
+                self._stream_gen += 1
+                gen = self._stream_gen
+                self.worker.runner.reset()
+                if self.tracer is not None:
+                    self.tracer.reset()
+                replaced, self._active_results = self._active_results, results
+        except SessionRefused as e:
+            logger.warning("Execute stream refused", peer=peer, code=e.code.name, reason=e.message)
+            context.abort(e.code, e.message)
+        if replaced is not None:
+            replaced.put(
+                f"replaced by scheduler session {session.session_id} (epoch {session.epoch})"
+            )
+        logger.info(
+            "scheduler session opened",
+            peer=peer,
+            session_id=session.session_id,
+            epoch=session.epoch,
+        )
         if self.metrics is not None:
             self.metrics.streams += 1
-        plans: queue.SimpleQueue = queue.SimpleQueue()
-        results: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
         threading.Thread(target=self._run_plans, args=(plans, gen, results), daemon=True).start()
         try:
+            yield pb.StepResult(step_id=opening.step_id)  # the session is open
             while (item := results.get()) is not None:
                 if isinstance(item, str):
                     context.abort(grpc.StatusCode.ABORTED, item)
@@ -110,7 +142,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if self.metrics is not None:
                 self.metrics.streams -= 1
-        logger.info("scheduler stream closed", peer=context.peer())
+        logger.info("scheduler stream closed", peer=peer, session_id=session.session_id)
 
     def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
         """Execute the stream's plans in order. With an overlapping runner the
@@ -133,6 +165,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with self._lock:
                 if gen != self._stream_gen:
                     results.put("replaced by a newer Execute stream")
+                    return
+                if isinstance(msg, Undecodable):
+                    results.put(f"a plan does not parse as a StepPlan ({msg.error})")
                     return
                 try:
                     if msg is _NOTHING_YET:  # nothing to overlap with: finish it

@@ -62,6 +62,11 @@ class WorkerConfig:
     )
     simulated_step_ms: float = setting(0.0, "the simulated model's time per step")
     simulated_vocab: int = setting(SIMULATED_VOCAB, "the simulated model's vocabulary size")
+    simulated_fail_token: int | None = setting(
+        None,
+        "fault tests: every step of the simulated model that computes this token fails "
+        "(the worker answers it with an error)",
+    )
     max_message_mb: int = setting(64, "gRPC message size limit")
     drain_timeout_s: float = setting(
         60.0,
@@ -122,6 +127,14 @@ class WorkerConfig:
         None, "mutual TLS: this worker's key", env="TLS_KEY", metavar="PATH"
     )
 
+    worker_token_file: str | None = setting(
+        None,
+        "a file holding the shared worker token: every Worker RPC must then carry it "
+        "(the scheduler's --worker-token-file); use it whenever mutual TLS is off",
+        env="TOKEN_FILE",
+        metavar="PATH",
+    )
+
 
 TLS_FLAGS = ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key")
 
@@ -161,6 +174,9 @@ def load_config(
     add_flags(p, WorkerConfig, os.environ if env is None else env, ENV_PREFIX)
     args = p.parse_args(argv)
     _check_tls_flags(p, args)
+    token = args.worker_token_file
+    if token and not (os.path.isfile(token) and os.access(token, os.R_OK)):
+        p.error(f"--worker-token-file {token}: no such file or not readable")
     cfg = build(WorkerConfig, args)
     if cfg.page_size < 1:
         raise SystemExit("--page-size must be >= 1")

@@ -10,10 +10,12 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.worker_token import TokenCheck, TokenFileError, read_token
 from observability import health_port, tracing
 from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
+from worker_service.call_guard import WorkerCallGuard
 from worker_service.config import WorkerConfig
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
@@ -22,6 +24,18 @@ from worker_service.worker import Worker
 logger = structlog.get_logger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+# The scheduler pings its worker channels every --worker-keepalive seconds
+# (busy or idle) to notice a worker that stopped answering: accept that, however
+# often. The worker pings back less often to drop streams of a scheduler that
+# vanished without closing them.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
 
 
 def serve(worker: Worker) -> tuple[grpc.Server, int]:
@@ -35,11 +49,19 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         serve_metrics(cfg.metrics_port, cfg.host, registry)
     tracer = StepTracer(worker.tp.rank) if tracing.configured() else None
     limit = cfg.max_message_mb << 20
+    token = None
+    if cfg.worker_token_file:
+        try:
+            token = TokenCheck(read_token(cfg.worker_token_file))
+        except TokenFileError as e:
+            raise SystemExit(str(e)) from e
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=[WorkerCallGuard(SERVICE_NAME, token)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            *KEEPALIVE_OPTIONS,
         ],
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, metrics, tracer), server)
@@ -74,7 +96,13 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         port=port,
         rank=worker.tp.rank,
         mutual_tls=credentials is not None,
+        token=token is not None,
     )
+    if credentials is None and token is None:
+        logger.warning(
+            "no mutual TLS and no --worker-token-file: any caller that reaches this port "
+            "can drive the worker (keep it on a private network)"
+        )
     return server, port
 
 

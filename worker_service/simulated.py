@@ -11,6 +11,10 @@ by the name it was loaded under, is another simulated model); LoadAdapter
 reads only the adapter's config (lora/loaders.py). A request
 with a grammar picks by the same hash among the tokens its grammar allows
 (the simulated vocabulary: byte t is token t, 256 ends a grammar).
+
+For fault tests, ``fail_token`` makes every step that computes that token as
+an input fail (an exception, as a model that crashes on some input would):
+the worker answers the step with an error.
 """
 
 from __future__ import annotations
@@ -25,10 +29,20 @@ from worker_service.sampling.grammar import allocate_bitmask
 from worker_service.sampling.rows import SampleOutput
 
 
+class SimulatedFault(RuntimeError):
+    """The failure ``--simulated-fail-token`` asks for."""
+
+
 class SimulatedCompute:
-    def __init__(self, step_time_s: float = 0.0, vocab_size: int = SIMULATED_VOCAB) -> None:
+    def __init__(
+        self,
+        step_time_s: float = 0.0,
+        vocab_size: int = SIMULATED_VOCAB,
+        fail_token: int | None = None,
+    ) -> None:
         self.step_time_s = step_time_s
         self.vocab_size = vocab_size
+        self.fail_token = fail_token
         # slot -> (rid, tokens hashed, hash so far): contexts only grow, so each
         # step hashes the new tokens only.
         self._hashes: dict[int, tuple[str, int, int]] = {}
@@ -51,6 +65,8 @@ class SimulatedCompute:
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         t0 = time.perf_counter()
+        if self.fail_token is not None and any(self.fail_token in w.inputs for w in work):
+            raise SimulatedFault(f"the simulated model fails on token {self.fail_token}")
         out = SampleOutput()
         for w in work:
             if w.sample:

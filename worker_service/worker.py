@@ -68,7 +68,9 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     tp = init_tensor_parallel(cfg.tp_rank, cfg.tp_size, cfg.dist_addr, device)
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
-        compute = SimulatedCompute(cfg.simulated_step_ms / 1e3, cfg.simulated_vocab)
+        compute = SimulatedCompute(
+            cfg.simulated_step_ms / 1e3, cfg.simulated_vocab, cfg.simulated_fail_token
+        )
         vocab = cfg.simulated_vocab
         grammars = None
         if tp.rank == 0 and vocab > SIMULATED_EOS:

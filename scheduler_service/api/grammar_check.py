@@ -18,11 +18,12 @@ from collections import OrderedDict
 import grpc
 import structlog
 
+from common.worker_token import metadata
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from scheduler_service.config import ServiceConfig
 from scheduler_service.grammar_proto import grammar_to_proto
-from scheduler_service.tls import worker_channel_credentials
+from scheduler_service.tls import worker_channel_credentials, worker_token
 
 logger = structlog.get_logger(__name__)
 
@@ -37,6 +38,7 @@ class GrammarChecker:
     def __init__(self, config: ServiceConfig, address: str) -> None:
         self.timeout_s = config.limits.grammar_compile_timeout_s
         credentials, options = worker_channel_credentials(config.security)
+        self._metadata = metadata(worker_token(config.security))
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
@@ -63,7 +65,9 @@ class GrammarChecker:
         request = pb.CompileGrammarRequest()
         grammar_to_proto((kind, text), request.grammar)
         try:
-            reply = await self._stub.CompileGrammar(request, timeout=self.timeout_s)
+            reply = await self._stub.CompileGrammar(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 verdict = f"{kind}: the grammar took longer than {self.timeout_s:g} s to compile"

@@ -26,10 +26,10 @@ from scheduler_service.core.request import FinishStop, Request
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
-from scheduler_service.engine.recovery import WorkerRecovery
+from scheduler_service.engine.recovery import MAX_STEP_FAILURES, WorkerRecovery
 from scheduler_service.engine.request_tracing import RequestTracer
-from scheduler_service.engine.worker_codec import WorkerCodec
-from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
+from scheduler_service.engine.worker_codec import WorkerCodec, WorkerProtocolError
+from scheduler_service.engine.worker_group import StepFailed, WorkerError, WorkerGroup
 
 logger = structlog.get_logger(__name__)
 
@@ -68,6 +68,7 @@ class Engine:
             sched, group, recovery_timeout_s, before_open=self._reload_adapters
         )
         self.loss_error = ""  # why the worker streams broke, for the log
+        self._failed_rids: set[str] = set()  # the requests of a step a worker failed
         self.busy_ms = 0.0
         self.idle_ms = 0.0
         self._cpu_read_at = 0.0
@@ -80,14 +81,20 @@ class Engine:
 
     # ----------------------------------------------------------------- loop
     def run(self) -> None:
-        self.group.open()
         try:
             # A lost worker group is waited for (recovery.py): the requests
             # live on here and resume once it is back.
-            while not self._loop_until_worker_loss():
-                if not self._recover():
-                    self._publish()
+            try:
+                self.group.open()
+            except WorkerError as e:
+                self.loss_error = str(e)
+            else:
+                if self._loop_until_worker_loss():
                     return
+            while self._recover():
+                if self._loop_until_worker_loss():
+                    return
+            self._publish()
         except IntegrityFailure as e:
             # Going on would hand out pages twice or lose them: stop, loudly.
             logger.error("scheduler integrity check failed; stopping", error=str(e))
@@ -107,6 +114,12 @@ class Engine:
         """Run the loop; True when it ended (shutdown), False on worker loss."""
         try:
             self._loop()
+        except StepFailed as e:
+            # Like a loss (the worker's state is gone or out of step), and the
+            # plan's requests are charged with it (recovery.step_failed).
+            self.loss_error = str(e)
+            self._failed_rids = self.codec.plan_rids(e.step_id)
+            return False
         except WorkerError as e:
             self.loss_error = str(e)
             return False
@@ -140,7 +153,11 @@ class Engine:
                     self.tracer.result(step_id)
                 self.busy_ms += msg.forward_ms
                 self.idle_ms += msg.idle_ms
-                sched.update(self.codec.decode(msg))
+                try:
+                    result = self.codec.decode(msg)
+                except WorkerProtocolError as e:
+                    raise StepFailed(msg.step_id, f"worker result out of protocol: {e}") from e
+                sched.update(result)
                 if self.check_integrity:
                     self._check("an update")
             elif plan is None and not self.inflight:
@@ -157,6 +174,9 @@ class Engine:
         if self.tracer is not None:
             self.tracer.forget_steps()
         recovery.lost(self.loss_error)
+        if self._failed_rids:
+            self._fail_struck(recovery.step_failed(self._failed_rids))
+            self._failed_rids = set()
         for reply in self.adapters.fail_loading(self.loss_error):
             self.conn.send(reply)
         # AllBlocksCleared and the load go out now: the API process turns
@@ -180,6 +200,23 @@ class Engine:
             for req in [r for r in sched.requests.values() if r.adapter == lora_id]:
                 sched.abort(req.rid, message)
             sched.adapters.unregister(lora_id)
+
+    def _fail_struck(self, rids: list[str]) -> None:
+        """End the requests whose steps failed too often (UNAVAILABLE with the
+        worker's error); the others are re-prefilled as after any loss."""
+        if not rids:
+            return
+        message = (
+            f"the worker failed the steps holding this request {MAX_STEP_FAILURES} times "
+            f"(the last: {self.loss_error})"
+        )
+        sched = self.sched
+        for rid in rids:
+            req = sched.requests[rid]
+            sched.abort(rid, message, emit=False)
+            self._finished(req)
+        logger.error("requests failed after repeated step failures", rids=rids, error=message)
+        self.conn.send(ipc.Unavailable(rids, message))
 
     def _fail_all(self, message: str) -> None:
         """End every request the core holds with UNAVAILABLE (the calls end

@@ -26,7 +26,7 @@ from scheduler_service.engine.loop import Engine
 from scheduler_service.engine.stop_strings import StopStringMatcher
 from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 from scheduler_service.gc_tuning import tune_gc
-from scheduler_service.tls import TlsConfigError, worker_channel_credentials
+from scheduler_service.tls import TlsConfigError, worker_channel_credentials, worker_token
 
 logger = structlog.get_logger(__name__)
 
@@ -53,10 +53,19 @@ def core_main(conn: Connection, config: ServiceConfig) -> None:
     tracing.setup_tracing(TRACING_SERVICE_NAME)
     try:
         credentials, options = worker_channel_credentials(config.security)
+        token = worker_token(config.security)
     except TlsConfigError as e:
         conn.send(ipc.Failed(str(e)))
         return
-    group = WorkerGroup(list(config.workers), config.limits.max_message_mb, credentials, options)
+    group = WorkerGroup(
+        list(config.workers),
+        config.limits.max_message_mb,
+        credentials,
+        options,
+        token=token,
+        keepalive_s=config.engine.worker_keepalive_s,
+        step_timeout_s=config.engine.worker_step_timeout_s,
+    )
     try:
         info = group.connect()
         if config.api.tokenizer:

@@ -7,6 +7,13 @@ the engine still reads the pipe, so aborts apply and new requests queue.
 Past the timeout every queued request (and every new one until the group is
 back) ends with UNAVAILABLE; reconnection goes on, so the service serves
 again as soon as the group returns.
+
+The outage clock runs from the first loss until the group has stayed up for
+SETTLE_S: a flapping group (it comes back and is lost again, and again) is
+one outage, so requests never wait past the timeout however often it
+reconnects. A step that a worker fails (an error result) is a loss too;
+the requests of its plan are charged with it, and one charged
+MAX_STEP_FAILURES times is failed alone, with the worker's error.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ logger = structlog.get_logger(__name__)
 RETRY_FIRST_S = 0.25  # first reconnect attempt (a restarted worker takes seconds)
 RETRY_MAX_S = 2.0  # backoff cap: a returning worker is found within this
 LOG_EVERY_S = 10.0
+# Up this long after coming back: a later loss starts a new outage (and clock).
+SETTLE_S = 10.0
+# Failed steps a request may be part of before it is failed (2 retries).
+MAX_STEP_FAILURES = 3
 
 
 class WorkerRecovery:
@@ -43,17 +54,28 @@ class WorkerRecovery:
         self.connected = True
         self.losses = 0  # times the group's streams broke
         self.recoveries = 0  # times it came back and serving resumed
-        # The outage in progress (meaningful while not connected).
+        # The outage in progress (meaningful while not connected): it started
+        # at the first loss after the group had settled.
         self._lost_at = 0.0
+        self._back_at: float | None = None  # when the group last came back
+        self._flaps = 0  # losses in this outage after the first
+        self._strikes: dict[str, tuple[object, int]] = {}  # rid -> (request, failed steps)
         self._delay = RETRY_FIRST_S
         self._next_try = 0.0
         self._log_at = 0.0
         self._gave_up = False
+        self._refused = ""  # the last session refusal logged
 
     @property
     def message(self) -> str:
         """What the requests failed past the timeout are told."""
-        return f"worker group lost and not back within {self.timeout_s:g} s"
+        message = f"worker group lost and not back within {self.timeout_s:g} s"
+        if self._flaps:
+            message += (
+                f" (it came back {self._flaps} times since the first loss but never stayed "
+                f"up for {SETTLE_S:g} s)"
+            )
+        return message
 
     def lost(self, error: str) -> None:
         """The group's streams broke: forget its state, keep the requests."""
@@ -61,15 +83,21 @@ class WorkerRecovery:
         now = time.monotonic()
         self.losses += 1
         self.connected = False
-        self._lost_at = now
+        if self._back_at is None or now - self._back_at >= SETTLE_S:
+            self._lost_at = now  # a new outage: its clock starts
+            self._gave_up = False
+            self._flaps = 0
+        else:
+            self._flaps += 1  # the group did not settle: the same outage goes on
         self._delay = RETRY_FIRST_S
         self._next_try = now + RETRY_FIRST_S
         self._log_at = now + LOG_EVERY_S
-        self._gave_up = False
         self.group.drop_streams()
         logger.error(
             "worker group lost: dropping the KV cache, requests wait for it to come back",
             error=error,
+            outage_s=round(now - self._lost_at, 2),
+            flaps=self._flaps,
             running=len(sched.running) + (sched.chunked is not None),
             waiting=len(sched.waiting),
             recovery_timeout_s=self.timeout_s,
@@ -91,12 +119,32 @@ class WorkerRecovery:
             )
             self.connected = True
             self.recoveries += 1
+            self._back_at = time.monotonic()
             return True
         if log:
             self._log_at = now + LOG_EVERY_S
         self._delay = min(self._delay * 2, RETRY_MAX_S)
         self._next_try = time.monotonic() + self._delay
         return False
+
+    def step_failed(self, rids: set[str]) -> list[str]:
+        """Charge a failed step to the requests of its plan; returns those
+        charged MAX_STEP_FAILURES times (the engine fails them)."""
+        live = self.sched.requests
+        strikes = {rid: (req, n) for rid, (req, n) in self._strikes.items() if live.get(rid) is req}
+        doomed = []
+        for rid in sorted(rids):
+            req = live.get(rid)
+            if req is None:
+                continue
+            held, n = strikes.get(rid, (req, 0))
+            n = n + 1 if held is req else 1
+            strikes[rid] = (req, n)
+            if n >= MAX_STEP_FAILURES:
+                doomed.append(rid)
+                del strikes[rid]
+        self._strikes = strikes
+        return doomed
 
     def expired(self) -> bool:
         """Whether the outage has outlasted the timeout (logged once)."""
@@ -153,5 +201,14 @@ class WorkerRecovery:
                     logger.info("waiting for the worker group", error=str(e))
                 self.group.drop_streams()
                 return False
-        self.group.open()
+        try:
+            self.group.open()
+        except WorkerError as e:
+            # Refused (a newer scheduler holds the group: this one stays out
+            # and its requests end at the timeout) or not answered in time.
+            if log or str(e) != self._refused:
+                logger.warning("the worker group refused the session", error=str(e))
+                self._refused = str(e)
+            self.group.drop_streams()
+            return False
         return True

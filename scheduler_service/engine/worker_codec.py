@@ -149,10 +149,24 @@ class WorkerCodec:
         else:
             self._wants_logprobs.pop(join.rid, None)
 
+    def plan_rids(self, step_id: int) -> set[str]:
+        """The requests computed by a plan sent and not yet answered."""
+        sent = self._sent.get(step_id)
+        if sent is None:
+            return set()
+        return {*sent.sampled, *sent.extend_slots.values()}
+
     def decode(self, msg: pb.StepResult) -> StepResult:
         sent = self._sent.pop(msg.step_id, None)
         if sent is None:
             raise WorkerProtocolError(f"result for step {msg.step_id}, which was not sent")
+        try:
+            return self._decode(msg, sent)
+        except WorkerProtocolError:
+            self._sent[msg.step_id] = sent  # plan_rids() can still name its requests
+            raise
+
+    def _decode(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
         if msg.error:
             raise WorkerProtocolError(f"the worker refused step {msg.step_id}: {msg.error}")
         if len(msg.token_ids) != len(sent.sampled):

@@ -4,12 +4,28 @@ Every rank receives every plan (tensor parallelism); rank 0's result carries
 the tokens, the others' are checked for errors only. Sending never blocks
 (plans queue in the stream), so plan N+1 can be on its way while the worker
 computes N.
+
+Each stream opens a fenced session (worker_service/session.py): this
+scheduler's session id and an epoch. The epoch is fixed at the first
+connect as max(wall-clock time in ns, the highest epoch any rank reports + 1)
+and goes up by one for each session a rank accepted, so a restarted
+scheduler always opens above its predecessor (even with a clock behind the
+old one's), while a scheduler that was replaced never climbs back over its
+successor: a refused opening does not raise its next epoch.
+
+A hung worker is noticed two ways: gRPC keepalive pings on the channels
+(``--worker-keepalive``: a stopped process or a dead host leaves them
+unanswered) and a deadline on every wait for a result (step_deadline.py).
+Either breaks the streams, which the engine treats as a lost group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import secrets
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,15 +33,44 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from common import tokenizer_archive
+from common import tokenizer_archive, worker_token
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
 
 logger = structlog.get_logger(__name__)
 
 
+PROTOCOL_VERSION = 2  # the workers' WorkerInfo.protocol_version this scheduler speaks
+OPEN_TIMEOUT_S = 10.0  # a session opening not answered by then fails the attempt
+
+
 class WorkerError(RuntimeError):
     """The worker group cannot serve (unreachable, inconsistent, or failed)."""
+
+
+class StepFailed(WorkerError):
+    """A rank answered a step with an error: its request state is gone or out
+    of step with ours, so the group is treated as lost (and the plan's
+    requests are charged with the failure)."""
+
+    def __init__(self, step_id: int, message: str) -> None:
+        super().__init__(message)
+        self.step_id = step_id
+
+
+def _refusal(address: str, e: grpc.RpcError) -> str:
+    """What a refused RPC means, for the log and the errors."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            f"worker {address} refused this scheduler's token: {details} (--worker-token-file "
+            "must hold the same token on both sides)"
+        )
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return f"worker {address} is held by a newer scheduler session: {details}"
+    return f"worker {address}: {details}"
 
 
 def parse_worker_address(url: str) -> str:
@@ -61,12 +106,17 @@ class WorkerGroup:
         max_message_mb: int = 64,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, str | int]] = (),
+        token: str | None = None,
+        keepalive_s: float = 10.0,
+        step_timeout_s: float = 0.0,
     ) -> None:
-        """``credentials``: mutual TLS to the workers (None: plaintext)."""
+        """``credentials``: mutual TLS to the workers (None: plaintext);
+        ``token``: the shared worker token (None: send none)."""
         if not urls:
             raise ValueError("at least one worker address is needed")
         limit = max_message_mb << 20
         self._credentials = credentials
+        keepalive_ms = int(keepalive_s * 1000)
         self._options = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -74,10 +124,26 @@ class WorkerGroup:
             # gRPC's default reconnect backoff (up to two minutes).
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # Ping busy and idle channels alike; an unanswered ping closes the
+            # channel, which breaks the streams (a lost worker group).
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Any ping (flow-control probes too) unanswered as long: without
+            # it a probe in flight waits 60 s and holds the keepalive back.
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),
             *options,
         ]
+        self._metadata = worker_token.metadata(token)
         self.ranks = [self._rank(parse_worker_address(url)) for url in urls]
         self.info: pb.WorkerInfo | None = None
+        self.session_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        self._epoch_base = 0  # fixed at the first connect
+        self._sessions = 0  # sessions opened that some rank accepted
+        self.deadline = StepDeadline(step_timeout_s)
+        self._hung = ""  # why the watchdog broke the streams ("" if it did not)
+        self._watchdog = Watchdog(self._expired)
 
     def _rank(self, address: str) -> _Rank:
         if self._credentials is None:
@@ -94,10 +160,14 @@ class WorkerGroup:
             log_at = time.monotonic() + 3
             while True:
                 try:
-                    infos.append(rank.stub.GetInfo(pb.GetInfoRequest(), timeout=5))
+                    infos.append(
+                        rank.stub.GetInfo(pb.GetInfoRequest(), timeout=5, metadata=self._metadata)
+                    )
                     break
                 except grpc.RpcError as e:
                     details = e.details() or str(e)
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise WorkerError(_refusal(rank.address, e)) from e
                     if _tls_misconfigured(details):
                         raise WorkerError(
                             f"TLS with worker {rank.address} failed: {details} (check "
@@ -112,20 +182,36 @@ class WorkerGroup:
                         logger.info("waiting for worker", worker=rank.address, error=details)
                         log_at = time.monotonic() + 30
                     time.sleep(0.5)
-        return self._form_group(infos)
+        info = self._form_group(infos)
+        if not self._epoch_base:
+            highest = max(i.session_epoch for i in infos)
+            self._epoch_base = max(time.time_ns(), highest + 1)
+        return info
 
     def try_connect(self, timeout_s: float = 2.0) -> pb.WorkerInfo:
         """One attempt to reach every rank (after a loss); WorkerError if any is missing."""
         infos = []
         for rank in self.ranks:
             try:
-                infos.append(rank.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s))
+                infos.append(
+                    rank.stub.GetInfo(
+                        pb.GetInfoRequest(), timeout=timeout_s, metadata=self._metadata
+                    )
+                )
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise WorkerError(_refusal(rank.address, e)) from e
                 details = e.details() if hasattr(e, "details") else str(e)
                 raise WorkerError(f"worker {rank.address} did not answer: {details}") from e
         return self._form_group(infos)
 
     def _form_group(self, infos: list[pb.WorkerInfo]) -> pb.WorkerInfo:
+        for info, rank in zip(infos, self.ranks, strict=True):
+            if info.protocol_version != PROTOCOL_VERSION:
+                raise WorkerError(
+                    f"worker {rank.address} speaks worker protocol {info.protocol_version}, this "
+                    f"scheduler {PROTOCOL_VERSION}: upgrade schedulers and workers together"
+                )
         by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
         ranks = [i.tp_rank for i, _ in by_rank]
         if ranks != list(range(len(infos))) or any(i.tp_size != len(infos) for i in infos):
@@ -146,11 +232,38 @@ class WorkerGroup:
         )
         return self.info
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next session this scheduler opens."""
+        return self._epoch_base + self._sessions
+
     def open(self) -> None:
-        """Start one Execute stream per rank (the workers drop any old state)."""
+        """Open a session on every rank (each drops its old state and ends the
+        previous session's stream); WorkerError if any rank refuses or does
+        not answer within OPEN_TIMEOUT_S."""
+        if not self._epoch_base:
+            raise WorkerError("open() before connect()")
+        self._hung = ""
+        opening = pb.StepPlan(session=pb.SessionOpen(session_id=self.session_id, epoch=self.epoch))
         for rank in self.ranks:
             rank.plans = queue.SimpleQueue()
-            rank.results = rank.stub.Execute(iter(rank.plans.get, None))
+            rank.plans.put(opening)
+            rank.results = rank.stub.Execute(iter(rank.plans.get, None), metadata=self._metadata)
+        accepted = 0
+        self._watchdog.arm(OPEN_TIMEOUT_S, "the session opening")
+        try:
+            for rank in self.ranks:
+                ack = self._next(rank)
+                accepted += 1
+                if ack.error:  # not a session-speaking worker
+                    raise WorkerError(f"worker {rank.address} refused the session: {ack.error}")
+        finally:
+            self._watchdog.disarm()
+            if accepted:  # a rank holds this epoch now: the next session goes above it
+                self._sessions += 1
+        logger.info(
+            "worker session opened", session_id=self.session_id, epoch=opening.session.epoch
+        )
 
     def drop_streams(self) -> None:
         """Abandon the streams and channels after a loss. Every rank's stream
@@ -170,16 +283,21 @@ class WorkerGroup:
             rank.plans.put(plan)
 
     def receive(self) -> pb.StepResult:
-        """The next result (rank 0's); blocks until every rank has answered."""
-        results = []
-        for rank in self.ranks:
-            try:
-                results.append(next(rank.results))
-            except (grpc.RpcError, StopIteration) as e:
-                raise WorkerError(f"the stream to worker {rank.address} broke: {e}") from e
-        for rank, r in zip(self.ranks[1:], results[1:], strict=True):
-            if r.error and not results[0].error:
-                raise WorkerError(f"worker {rank.address} refused step {r.step_id}: {r.error}")
+        """The next result (rank 0's); blocks until every rank has answered,
+        at most the step deadline. StepFailed if a rank answered an error."""
+        deadline = self.deadline
+        t0 = time.monotonic()
+        self._watchdog.arm(deadline.current_s, "a step result (--worker-step-timeout)")
+        try:
+            results = [self._next(rank) for rank in self.ranks]
+        finally:
+            self._watchdog.disarm()
+        deadline.observe(time.monotonic() - t0)
+        for rank, r in zip(self.ranks, results, strict=True):
+            if r.error:
+                raise StepFailed(
+                    r.step_id, f"worker {rank.address} failed step {r.step_id}: {r.error}"
+                )
         return results[0]
 
     def ended(self) -> str | None:
@@ -191,29 +309,60 @@ class WorkerGroup:
                 return f"the stream to worker {rank.address} ended: {results.details()}"
         return None
 
+    def _next(self, rank: _Rank) -> pb.StepResult:
+        try:
+            return next(rank.results)
+        except (grpc.RpcError, StopIteration) as e:
+            if self._hung:
+                raise WorkerError(self._hung) from e
+            if isinstance(e, grpc.RpcError):
+                raise WorkerError(f"the stream to {_refusal(rank.address, e)}") from e
+            raise WorkerError(f"worker {rank.address} ended the stream") from e
+
+    def _expired(self, what: str, timeout_s: float) -> None:
+        """The watchdog's thread: no answer in time. Breaking every stream ends
+        the wait at once (the engine then recovers the group)."""
+        self._hung = (
+            f"no answer from the worker group within {timeout_s:g} s, waiting for {what}: "
+            "a hung worker"
+        )
+        logger.error("worker group hung: breaking its streams", waited_for=what, s=timeout_s)
+        for rank in self.ranks:
+            if rank.results is not None:
+                with contextlib.suppress(Exception):
+                    rank.results.cancel()
+
     def load_adapter(self, name: str, path: str, max_rank: int, timeout_s: float) -> list:
         """Start loading an adapter on every rank: one gRPC future per rank."""
         request = pb.LoadAdapterRequest(name=name, path=path, max_rank=max_rank)
-        return [rank.stub.LoadAdapter.future(request, timeout=timeout_s) for rank in self.ranks]
+        return [
+            rank.stub.LoadAdapter.future(request, timeout=timeout_s, metadata=self._metadata)
+            for rank in self.ranks
+        ]
 
     def unload_adapter(self, name: str, timeout_s: float = 10.0) -> None:
         """Forget an adapter on every rank (a rank that fails is logged: it
         only keeps some memory until it restarts)."""
         for rank in self.ranks:
             try:
-                rank.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout_s)
+                rank.stub.UnloadAdapter(
+                    pb.UnloadAdapterRequest(name=name), timeout=timeout_s, metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 logger.warning("unloading an adapter failed", worker=rank.address, error=str(e))
 
     def tokenizer_archive(self) -> bytes:
         """The model's tokenizer files as a zip (from rank 0), checked against its sha256."""
-        pieces = self.ranks[0].stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=120)
+        pieces = self.ranks[0].stub.GetTokenizer(
+            pb.GetTokenizerRequest(), timeout=120, metadata=self._metadata
+        )
         try:
             return tokenizer_archive.join(pieces)
         except tokenizer_archive.ArchiveError as e:
             raise WorkerError(f"from worker {self.ranks[0].address}: {e}") from e
 
     def close(self) -> None:
+        self._watchdog.close()
         for rank in self.ranks:
             if rank.plans is not None:
                 rank.plans.put(None)

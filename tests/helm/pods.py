@@ -92,8 +92,10 @@ def local_command(container: dict, env: dict[str, str], mounts: dict[str, str]) 
 def start(
     command: list[str], env: dict[str, str], log: Path, mounts: dict[str, str]
 ) -> subprocess.Popen:
-    """Start it with only the pod's environment (plus PATH and locale)."""
-    base = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL") if k in os.environ}
+    """Start it with only the pod's environment (plus PATH, locale and
+    PYTHONPATH, so that a checkout run with PYTHONPATH runs its own code)."""
+    keep = ("PATH", "LANG", "LC_ALL", "PYTHONPATH")
+    base = {k: os.environ[k] for k in keep if k in os.environ}
     local_env = {k: remount(v, mounts) for k, v in env.items()}
     full = {**base, **local_env, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(command, env=full, stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -62,7 +62,7 @@ def test_rendered_commands_parse_with_the_real_parsers(value_set, monkeypatch, t
         for m in c.get("volumeMounts", []):
             local = tmp_path / m["name"]
             local.mkdir(exist_ok=True)
-            for name in ("tls.crt", "tls.key", "ca.crt", "api-keys"):
+            for name in ("tls.crt", "tls.key", "ca.crt", "api-keys", "token"):
                 (local / name).write_text("placeholder\n")
             mounts[m["mountPath"]] = str(local)
         args = [pods.remount(pods.expand(a, env), mounts) for a in c["args"]]
@@ -245,6 +245,10 @@ def secure_release(tmp_path_factory):
     for key, value in SECRETS["radixserve-api-keys"].items():
         (keys / key).write_text(value)
     secret_dirs["radixserve-api-keys"] = keys
+    token = tmp / "radixserve-worker-token"
+    token.mkdir()
+    (token / "token").write_text("worker-token-3a9f1c\n")
+    secret_dirs["radixserve-worker-token"] = token
     ports = _ports()
     sets = {**ports, "model.source": "builtin", "model.path": ""}
     with run_release(tmp, "secure-no-gateway", sets, secret_dirs) as (docs, started):

@@ -215,9 +215,13 @@ def test_secrets_are_wired_to_the_security_flags():
                 "--worker-tls-ca",
                 "--worker-tls-cert",
                 "--worker-tls-key",
+                "--worker-token-file",
             ),
         ),
-        (worker, ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key")),
+        (
+            worker,
+            ("--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key", "--worker-token-file"),
+        ),
     ):
         c = container(w)
         volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
@@ -230,8 +234,9 @@ def test_secrets_are_wired_to_the_security_flags():
                 "radixserve-public-tls",
                 "radixserve-worker-mtls",
                 "radixserve-api-keys",
+                "radixserve-worker-token",
             )
-            assert key in ("tls.crt", "tls.key", "ca.crt", "api-keys")
+            assert key in ("tls.crt", "tls.key", "ca.crt", "api-keys", "token")
     test_pod = of_kind(docs, "Pod")[0]["spec"]["containers"][0]
     assert "--tls-ca" in test_pod["args"]
     (key_env,) = [e for e in test_pod["env"] if e["name"] == "RADIXSERVE_API_KEY"]
@@ -326,6 +331,7 @@ def test_pdb_covers_units_and_gateway():
         ({"otel.samplerArg": "1.5"}, "/otel/samplerArg"),
         ({"worker.kvMemory": "lots"}, "/worker/kvMemory"),
         ({"apiKey.enabled": "true"}, "/apiKey/secretName"),
+        ({"workerToken.enabled": "true"}, "/workerToken/secretName"),
         ({"replica": 2}, "additional properties 'replica' not allowed"),
         # smg cannot reach a TLS scheduler or send it a key: refused, not broken.
         (

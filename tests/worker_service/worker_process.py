@@ -75,14 +75,23 @@ def worker_process(tmp_path: Path, *args: str, name: str = "w") -> Iterator[str]
         proc.stop()
 
 
-class PlanStream:
-    """One Execute stream: send a plan, get its result."""
+def next_epoch() -> int:
+    """A session epoch above every one handed out before (in this process)."""
+    return time.time_ns()
 
-    def __init__(self, address: str) -> None:
+
+class PlanStream:
+    """One Execute stream, opened as a session (the worker acknowledges it):
+    send a plan, get its result."""
+
+    def __init__(self, address: str, session_id: str = "test", epoch: int | None = None) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._plans: queue.Queue = queue.Queue()
+        opening = pb.SessionOpen(session_id=session_id, epoch=epoch or next_epoch())
+        self._plans.put(pb.StepPlan(session=opening))
         self._results = self.stub.Execute(iter(self._plans.get, None))
+        assert next(self._results) == pb.StepResult()  # the session is open
 
     def send(self, plan: pb.StepPlan) -> None:
         self._plans.put(plan)

@@ -103,6 +103,7 @@ radixserve.io/unit: {{ .unit | quote }}
 {{- define "radixserve.tlsDir" -}}/etc/radixserve/tls{{- end }}
 {{- define "radixserve.workerTlsDir" -}}/etc/radixserve/worker-tls{{- end }}
 {{- define "radixserve.apiKeyDir" -}}/etc/radixserve/api-keys{{- end }}
+{{- define "radixserve.workerTokenDir" -}}/etc/radixserve/worker-token{{- end }}
 
 {{/* Pod-level settings shared by every pod of the chart. */}}
 {{- define "radixserve.podCommon" -}}
