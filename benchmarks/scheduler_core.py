@@ -281,7 +281,12 @@ class StepWorkload:
 
 
 def step_benchmark(
-    seed: int, page_size: int, measured_steps: int, running: int = 256, waiting: int = 1000
+    seed: int,
+    page_size: int,
+    measured_steps: int,
+    running: int = 256,
+    waiting: int = 1000,
+    clock=time.perf_counter,
 ) -> dict[str, float]:
     config = SchedulerConfig(
         page_size=page_size,
@@ -297,16 +302,16 @@ def step_benchmark(
         sched.add_request(work.next())
 
     def one_step() -> tuple[float, ForwardMode | None, int]:
-        t0 = time.perf_counter()
+        t0 = clock()
         plan = sched.step()
-        t1 = time.perf_counter()
+        t1 = clock()
         if plan is None:
             return t1 - t0, None, 0
         result = worker.execute(plan)
-        t2 = time.perf_counter()
+        t2 = clock()
         sched.update(result)
         sched.drain()
-        t3 = time.perf_counter()
+        t3 = clock()
         while len(sched.waiting) < waiting:
             sched.add_request(work.next())
         return (t1 - t0) + (t3 - t2), plan.mode, len(plan.joins)
@@ -349,10 +354,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=600, help="measured scheduler steps per run")
     parser.add_argument("--quick", action="store_true", help="a tenth of the replay trace")
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time scheduler steps by this thread's CPU time (steadier on a shared machine)",
+    )
     parser.add_argument("--no-footprint", action="store_true", help="skip the cache footprint")
     parser.add_argument("--no-steps", action="store_true", help="skip the scheduler steps")
     parser.add_argument("--only-footprint", action="store_true", help="footprint alone")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_clock else time.perf_counter
 
     groups = 10 if args.quick else 100
     t = time.perf_counter()
@@ -400,7 +411,7 @@ def main() -> None:
     for page_size in () if args.no_steps else (1, 16):
         runs = []
         for run in range(args.runs):
-            s = step_benchmark(seed=run, page_size=page_size, measured_steps=args.steps)
+            s = step_benchmark(run, page_size, args.steps, clock=clock)
             runs.append(s)
             print(
                 f"steps page_size={page_size:2d} run {run + 1}: decode p50 "

@@ -38,7 +38,7 @@ def plan_prefill(
         known = len(req.pages) if req.on_worker else 0
         if kv.grow(req, end) is None:
             raise RuntimeError(f"prefill of {req.rid} lacks pages the adder counted")
-        new_pages = req.pages[known:].tolist()
+        new_pages = req.pages[known:]
         tokens = request_tokens(req)
         if req.state is not RequestState.PREFILLING:
             req.move_to(RequestState.PREFILLING)

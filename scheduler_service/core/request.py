@@ -217,10 +217,9 @@ class Request:
             t = self._tokens = id_array(self.prompt_ids)
             have = n_prompt
         if have < total:
-            try:
-                t.extend(self.output_ids[have - n_prompt :])
-            except (OverflowError, TypeError) as e:
-                raise RadixCacheError(f"request {self.rid}: output token ids: {e}") from None
+            # One bulk pack of the new outputs (array.extend(list) parses
+            # each item, about 5x slower).
+            t += id_array(self.output_ids[have - n_prompt :])
         return t
 
     def max_prefix_len(self) -> int:
