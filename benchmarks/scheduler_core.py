@@ -1,6 +1,6 @@
 """Benchmark of the pure-Python scheduler core (a program, not a test).
 
-Two measurements, each repeated ``--runs`` times (medians reported):
+Three measurements, each repeated ``--runs`` times (medians reported):
 
 1. Radix replay: SGLang's generated-shared-prefix trace (seed 42, 100 groups
    x 100 prompts, 2048/128/256, vocab 128256) replayed on a RadixCache of
@@ -11,19 +11,23 @@ Two measurements, each repeated ``--runs`` times (medians reported):
    arrives (as the scheduler does at submission: ``Request.token_array``),
    inside the timed loop. Reports requests/s, the hit rate (must be 0.9318)
    and the share of replay time spent evicting and packing.
-2. Cache footprint (``--footprint``, on by default): every request of the
-   trace (prompt + output, 4 M tokens) inserted into a cache large enough to
-   hold it all, at page size 1 and 16, each key packed as a request packs
-   its tokens. Reports the memory the
-   cache retains per cached token (tracemalloc, in a separate build), the
+2. Cache footprint (on unless ``--no-footprint``; ``--only-footprint``
+   for it alone): every request of the trace (prompt + output, 4 M tokens)
+   inserted into a cache large enough to hold it all, at page size 1 and
+   16, each key packed as a request packs its tokens (on a checkout whose
+   cache takes lists: int objects of its own, as a tokenizer's output).
+   Reports the memory the cache retains per cached token (tracemalloc, in a
+   separate build, the page pool's own allocations left out), the
    GC-tracked objects it adds, the time of a full ``gc.collect()`` over it,
    and, with the service's GC settings (``gc_tuning.tune_gc``), the slowest
    single match/insert/evict while building it and then while replaying the
    trace against it at capacity (LRU churn). Also the rate of inserting
    fresh pages for cached sequences (every page comes back as a duplicate).
-3. Scheduler steps: ``Scheduler.step()`` + ``update()`` wall time (the
-   simulated worker's time excluded) with 256 running decode requests and
-   1,000 waiting (lpm), split into decode steps and steps that admit.
+3. Scheduler steps (unless ``--no-steps``): ``Scheduler.step()`` +
+   ``update()`` wall time (``--cpu-clock``: this thread's CPU time, steadier
+   on a shared machine; the simulated worker's time excluded) with 256
+   running decode requests and 1,000 waiting (lpm), split into decode steps
+   and steps that admit.
 
 The last line printed is one JSON object with the figures.
 
@@ -203,6 +207,19 @@ def cache_footprint(trace: list[TraceRequest], page_size: int) -> dict[str, floa
     saved = gc.get_threshold()
     pool, cache = _empty_cache(seqs, page_size)
     tune_gc()
+    # Every automatic collection's pause (by the CPU time of this thread, so
+    # another process taking the core does not count), to tell a slow op
+    # caused by the collector from one the machine's load stretched.
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            pauses.append(time.thread_time() - started[0])
+
+    gc.callbacks.append(on_gc)
     try:
         tracked_before = len(gc.get_objects())
         build_ops = _build(seqs, cache, timed=True)
@@ -237,10 +254,13 @@ def cache_footprint(trace: list[TraceRequest], page_size: int) -> dict[str, floa
         pool.release(own)
         dup_inserts = len(seqs)
         del seqs, result
+        gc.callbacks.remove(on_gc)
         t0 = clock()
         gc.collect()
         full_gc = clock() - t0
     finally:
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
         gc.unfreeze()
         gc.set_threshold(*saved)
     ms = lambda xs: sorted(x * 1e3 for x in xs)  # noqa: E731
@@ -251,6 +271,8 @@ def cache_footprint(trace: list[TraceRequest], page_size: int) -> dict[str, floa
         "bytes_per_token": retained / cached_tokens,
         "gc_tracked_objects": tracked,
         "full_gc_ms": full_gc * 1e3,
+        "auto_gc_pauses": len(pauses),
+        "auto_gc_pause_ms_max": max(pauses, default=0.0) * 1e3,
         "build_op_ms_max": b[-1],
         "build_op_ms_p999": b[int(len(b) * 0.999)],
         "churn_op_ms_max": c[-1],
@@ -389,7 +411,8 @@ def main() -> None:
                     f"footprint page_size={page_size:2d} run {run + 1}: "
                     f"{f['mib']:.0f} MiB for {f['cached_tokens']} tokens "
                     f"({f['bytes_per_token']:.1f} B/token), {f['gc_tracked_objects']} GC objects, "
-                    f"full gc {f['full_gc_ms']:.1f} ms, slowest op build "
+                    f"full gc {f['full_gc_ms']:.1f} ms, slowest automatic gc pause "
+                    f"{f['auto_gc_pause_ms_max']:.2f} ms (cpu), slowest op build "
                     f"{f['build_op_ms_max']:.2f} ms churn {f['churn_op_ms_max']:.2f} ms "
                     f"({f['ops_over_5ms']} over 5 ms), fresh-page insert "
                     f"{f['dup_insert_us']:.1f} us (n={f['dup_inserts']})"
@@ -405,7 +428,7 @@ def main() -> None:
         replays.append(r)
         print(
             f"replay run {run + 1}: {r['req_per_s']:8.0f} req/s  hit rate {r['hit_rate']:.4f}  "
-            f"evicting {r['evict_share']:.0%} of {r['seconds']:.2f}s"
+            f"evicting {r['evict_share']:.0%}, packing {r['pack_share']:.0%} of {r['seconds']:.2f}s"
         )
     steps = {}
     for page_size in () if args.no_steps else (1, 16):
@@ -428,6 +451,7 @@ def main() -> None:
         "radix_replay_req_per_s": round(med("req_per_s"), 1),
         "radix_replay_hit_rate": hit_rate,
         "radix_replay_evict_share": round(med("evict_share"), 3),
+        "radix_replay_pack_share": round(med("pack_share"), 3),
         "runs": args.runs,
         "quick": args.quick,
     }

@@ -131,7 +131,7 @@ class RadixCache:
     def _child_key(self, key: array, pos: int) -> Any:
         if self.page_size == 1:
             return key[pos]
-        return tuple(key[pos : pos + self.page_size])
+        return key[pos : pos + self.page_size].tobytes()
 
     def _tick(self) -> int:
         self._clock += 1
@@ -210,7 +210,7 @@ class RadixCache:
         pages = id_array()
         while pos < n:
             child = node.children.get(
-                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+                key[pos] if page_size == 1 else key[pos : pos + page_size].tobytes()
             )
             if child is None:
                 break
@@ -264,7 +264,7 @@ class RadixCache:
         dup = id_array()
         while pos < n:
             child = node.children.get(
-                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+                key[pos] if page_size == 1 else key[pos : pos + page_size].tobytes()
             )
             if child is None:
                 # Slices are copies: the leaf never shares the caller's arrays.
