@@ -157,7 +157,7 @@ class Request:
 
     # prompt_ids + output_ids packed for the radix cache: built once at
     # submission (validate) and appended to as outputs arrive (token_array).
-    _tokens: array = field(default_factory=id_array, init=False, repr=False, compare=False)
+    _tokens: array | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_logprobs_pending = self.logprobs.wants_prompt_logprobs
@@ -210,10 +210,10 @@ class Request:
         t = self._tokens
         n_prompt = len(self.prompt_ids)
         total = n_prompt + len(self.output_ids)
-        have = len(t)
+        have = -1 if t is None else len(t)
         if have == total:
             return t
-        if have < n_prompt or have > total:
+        if t is None or have < n_prompt or have > total:
             t = self._tokens = id_array(self.prompt_ids)
             have = n_prompt
         if have < total:
