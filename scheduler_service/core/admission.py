@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv_manager import KvManager
-from scheduler_service.core.policy import request_tokens
 from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
 from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.radix_node import zero_pages
 from scheduler_service.core.request import Request
 
 
@@ -56,19 +56,19 @@ class _InBatchPrefixes:
             return
         if self.tree is None:
             self.tree = RadixCache(page_size=1)
-        tokens = request_tokens(req)
-        self.tree.insert(tokens, [0] * len(tokens), req.extra_key)
+        tokens = req.token_array()
+        self.tree.insert(tokens, zero_pages(len(tokens)), req.extra_key)
 
     def should_wait(self, req: Request) -> bool:
         if self.tree is None:  # nothing admitted yet (or holding is off)
             return False
-        shared = self.tree.match(request_tokens(req), req.extra_key, touch=False).length
+        shared = self.tree.match(req.token_array(), req.extra_key, touch=False).length
         return shared - req.match_len >= self.hold
 
 
 def match_prefix(cache: RadixCache, req: Request) -> None:
     """Record in ``req.match_*`` the longest cached prefix it may use."""
-    m = cache.match(request_tokens(req), req.extra_key, limit=req.max_prefix_len())
+    m = cache.match(req.token_array(), req.extra_key, limit=req.max_prefix_len())
     req.match_pages, req.match_len, req.match_node = m.pages, m.length, m.node
 
 

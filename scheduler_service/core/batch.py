@@ -129,7 +129,7 @@ class RunningBatch:
             raise RuntimeError(f"decode needs {needed} pages that make_room_for_decode found")
         entries: list[ScheduledRequest] = []
         append = entries.append
-        take = iter(fresh).__next__
+        take = iter(fresh.tolist()).__next__
         for r in reqs:
             pos = r.kv_len
             if pos % page_size:

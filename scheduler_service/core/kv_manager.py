@@ -18,8 +18,11 @@ cache) runs after the write.
 
 from __future__ import annotations
 
+from array import array
+
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_cache import RadixCache, RadixNode
+from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import Request
 
 
@@ -38,10 +41,10 @@ class KvManager:
         """New pages ``req`` needs so its table covers positions [0, kv_len)."""
         return max(0, -(-kv_len // self.page_size) - len(req.pages))
 
-    def alloc(self, n: int) -> list[int] | None:
+    def alloc(self, n: int) -> array | None:
         """n pages, evicting unlocked cache leaves if the free list is short."""
         if n <= 0:
-            return []
+            return id_array()
         short = n - self.pool.num_free
         if short > 0:
             if short > self.cache.evictable_pages:
@@ -50,15 +53,15 @@ class KvManager:
         return self.pool.alloc(n)
 
     # ------------------------------------------------------ request life
-    def attach_prefix(self, req: Request, pages: list[int], length: int, node: RadixNode) -> None:
+    def attach_prefix(self, req: Request, pages: array, length: int, node: RadixNode) -> None:
         """Start ``req``'s table with a cached prefix (the caller locked ``node``)."""
         assert not req.pages and req.last_node is None
-        req.pages = list(pages)
+        req.pages = id_array(pages)
         req.tree_pages = len(pages)
         req.last_node = node
         req.kv_len = length
 
-    def grow(self, req: Request, kv_len: int) -> list[int] | None:
+    def grow(self, req: Request, kv_len: int) -> array | None:
         """Extend ``req``'s table to cover [0, kv_len); None if memory is short."""
         new = self.alloc(self.pages_for(req, kv_len))
         if new:
@@ -75,7 +78,7 @@ class KvManager:
         n_pages = min(req.kv_len, req.num_tokens) // page_size
         if n_pages <= req.tree_pages:
             return
-        tokens = req.prompt_ids if not req.output_ids else req.all_token_ids()
+        tokens = req.token_array()
         result = self.cache.insert(
             tokens[: n_pages * page_size],
             req.pages[:n_pages],
@@ -103,7 +106,7 @@ class KvManager:
         if cache_tokens:
             n_pages = min(req.kv_len, req.num_tokens) // self.page_size
             if n_pages > req.tree_pages:
-                tokens = req.all_token_ids()
+                tokens = req.token_array()
                 result = cache.insert(
                     tokens[: n_pages * self.page_size], pages[:n_pages], req.extra_key
                 )
@@ -112,7 +115,7 @@ class KvManager:
         pool.release(pages[own_from:])
         if req.last_node is not None:
             cache.unlock(req.last_node)
-        req.pages = []
+        req.pages = id_array()
         req.tree_pages = 0
         req.last_node = None
         req.kv_len = 0
@@ -128,14 +131,16 @@ class KvManager:
             )
         for p in req.pages[req.tree_pages :]:
             holders[p] = holders.get(p, 0) + 1
-        path: list[list[int]] = []
+        path: list[array] = []
         node = req.last_node
         while node is not None and node.parent is not None:
             if node.lock_ref < 1:
                 raise AssertionError(f"request {req.rid} holds an unlocked cache node")
             path.append(node.pages)
             node = node.parent
-        tree_pages = [p for seg in reversed(path) for p in seg]
+        tree_pages = id_array()
+        for seg in reversed(path):
+            tree_pages += seg
         if tree_pages != req.pages[: req.tree_pages]:
             raise AssertionError(
                 f"request {req.rid}: its first {req.tree_pages} pages are not the cache path "

@@ -20,6 +20,7 @@ table[p // page_size]. Prefill entries come before decode entries.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
@@ -56,7 +57,9 @@ class ScheduledRequest:
     rid: str
     start_pos: int
     input_ids: list[int] | None  # None: the last token the worker sampled for it
-    new_pages: list[int]
+    # Page ids appended to the request's table: a list, or a slice of the
+    # request's packed page table (array('i')) for a prefill.
+    new_pages: Sequence[int]
     sample: bool  # False for a prefill chunk that does not reach the end
     # The prompt token right after a chunk that stops inside the prompt, sent
     # when prompt logprobs are wanted so the chunk's last logits can score it.

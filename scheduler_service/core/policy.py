@@ -31,6 +31,7 @@ from scheduler_service.core.config import (
     SchedulerConfig,
 )
 from scheduler_service.core.radix_cache import RadixCache, RadixNode
+from scheduler_service.core.radix_node import zero_pages
 from scheduler_service.core.request import Request
 
 
@@ -102,7 +103,7 @@ class SchedulePolicy:
         deprioritized: set[Request] = set()
         in_batch = RadixCache(page_size=1) if dedup else None
         for req in waiting:
-            tokens = request_tokens(req)
+            tokens = req.token_array()
             m = self.cache.match(tokens, req.extra_key, limit=req.max_prefix_len(), touch=False)
             req.match_len = m.length
             req.match_node = m.node
@@ -112,7 +113,7 @@ class SchedulePolicy:
             if shared >= IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD:
                 deprioritized.add(req)
             else:
-                in_batch.insert(tokens, [0] * len(tokens), req.extra_key)
+                in_batch.insert(tokens, zero_pages(len(tokens)), req.extra_key)
         return deprioritized
 
     def _dfs_order(self, waiting: list[Request]) -> list[Request]:

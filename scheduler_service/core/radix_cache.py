@@ -1,7 +1,11 @@
 """Radix tree from token prefixes to the KV pages that hold them.
 
 Each node owns an edge: ``key`` (tokens, a whole number of pages) and
-``pages`` (one page id per ``page_size`` tokens of ``key``). A path from a
+``pages`` (one page id per ``page_size`` tokens of ``key``), both packed
+32-bit arrays (radix_node.py says why). Callers pass keys and page tables
+as such arrays (requests keep theirs packed); lists are packed on entry.
+Edges are compared as array slices (C comparisons, a binary search over
+slices for a partial match), never token by token in Python. A path from a
 namespace root spells a cached prefix; its pages, concatenated, are that
 prefix's page table. Requests with different ``extra_key`` live under
 different roots and never share pages.
@@ -20,6 +24,8 @@ Page accounting, true after every public call::
 from __future__ import annotations
 
 import heapq
+from array import array
+from collections.abc import Iterable
 from typing import Any
 
 from scheduler_service.core.kv_events import (
@@ -32,11 +38,63 @@ from scheduler_service.core.kv_events import (
 )
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_node import (
+    HASH_TYPE,
+    ID_TYPE,
     InsertResult,
     MatchResult,
     RadixCacheError,
     RadixNode,
+    as_id_array,
+    id_array,
 )
+
+_lane_masks_cache: dict[int, tuple[int, int]] = {}
+
+
+def _lane_masks(lanes: int) -> tuple[int, int]:
+    """(bit 31 of each of ``lanes`` 32-bit lanes, bit 0 of each), cached by length."""
+    masks = _lane_masks_cache.get(lanes)
+    if masks is None:
+        if len(_lane_masks_cache) >= 256:
+            _lane_masks_cache.clear()
+        high = int.from_bytes(b"\x00\x00\x00\x80" * lanes, "little")
+        masks = _lane_masks_cache[lanes] = (high, high >> 31)
+    return masks
+
+
+def _common_prefix(a: array, pos: int, b: array, limit: int) -> int:
+    """Length of the common prefix of a[pos:pos+limit] and b[:limit], given
+    that they differ: a binary search over C slice comparisons, each probe
+    comparing only the part not yet known to agree (O(limit) in all)."""
+    lo, hi = 0, limit  # a[pos:pos+lo] == b[:lo]; a[pos:pos+hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[pos + lo : pos + mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _differing_pages(mine: array, cached: array) -> array:
+    """``[p for p, q in zip(mine, cached) if p != q]`` for two differing page
+    runs of equal length, in bulk.
+
+    Usually the caller's pages agree with the cached ones up to some point
+    (pages it got from a match) and differ everywhere after (its own pages):
+    that shape is found with slice comparisons and one XOR of the rest as big
+    integers, with no per-page Python work; anything else takes the loop.
+    """
+    k = _common_prefix(mine, 0, cached, len(mine))
+    rest = mine[k:]
+    x = int.from_bytes(rest.tobytes(), "little") ^ int.from_bytes(cached[k:].tobytes(), "little")
+    high, low = _lane_masks(len(rest))
+    # A 32-bit lane of x is nonzero iff its bit 31 survives: (x | high) - low
+    # keeps bit 31 of a lane whose low 31 bits are nonzero (no borrow crosses
+    # lanes), and ``| x`` adds the lanes whose own bit 31 is set.
+    if ((x | high) - low | x) & high == high:
+        return rest
+    return array(ID_TYPE, [p for p, q in zip(rest, cached[k:], strict=True) if p != q])
 
 
 class RadixCache:
@@ -65,15 +123,15 @@ class RadixCache:
     def _root(self, namespace: str | None) -> RadixNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = RadixNode([], [], None, namespace)
+            root = RadixNode(id_array(), id_array(), None, namespace)
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
         return root
 
-    def _child_key(self, key: list[int], pos: int) -> Any:
+    def _child_key(self, key: array, pos: int) -> Any:
         if self.page_size == 1:
             return key[pos]
-        return tuple(key[pos : pos + self.page_size])
+        return key[pos : pos + self.page_size].tobytes()
 
     def _tick(self) -> int:
         self._clock += 1
@@ -97,20 +155,14 @@ class RadixCache:
             self._push(node)
 
     @staticmethod
-    def _common_len(key: list[int], pos: int, edge: list[int], limit: int) -> int:
+    def _common_len(key: array, pos: int, edge: array, limit: int) -> int:
         """Length of the common prefix of key[pos:pos+limit] and edge[:limit]."""
         if limit == len(edge):
             if key[pos : pos + limit] == edge:
                 return limit
         elif key[pos : pos + limit] == edge[:limit]:
             return limit
-        # Narrow down in C-speed slices before the per-token loop.
-        i, step = 0, 64
-        while i + step <= limit and key[pos + i : pos + i + step] == edge[i : i + step]:
-            i += step
-        while i < limit and key[pos + i] == edge[i]:
-            i += 1
-        return i
+        return _common_prefix(key, pos, edge, limit)
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut `node`'s edge after `at` tokens; return the new upper node."""
@@ -134,7 +186,7 @@ class RadixCache:
     # ------------------------------------------------------------- lookup
     def match(
         self,
-        key: list[int],
+        key: Iterable[int],
         extra_key: str | None = None,
         limit: int | None = None,
         touch: bool = True,
@@ -146,18 +198,19 @@ class RadixCache:
         match (ready to lock). Without it (policies), the tree is not changed
         and ``node`` is the deepest node matched in full.
         """
+        key = as_id_array(key)
         root = self._roots.get(extra_key)
         n = len(key) if limit is None else min(len(key), limit)
         page_size = self.page_size
         n -= n % page_size
         if root is None or n == 0:
-            return MatchResult([], 0, root or self._roots[None])
+            return MatchResult(id_array(), 0, root or self._roots[None])
         now = self._tick() if touch else 0
         node, pos = root, 0
-        pages: list[int] = []
+        pages = id_array()
         while pos < n:
             child = node.children.get(
-                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+                key[pos] if page_size == 1 else key[pos : pos + page_size].tobytes()
             )
             if child is None:
                 break
@@ -168,11 +221,11 @@ class RadixCache:
                 if m == 0:
                     break
                 if not touch:
-                    pages.extend(child.pages[: m // page_size])
+                    pages += child.pages[: m // page_size]
                     pos += m
                     break
                 child = self._split(child, m)
-            pages.extend(child.pages)
+            pages += child.pages
             pos += m
             node = child
             if touch:
@@ -182,8 +235,8 @@ class RadixCache:
     # ------------------------------------------------------------- insert
     def insert(
         self,
-        key: list[int],
-        pages: list[int],
+        key: Iterable[int],
+        pages: Iterable[int],
         extra_key: str | None = None,
         stop_on_conflict: bool = False,
     ) -> InsertResult:
@@ -196,6 +249,8 @@ class RadixCache:
         anything once such a duplicate is found, for a caller that keeps
         using its own copy.
         """
+        key = as_id_array(key)
+        pages = as_id_array(pages)
         page_size = self.page_size
         n = len(key)
         if n % page_size or len(pages) != n // page_size:
@@ -206,12 +261,13 @@ class RadixCache:
         node = self._root(extra_key)
         now = self._tick()
         pos = 0
-        dup: list[int] = []
+        dup = id_array()
         while pos < n:
             child = node.children.get(
-                key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+                key[pos] if page_size == 1 else key[pos : pos + page_size].tobytes()
             )
             if child is None:
+                # Slices are copies: the leaf never shares the caller's arrays.
                 leaf = self._add_leaf(node, key[pos:], pages[pos // page_size :], now)
                 return InsertResult(pos, dup, leaf)
             edge = child.key
@@ -224,14 +280,16 @@ class RadixCache:
             mine = pages[pos // page_size : (pos + m) // page_size]
             if mine != child.pages:
                 if stop_on_conflict:
-                    return InsertResult(pos, [], node, conflict=True)
-                dup.extend(p for p, q in zip(mine, child.pages, strict=False) if p != q)
+                    return InsertResult(pos, id_array(), node, conflict=True)
+                dup += _differing_pages(mine, child.pages)
             pos += m
             node = child
             self._touch(node, now)
         return InsertResult(n, dup, node)
 
-    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], now: int) -> RadixNode:
+    def _add_leaf(self, parent: RadixNode, key: array, pages: array, now: int) -> RadixNode:
+        """A leaf under ``parent`` owning ``key`` and ``pages`` (copies, never
+        a caller's array: requests append to theirs)."""
         leaf = RadixNode(key, pages, parent, parent.namespace)
         leaf.last_access = now
         parent.children[self._child_key(key, 0)] = leaf
@@ -240,9 +298,10 @@ class RadixCache:
         if self.events is not None:
             parent_hash = parent.hashes[-1] if parent.hashes else None
             seed = parent_hash if parent_hash is not None else namespace_seed(parent.namespace)
-            leaf.hashes = chain_page_hashes(seed, key, self.page_size)
+            hashes = chain_page_hashes(seed, key, self.page_size)
+            leaf.hashes = array(HASH_TYPE, hashes)
             self.events.append(
-                BlockStored(leaf.hashes, parent_hash, key, self.page_size, parent.namespace)
+                BlockStored(hashes, parent_hash, key.tolist(), self.page_size, parent.namespace)
             )
         self._push(leaf)
         return leaf
@@ -295,7 +354,7 @@ class RadixCache:
             node.parent = None
             self._num_nodes -= 1
             if events is not None and node.hashes:
-                events.append(BlockRemoved(node.hashes))
+                events.append(BlockRemoved(node.hashes.tolist()))
             if not parent.children:
                 if parent.parent is not None:
                     if parent.lock_ref == 0:

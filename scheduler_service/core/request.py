@@ -16,9 +16,11 @@ A retracted request keeps ``output_ids``; it re-prefills prompt + output
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_service.core.radix_node import RadixCacheError, id_array
 from scheduler_service.core.sampling import (
     NO_LOGPROBS,
     InvalidRequestError,
@@ -113,8 +115,9 @@ class Request:
     times: RequestTimes = field(default_factory=RequestTimes)
 
     # --- KV holdings, owned by the scheduler (see kv_manager.py) ---
-    # Page table: page i holds positions [i * page_size, (i + 1) * page_size).
-    pages: list[int] = field(default_factory=list)
+    # Page table: page i holds positions [i * page_size, (i + 1) * page_size),
+    # packed 32-bit page ids (radix_node.id_array).
+    pages: array = field(default_factory=id_array)
     # The first `tree_pages` pages belong to the radix cache and are kept alive
     # by the lock on `last_node`; the rest are this request's own.
     tree_pages: int = 0
@@ -148,9 +151,13 @@ class Request:
     preemptions: int = 0
 
     # --- per-step scratch written by the policy and the prefill adder ---
-    match_pages: list[int] = field(default_factory=list)
+    match_pages: array = field(default_factory=id_array)
     match_node: Any = None
     match_len: int = 0
+
+    # prompt_ids + output_ids packed for the radix cache: built once at
+    # submission (validate) and appended to as outputs arrive (token_array).
+    _tokens: array | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_logprobs_pending = self.logprobs.wants_prompt_logprobs
@@ -176,7 +183,7 @@ class Request:
     def forget_kv(self) -> None:
         """Drop every KV holding without giving anything back (the worker group
         that held the pages is gone, and the pool and cache are wiped)."""
-        self.pages = []
+        self.pages = id_array()
         self.tree_pages = 0
         self.last_node = None
         self.kv_len = 0
@@ -194,6 +201,26 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_array(self) -> array:
+        """Prompt plus known output tokens as the packed array the radix cache
+        takes. Kept, not rebuilt: packed once, then only new outputs are
+        appended (``prompt_ids`` does not change once submitted and
+        ``output_ids`` only grows). The cache copies what it keeps."""
+        t = self._tokens
+        n_prompt = len(self.prompt_ids)
+        total = n_prompt + len(self.output_ids)
+        have = -1 if t is None else len(t)
+        if have == total:
+            return t
+        if t is None or have < n_prompt or have > total:
+            t = self._tokens = id_array(self.prompt_ids)
+            have = n_prompt
+        if have < total:
+            # One bulk pack of the new outputs (array.extend(list) parses
+            # each item, about 5x slower).
+            t += id_array(self.output_ids[have - n_prompt :])
+        return t
 
     def max_prefix_len(self) -> int:
         """How many leading tokens may come from the prefix cache.
@@ -233,6 +260,10 @@ class Request:
                 )
         self.sampling.validate(vocab_size)
         self.logprobs.validate(len(self.prompt_ids))
+        try:
+            self.token_array()  # packed once, at submission
+        except RadixCacheError as e:
+            raise InvalidRequestError(f"request {self.rid}: {e}") from None
 
 
 __all__ = [

@@ -48,6 +48,7 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.policy import SchedulePolicy
 from scheduler_service.core.prefill_entries import plan_prefill
 from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import (
     FinishAbort,
     FinishLength,
@@ -455,7 +456,7 @@ class Scheduler:
         holders.sort(key=lambda r: r.times.arrival)
         self.waiting[:0] = holders
         for req in self.waiting:  # matches point into the cache being dropped
-            req.match_pages, req.match_node, req.match_len = [], None, 0
+            req.match_pages, req.match_node, req.match_len = id_array(), None, 0
         for req in self.requests.values():
             # What they read from the cache is gone and will be computed
             # again: the next admission counts their hits afresh.

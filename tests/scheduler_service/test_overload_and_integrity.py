@@ -120,7 +120,7 @@ def test_a_broken_invariant_stops_the_core_with_an_internal_failure():
     engine = Engine(
         sched, IdleGroup(), conn, overlap_depth=1, recovery_timeout_s=60, check_integrity=True
     )
-    sched.pool._free.append(sched.pool._free[0])  # a double free
+    sched.pool.release([sched.pool._free[0]])  # a double free (the page is already free)
     engine.run()
     (failed,) = [m for m in conn.sent if isinstance(m, ipc.Failed)]
     assert failed.code == "INTERNAL"

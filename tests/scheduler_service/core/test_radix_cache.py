@@ -20,7 +20,7 @@ def put(pool, cache, key, extra_key=None):
     m = cache.match(key, extra_key)
     fresh = pool.alloc(len(key) // page_size - len(m.pages))
     result = cache.insert(key, m.pages + fresh, extra_key)
-    assert result.dup_pages == []
+    assert result.dup_pages.tolist() == []
     return result
 
 
@@ -46,7 +46,7 @@ def test_match_limit_and_split_node_ends_at_the_match():
     pool, cache = make()
     put(pool, cache, [1, 2, 3, 4, 5])
     m = cache.match([1, 2, 3, 4, 5], limit=2)
-    assert m.length == 2 and m.node.key == [1, 2]
+    assert m.length == 2 and m.node.key.tolist() == [1, 2]
     assert cache.num_nodes == 2  # split into [1,2] + [3,4,5]
     peek = cache.match([1, 2, 3, 9], touch=False)
     assert peek.length == 3 and cache.num_nodes == 2  # peeking never splits
@@ -253,7 +253,7 @@ def test_random_operations_keep_the_cache_consistent(page_size, operations):
             fresh = pool.alloc(need)
             cache.unlock(m.node)
             result = cache.insert(key, m.pages + fresh)
-            assert result.dup_pages == []
+            assert result.dup_pages.tolist() == []
             for i in range(len(key) // page_size):
                 reference[tuple(key[: (i + 1) * page_size])] = (m.pages + fresh)[i]
             if op == "lock":
