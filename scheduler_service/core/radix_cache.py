@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
+from scheduler_service.core.id_runs import common_len, differing_pages
 from scheduler_service.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,7 +40,6 @@ from scheduler_service.core.kv_events import (
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_node import (
     HASH_TYPE,
-    ID_TYPE,
     InsertResult,
     MatchResult,
     RadixCacheError,
@@ -47,54 +47,6 @@ from scheduler_service.core.radix_node import (
     as_id_array,
     id_array,
 )
-
-_lane_masks_cache: dict[int, tuple[int, int]] = {}
-
-
-def _lane_masks(lanes: int) -> tuple[int, int]:
-    """(bit 31 of each of ``lanes`` 32-bit lanes, bit 0 of each), cached by length."""
-    masks = _lane_masks_cache.get(lanes)
-    if masks is None:
-        if len(_lane_masks_cache) >= 256:
-            _lane_masks_cache.clear()
-        high = int.from_bytes(b"\x00\x00\x00\x80" * lanes, "little")
-        masks = _lane_masks_cache[lanes] = (high, high >> 31)
-    return masks
-
-
-def _common_prefix(a: array, pos: int, b: array, limit: int) -> int:
-    """Length of the common prefix of a[pos:pos+limit] and b[:limit], given
-    that they differ: a binary search over C slice comparisons, each probe
-    comparing only the part not yet known to agree (O(limit) in all)."""
-    lo, hi = 0, limit  # a[pos:pos+lo] == b[:lo]; a[pos:pos+hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[pos + lo : pos + mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _differing_pages(mine: array, cached: array) -> array:
-    """``[p for p, q in zip(mine, cached) if p != q]`` for two differing page
-    runs of equal length, in bulk.
-
-    Usually the caller's pages agree with the cached ones up to some point
-    (pages it got from a match) and differ everywhere after (its own pages):
-    that shape is found with slice comparisons and one XOR of the rest as big
-    integers, with no per-page Python work; anything else takes the loop.
-    """
-    k = _common_prefix(mine, 0, cached, len(mine))
-    rest = mine[k:]
-    x = int.from_bytes(rest.tobytes(), "little") ^ int.from_bytes(cached[k:].tobytes(), "little")
-    high, low = _lane_masks(len(rest))
-    # A 32-bit lane of x is nonzero iff its bit 31 survives: (x | high) - low
-    # keeps bit 31 of a lane whose low 31 bits are nonzero (no borrow crosses
-    # lanes), and ``| x`` adds the lanes whose own bit 31 is set.
-    if ((x | high) - low | x) & high == high:
-        return rest
-    return array(ID_TYPE, [p for p, q in zip(rest, cached[k:], strict=True) if p != q])
 
 
 class RadixCache:
@@ -154,16 +106,6 @@ class RadixCache:
         if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._push(node)
 
-    @staticmethod
-    def _common_len(key: array, pos: int, edge: array, limit: int) -> int:
-        """Length of the common prefix of key[pos:pos+limit] and edge[:limit]."""
-        if limit == len(edge):
-            if key[pos : pos + limit] == edge:
-                return limit
-        elif key[pos : pos + limit] == edge[:limit]:
-            return limit
-        return _common_prefix(key, pos, edge, limit)
-
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut `node`'s edge after `at` tokens; return the new upper node."""
         page_size = self.page_size
@@ -215,7 +157,7 @@ class RadixCache:
             if child is None:
                 break
             edge = child.key
-            m = self._common_len(key, pos, edge, min(len(edge), n - pos))
+            m = common_len(key, pos, edge, min(len(edge), n - pos))
             m -= m % page_size
             if m < len(edge):
                 if m == 0:
@@ -271,7 +213,7 @@ class RadixCache:
                 leaf = self._add_leaf(node, key[pos:], pages[pos // page_size :], now)
                 return InsertResult(pos, dup, leaf)
             edge = child.key
-            m = self._common_len(key, pos, edge, min(len(edge), n - pos))
+            m = common_len(key, pos, edge, min(len(edge), n - pos))
             m -= m % page_size
             if m == 0:
                 raise RadixCacheError("a child was filed under a key it does not start with")
@@ -281,7 +223,7 @@ class RadixCache:
             if mine != child.pages:
                 if stop_on_conflict:
                     return InsertResult(pos, id_array(), node, conflict=True)
-                dup += _differing_pages(mine, child.pages)
+                dup += differing_pages(mine, child.pages)
             pos += m
             node = child
             self._touch(node, now)

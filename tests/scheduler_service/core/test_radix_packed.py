@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler_service.core.id_runs import differing_pages
 from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache, RadixCacheError, _differing_pages
+from scheduler_service.core.radix_cache import RadixCache, RadixCacheError
 from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import InvalidRequestError
@@ -91,7 +92,7 @@ def test_the_bulk_duplicate_check_matches_the_per_page_loop(cached, data):
             mine[i] = cached[i]
     if mine == cached:
         return  # the cache only calls it when the runs differ
-    got = _differing_pages(id_array(mine), id_array(cached))
+    got = differing_pages(id_array(mine), id_array(cached))
     assert got.tolist() == [p for p, q in zip(mine, cached, strict=True) if p != q]
 
 
