@@ -7,7 +7,6 @@ Before, the core stopped and every call, then and later, got INTERNAL."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,20 +14,12 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.simulated_model import SIMULATED_VOCAB, expected_output
-from tests.e2e.system import BIN, free_port, greedy, process, stub
+from tests.e2e.system import BIN, free_port, greedy, process, scrape_metric, stub
 from tests.e2e.test_worker_loss import run_streams
 
 pytestmark = pytest.mark.slow
 
 POISON = 999
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
 
 
 def test_a_step_the_worker_fails_is_retried_then_fails_only_its_request(tmp_path: Path):
@@ -51,7 +42,7 @@ def test_a_step_the_worker_fails_is_retried_then_fails_only_its_request(tmp_path
             details = info.value.details()
             assert "the worker failed the steps holding this request 3 times" in details
             assert f"fails on token {POISON}" in details
-            assert _metric(metrics, "radixserve_worker_losses_total") == 3
+            assert scrape_metric(metrics, "radixserve_worker_losses_total") == 3
             # the service lives on, with the right tokens
             prompts = [[i + 20, 7, 3, 1] for i in range(6)]
             reqs = [
@@ -67,8 +58,8 @@ def test_a_step_the_worker_fails_is_retried_then_fails_only_its_request(tmp_path
             for (tokens, reason), prompt in zip(results, prompts, strict=True):
                 assert reason == "length", reason
                 assert tokens == expected_output(prompt, 40, SIMULATED_VOCAB)
-            assert _metric(metrics, "radixserve_worker_losses_total") == 3
-            assert _metric(metrics, "radixserve_worker_recoveries_total") == 3
+            assert scrape_metric(metrics, "radixserve_worker_losses_total") == 3
+            assert scrape_metric(metrics, "radixserve_worker_recoveries_total") == 3
     log = (tmp_path / "scheduler.log").read_text()
     assert "requests failed after repeated step failures" in log
     assert "internal error in the scheduler core" not in log

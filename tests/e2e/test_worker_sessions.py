@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc
-from tests.e2e.system import BIN, free_port, greedy, process, stub
+from tests.e2e.system import BIN, free_port, greedy, process, scrape_metric, stub
 from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
 
 pytestmark = pytest.mark.slow
@@ -42,14 +41,6 @@ def _streams(prefix: str, n: int = 6, tokens: int = 120) -> list[pb.GenerateRequ
         )
         for i in range(n)
     ]
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
 
 
 def _raw_execute(address: str, messages: list[bytes], token: str | None) -> grpc.RpcError:
@@ -121,8 +112,8 @@ def test_strangers_streams_are_refused_and_cost_the_scheduler_nothing(tmp_path: 
         elapsed = time.monotonic() - t0
         assert [t for t, _ in disturbed] == [t for t, _ in baseline]
         assert all(reason == "length" for _, reason in disturbed), disturbed
-        assert _metric(metrics, "radixserve_worker_losses_total") == 0
-        assert _metric(metrics, "radixserve_worker_recoveries_total") == 0
+        assert scrape_metric(metrics, "radixserve_worker_losses_total") == 0
+        assert scrape_metric(metrics, "radixserve_worker_recoveries_total") == 0
         # the API process's own worker channel (grammars) carries the token too
         regex = pb.GenerateRequest(
             request_id="digits",
@@ -198,7 +189,7 @@ def test_a_new_scheduler_takes_over_and_the_replaced_one_stays_out(tmp_path: Pat
             on_b = asyncio.run(run_streams(b_address, _streams("b-", tokens=300)))
             assert time.monotonic() - t0 > 4  # A kept trying meanwhile
             assert [t for t, _ in on_b] == [t for t, _ in baseline]
-            assert _metric(b_metrics, "radixserve_worker_losses_total") == 0
+            assert scrape_metric(b_metrics, "radixserve_worker_losses_total") == 0
             # A still cannot serve: its requests fail, B's worker is untouched
             with pytest.raises(grpc.RpcError) as info:
                 probe = pb.GenerateRequest(
@@ -208,7 +199,7 @@ def test_a_new_scheduler_takes_over_and_the_replaced_one_stays_out(tmp_path: Pat
                 )
                 list(stub(a_address).Generate(probe, timeout=30))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert _metric(b_metrics, "radixserve_worker_losses_total") == 0
+            assert scrape_metric(b_metrics, "radixserve_worker_losses_total") == 0
         finally:
             if "b" in started:
                 started["b"].__exit__(None, None, None)
