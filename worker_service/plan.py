@@ -84,6 +84,9 @@ class ExtendSpec:
     new_pages: list[int]
     sample: bool
     next_token: int | None = None
+    # Speculative decoding: the last draft_len input_ids are drafts to verify
+    # (see ExtendSpec in protos/worker.proto).
+    draft_len: int = 0
 
 
 @dataclass(slots=True)
@@ -127,3 +130,6 @@ class Result:
     forward_ms: float = 0.0
     idle_ms: float = 0.0
     grammar_ended: list[int] = field(default_factory=list)  # indices into token_ids
+    # Tokens per sampling entry (drafted extends: 1..draft_len + 1); empty:
+    # one each, and then the per-token lists are per entry.
+    token_counts: list[int] = field(default_factory=list)

@@ -95,6 +95,15 @@ class SchedulerConfig:
     max_loaded_loras: int = setting(
         8, "most LoRA adapters loaded at once (LoadLoRAAdapter past it: unload one first)"
     )
+    speculative_ngram: bool = setting(
+        True,
+        "speculative decoding: draft tokens from n-gram matches in the request's own "
+        "tokens and the prefix cache's other sequences, verified by the worker in one "
+        "forward (outputs unchanged); per request off with custom_params speculative=false",
+    )
+    speculative_max_draft: int = setting(
+        8, "speculative decoding: most drafted tokens per request and step"
+    )
 
     # Fixed (SGLang's defaults).
     init_new_token_ratio: float = 0.7
@@ -118,6 +127,10 @@ class SchedulerConfig:
             raise ValueError("max_loras_per_batch and max_loaded_loras must be >= 1")
         if self.lpm_max_wait_s < 0:
             raise ValueError(f"lpm_max_wait_s must be >= 0, got {self.lpm_max_wait_s}")
+        if self.speculative_max_draft < 1:
+            raise ValueError(
+                f"speculative_max_draft must be >= 1, got {self.speculative_max_draft}"
+            )
         if self.prefix_hold_tokens < 0:
             raise ValueError("prefix_hold_tokens must be >= 0")
         if self.max_prefill_tokens < 1:

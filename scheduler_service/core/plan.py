@@ -64,6 +64,10 @@ class ScheduledRequest:
     # The prompt token right after a chunk that stops inside the prompt, sent
     # when prompt logprobs are wanted so the chunk's last logits can score it.
     next_token: int | None = None
+    # Speculative decoding: the last draft_len input_ids are drafted tokens
+    # (input_ids[0] is the last sampled token); the worker verifies them and
+    # answers 1..draft_len + 1 tokens (RequestOutput.more_tokens).
+    draft_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +114,10 @@ class RequestOutput:
     prompt_logprobs_start: int = 0
     # The token completed the request's grammar: nothing more can follow.
     grammar_ended: bool = False
+    # A drafted entry's tokens after token_id (accepted drafts and the sample
+    # after them), with their logprobs when asked (same length); None: none.
+    more_tokens: list[int] | None = None
+    more_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

@@ -108,6 +108,9 @@ class Request:
     # n > 1: the rid of the sample that prefills the shared prompt. This one is
     # held until that prefill is planned, then reads the prompt from the cache.
     waits_for: str | None = None
+    # Speculative decoding for this request (custom_params "speculative":
+    # false turns it off; the service's --speculative-ngram rules first).
+    speculative: bool = True
 
     output_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
@@ -149,6 +152,10 @@ class Request:
     cache_hits_counted: bool = False
     retractions: int = 0
     preemptions: int = 0
+    # Speculative decoding: drafted tokens sent for verification, and those
+    # the worker accepted (SGLang's spec_draft_tokens / spec_accepted_tokens).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     # --- per-step scratch written by the policy and the prefill adder ---
     match_pages: array = field(default_factory=id_array)
