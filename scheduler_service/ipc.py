@@ -105,6 +105,9 @@ class Finish:
     matched_token: int | None = None
     matched_str: str | None = None
     message: str = ""
+    # Speculative decoding: tokens drafted for the sample and those accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class DeltaOut(NamedTuple):
@@ -138,6 +141,11 @@ class Load:
     queue_time: tuple[tuple[int, ...], float] | None = None
     worker_connected: bool = True
     worker_losses: int = 0  # times the worker group's streams broke
+    # Speculative decoding since start: steps that verified drafts, drafted
+    # and accepted tokens.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     worker_recoveries: int = 0  # times it came back and serving resumed
     # requests the core holds any state for (the scheduler's request table,
     # which includes held n > 1 siblings): 0 when idle, or something leaked

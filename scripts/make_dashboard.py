@@ -139,6 +139,23 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
             ("radixserve_cache_hit_ratio", "since start {{instance}}"),
         ],
     ),
+    (
+        "Speculative decoding: drafts accepted",
+        "timeseries",
+        "percentunit",
+        [
+            (
+                f"sum({rate('radixserve_spec_accepted_tokens_total')})"
+                f" / sum({rate('radixserve_spec_draft_tokens_total')})",
+                "accepted / drafted",
+            ),
+            (
+                f"sum({rate('radixserve_spec_accepted_tokens_total')})"
+                f" / sum({rate('radixserve_generation_tokens_total')})",
+                "share of output tokens from drafts",
+            ),
+        ],
+    ),
     ("Worker", "row", "", []),
     (
         "Batch size (requests per step)",

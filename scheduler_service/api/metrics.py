@@ -154,6 +154,21 @@ class SchedulerMetrics(Collector):
             "Times a lost worker group came back and the interrupted requests resumed.",
             load.worker_recoveries if load else 0,
         )
+        yield CounterMetricFamily(
+            "radixserve_spec_verify_steps",
+            "Steps that verified speculative drafts.",
+            load.spec_steps if load else 0,
+        )
+        yield CounterMetricFamily(
+            "radixserve_spec_draft_tokens",
+            "Drafted tokens sent to the worker for verification (speculative decoding).",
+            load.spec_draft_tokens if load else 0,
+        )
+        yield CounterMetricFamily(
+            "radixserve_spec_accepted_tokens",
+            "Drafted tokens the worker accepted (each one a forward saved).",
+            load.spec_accepted_tokens if load else 0,
+        )
         yield gauge(
             "radixserve_requests_running",
             "Requests being prefilled or decoded.",

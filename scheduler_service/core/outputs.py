@@ -42,3 +42,8 @@ class SchedulerStats:
     worker_losses: int = 0  # times the worker group was lost and the KV state dropped
     worker_loss_requeues: int = 0  # requests sent back to wait by those losses
     finished: dict[str, int] = field(default_factory=dict)  # by finish kind
+    # Speculative decoding: steps that verified drafts, drafted tokens sent,
+    # drafted tokens the worker accepted.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

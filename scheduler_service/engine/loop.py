@@ -342,6 +342,8 @@ class Engine:
                     finish = ipc.Finish("stop", matched_token=reason.matched)
             else:
                 finish = ipc.Finish(reason.kind, message=getattr(reason, "message", ""))
+            finish.spec_draft_tokens = req.spec_draft_tokens
+            finish.spec_accepted_tokens = req.spec_accepted_tokens
         return ipc.DeltaOut(
             req.rid,
             d.new_token_ids,
@@ -389,6 +391,9 @@ class Engine:
             queue_time=queue_time,
             worker_connected=recovery.connected,
             worker_losses=recovery.losses,
+            spec_steps=stats.spec_steps,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
             worker_recoveries=recovery.recoveries,
             tracked=len(sched.requests),
         )

@@ -122,6 +122,8 @@ class RequestTracer:
             for name, at in events:
                 span.add_event(name, timestamp=at)
             span.set_attribute("radixserve.output_tokens", len(req.output_ids))
+            span.set_attribute("radixserve.spec_draft_tokens", req.spec_draft_tokens)
+            span.set_attribute("radixserve.spec_accepted_tokens", req.spec_accepted_tokens)
             span.end(end_time=now)
             events = []
         reason = req.finish_reason.kind if req.finish_reason is not None else "abort"

@@ -84,6 +84,11 @@ CASES = [
     (_request(sampling=_custom("routing_key", 7)), "custom_params.routing_key must be a string"),
     (_request(sampling=_custom("routing_key", "")), "routing_key must have 1 to 256 characters"),
     (_request(sampling=_custom("routing_key", "k" * 257)), "must have 1 to 256 characters"),
+    (
+        _request(sampling=_custom("speculative", "no")),
+        "custom_params.speculative must be a boolean",
+    ),
+    (_request(sampling=_custom("speculative", 0)), "custom_params.speculative must be a boolean"),
     (_request(sampling=pb.SamplingParams(top_k=-2)), "top_k must be -1 or >= 1"),
     (_request(sampling=pb.SamplingParams(min_p=math.nan)), "min_p must be a finite number"),
 ]
@@ -104,7 +109,11 @@ def test_the_largest_allowed_request_is_served(address):
     assert r.complete.completion_tokens == 2
     (r,) = list(s.Generate(_request(sampling=_seed(2.0**53)), timeout=10))
     assert r.complete.completion_tokens == 2
-    for key, value in (("priority", -(2.0**31)), ("routing_key", "k" * 256)):
+    for key, value in (
+        ("priority", -(2.0**31)),
+        ("routing_key", "k" * 256),
+        ("speculative", False),
+    ):
         (r,) = list(s.Generate(_request(sampling=_custom(key, value)), timeout=10))
         assert r.complete.completion_tokens == 2
 

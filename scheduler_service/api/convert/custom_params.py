@@ -9,6 +9,8 @@ field for them.
 - ``routing_key`` (non-empty string, at most 256 characters): the
   ``routing-key`` policy runs requests whose key is common in the running
   batch first.
+- ``speculative`` (boolean): false turns speculative decoding off for this
+  request (it is on wherever the service's ``--speculative-ngram`` is).
 
 Other keys are ignored, as SGLang does.
 """
@@ -69,3 +71,14 @@ def routing_key(params: Struct) -> str | None:
             f"got {len(key)}"
         )
     return key
+
+
+def speculative(params: Struct) -> bool:
+    """True when not given: the service's --speculative-ngram decides."""
+    if "speculative" not in params.fields:
+        return True
+    value = params.fields["speculative"]
+    if value.WhichOneof("kind") != "bool_value":
+        got = value.WhichOneof("kind") or "nothing"
+        raise InvalidRequestError(f"custom_params.speculative must be a boolean, got {got}")
+    return value.bool_value

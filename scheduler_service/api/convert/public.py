@@ -211,6 +211,7 @@ def generate_call(
     # that prefill to be planned and read the prompt's KV from the cache.
     priority = custom_params.priority(m.sampling_params.custom_params)
     routing_key = custom_params.routing_key(m.sampling_params.custom_params)
+    speculative = custom_params.speculative(m.sampling_params.custom_params)
     requests = [
         Request(
             r,
@@ -220,6 +221,7 @@ def generate_call(
             priority=priority,
             adapter=adapter,
             routing_key=routing_key,
+            speculative=speculative,
             waits_for=rids[0] if i else None,
         )
         for i, r in enumerate(rids)

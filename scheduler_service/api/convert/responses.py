@@ -117,6 +117,8 @@ def complete(
         completion_tokens=len(s.output_ids),
         cached_tokens=s.cached_tokens,
         index=index,
+        spec_draft_tokens=f.spec_draft_tokens,
+        spec_accepted_tokens=f.spec_accepted_tokens,
     )
     if f.matched_token is not None:
         c.matched_token_id = f.matched_token
