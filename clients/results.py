@@ -42,6 +42,9 @@ class Sampling:
     # routing key (used by --schedule-policy routing-key). None: not sent.
     priority: int | None = None
     routing_key: str | None = None
+    # False turns speculative decoding off for this request (None: the
+    # server's --speculative-ngram decides).
+    speculative: bool | None = None
 
     def to_proto(self, m: pb.SamplingParams) -> None:
         m.temperature = self.temperature
@@ -72,7 +75,11 @@ class Sampling:
             raise ValueError(f"one constraint at most, got {sorted(given)}")
         for field_name, value in given.items():
             setattr(m, field_name, value if isinstance(value, str) else json.dumps(value))
-        custom = {"priority": self.priority, "routing_key": self.routing_key}
+        custom = {
+            "priority": self.priority,
+            "routing_key": self.routing_key,
+            "speculative": self.speculative,
+        }
         custom = {k: v for k, v in custom.items() if v is not None}
         if custom:
             m.custom_params.update(custom)

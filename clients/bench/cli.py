@@ -29,6 +29,7 @@ from clients.bench.report import ratios, save_plots, table
 from clients.bench.runner import Run, run_workload
 from clients.bench.workloads import (
     WorkloadError,
+    quote_workload,
     random_workload,
     read_trace,
     shared_prefix_workload,
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument(
         "--dataset",
-        choices=["generated-shared-prefix", "random", "trace"],
+        choices=["generated-shared-prefix", "random", "quote", "trace"],
         default=None,
         help="default: generated-shared-prefix, or trace when --trace is given",
     )
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--random-input-len", type=int, default=1024)
     w.add_argument("--random-output-len", type=int, default=1024)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument(
+        "--quote-output-len",
+        type=int,
+        default=64,
+        help="quote dataset: output tokens per request (its prompts ask to repeat a passage; "
+        "--num-prompts of them, the tokenizer of --tokenizer)",
+    )
     w.add_argument("--trace", default=None, help="JSONL trace to replay")
     w.add_argument("--save-trace", default=None, help="write the workload as a JSONL trace")
 
@@ -138,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peer's model ('default', a .gguf file or an HF directory), for its "
         "tokenizer (default: --tokenizer, else 'default')",
     )
+    c.add_argument(
+        "--compare-speculative",
+        action="store_true",
+        help="radixserve: run the workload with speculative decoding off for every request "
+        "(custom_params speculative=false) and as the server runs it, alternating; ratios "
+        "are speculative / off",
+    )
     c.add_argument("--repeats", type=int, default=3, help="runs of each side when comparing")
 
     o = p.add_argument_group("output")
@@ -171,6 +186,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.compare_openai and args.baseline != "none":
         p.error("--compare-openai and --baseline are run one at a time")
+    if args.compare_speculative and (args.compare_openai or args.baseline != "none"):
+        p.error("--compare-speculative runs alone (not with --compare-openai or --baseline)")
+    if args.compare_speculative and args.backend != "radixserve":
+        p.error("--compare-speculative needs --backend radixserve")
+    if args.quote_output_len < 1:
+        p.error("--quote-output-len must be at least 1")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.vocab_size is not None and args.vocab_size < 2:
@@ -184,6 +205,7 @@ def make_driver(args: argparse.Namespace) -> Driver:
         )
     return RadixDriver(
         args.address,
+        speculative=getattr(args, "speculative", None),
         tls=args.tls,
         tls_ca=args.tls_ca,
         tls_server_name=args.tls_server_name,
@@ -202,6 +224,10 @@ def build_workload(args: argparse.Namespace, vocab: int | None) -> list[BenchReq
         return read_trace(args.trace, vocab)
     if vocab is None:
         raise WorkloadError("this server does not say its vocabulary size: pass --vocab-size")
+    if args.dataset == "quote":
+        return quote_workload(
+            local_tokenizer(args.tokenizer), args.num_prompts, args.quote_output_len, args.seed
+        )
     if args.dataset == "random":
         return random_workload(
             vocab,
@@ -259,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     # Stdout carries the table and the JSON line; the model-loading code's
     # structlog messages would land there too by default.
     configure_logging(args.log_level)
-    if args.compare_openai:
+    if args.compare_openai or args.compare_speculative:
         return compare_main(args)
     try:
         requests, run = asyncio.run(serve_run(args))
@@ -307,11 +333,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare_main(args: argparse.Namespace) -> int:
-    """This server against --compare-openai, alternating, --repeats times."""
-    from clients.bench.compare import PEER, median_summary, ratio_ranges, run_alternating
+    """This server against --compare-openai (or itself with speculative
+    decoding off: --compare-speculative), alternating, --repeats times."""
+    from clients.bench.compare import (
+        PEER,
+        median_summary,
+        ratio_ranges,
+        run_alternating,
+        speculation_off_args,
+    )
 
+    other = speculation_off_args(args) if args.compare_speculative else None
     try:
-        sides, last, per_repeat = run_alternating(args, serve_run, summarize)
+        sides, last, per_repeat = run_alternating(args, serve_run, summarize, other)
     except (WorkloadError, OSError) as e:
         print(f"radixserve-bench: {e}", file=sys.stderr)
         return 2
@@ -323,7 +357,8 @@ def compare_main(args: argparse.Namespace) -> int:
         "ratio_ranges": ratio_ranges(per_repeat),
         "repeats": {name: runs for name, runs in sides.items()},
     }
-    print(f"medians of {args.repeats} alternating runs each; ratio = {args.backend} / {PEER}")
+    what = " (peer: this server, speculative decoding off)" if other is not None else ""
+    print(f"medians of {args.repeats} alternating runs each; ratio = {args.backend} / {PEER}{what}")
     print(table(summaries, report["ratios"]))
     if args.plots_dir:
         report["plots"] = [str(x) for x in save_plots(last, args.plots_dir)]

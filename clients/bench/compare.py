@@ -1,6 +1,7 @@
 """--compare-openai: the same workload against this server and a peer's
 OpenAI completions endpoint (e.g. vLLM's own server), alternating which goes
-first, ``--repeats`` times; the report quotes each side's per-figure medians
+first, ``--repeats`` times (--compare-speculative: the peer is this server
+with speculative decoding turned off per request); the report quotes each side's per-figure medians
 and ours / peer ratios of the medians (these machines are shared and noisy:
 one run each would measure the neighbours)."""
 
@@ -31,6 +32,15 @@ def peer_args(args: argparse.Namespace) -> argparse.Namespace:
     return peer
 
 
+def speculation_off_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The same workload to the same server, every request with custom_params
+    speculative=false."""
+    off = copy.copy(args)
+    off.speculative = False
+    off.save_trace = None
+    return off
+
+
 def median_summary(summaries: Sequence[Mapping]) -> dict:
     """Per-figure medians of several runs' summaries (errors: all of them)."""
     first = summaries[0]
@@ -48,10 +58,11 @@ def median_summary(summaries: Sequence[Mapping]) -> dict:
 
 
 def run_alternating(
-    args: argparse.Namespace, serve_run, summarize
+    args: argparse.Namespace, serve_run, summarize, peer: argparse.Namespace | None = None
 ) -> tuple[dict[str, list[dict]], dict[str, tuple[list[RequestRecord], float]], list[dict]]:
-    """(summaries per side, the last run of each side, ratios per repeat)."""
-    sides = {args.backend: args, PEER: peer_args(args)}
+    """(summaries per side, the last run of each side, ratios per repeat);
+    the peer side runs ``peer`` (default: --compare-openai's endpoint)."""
+    sides = {args.backend: args, PEER: peer if peer is not None else peer_args(args)}
     summaries: dict[str, list[dict]] = {name: [] for name in sides}
     last: dict[str, tuple[list[RequestRecord], float]] = {}
     per_repeat: list[dict] = []
@@ -76,4 +87,11 @@ def ratio_ranges(per_repeat: Sequence[Mapping[str, float]]) -> dict[str, list[fl
     return {k: [min(r[k] for r in per_repeat), max(r[k] for r in per_repeat)] for k in RATIOS}
 
 
-__all__ = ["PEER", "median_summary", "peer_args", "ratio_ranges", "run_alternating"]
+__all__ = [
+    "PEER",
+    "median_summary",
+    "peer_args",
+    "ratio_ranges",
+    "run_alternating",
+    "speculation_off_args",
+]

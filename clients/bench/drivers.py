@@ -27,9 +27,11 @@ class Driver(Protocol):
     async def close(self) -> None: ...
 
 
-def _sampling(req: BenchRequest) -> Sampling:
+def _sampling(req: BenchRequest, speculative: bool | None = None) -> Sampling:
     """Greedy, exactly ``output_len`` tokens (EOS ignored), as the baseline."""
-    return Sampling(max_new_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+    return Sampling(
+        max_new_tokens=req.output_len, temperature=0.0, ignore_eos=True, speculative=speculative
+    )
 
 
 class RadixDriver:
@@ -38,8 +40,9 @@ class RadixDriver:
 
     name = "radixserve"
 
-    def __init__(self, address: str, **connection) -> None:
+    def __init__(self, address: str, speculative: bool | None = None, **connection) -> None:
         self.client = AsyncRadixClient(address, **connection)
+        self.speculative = speculative  # False: custom_params speculative=false
 
     async def vocab_size(self) -> int | None:
         info = await self.client.stub.GetModelInfo(
@@ -48,7 +51,8 @@ class RadixDriver:
         return info.vocab_size or None
 
     async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
-        message = build_request(None, req.prompt_ids, _sampling(req), True, f"bench-{req.index}")
+        sampling = _sampling(req, self.speculative)
+        message = build_request(None, req.prompt_ids, sampling, True, f"bench-{req.index}")
         call = self.client.stub.Generate(message, metadata=self.client.metadata)
         async for resp in call:
             now = time.perf_counter() - t0
@@ -58,6 +62,8 @@ class RadixDriver:
                 record.token_times.extend([now] * len(ids))
             else:
                 record.cached_tokens = resp.complete.cached_tokens
+                record.spec_draft_tokens = resp.complete.spec_draft_tokens
+                record.spec_accepted_tokens = resp.complete.spec_accepted_tokens
                 record.prompt_tokens = resp.complete.prompt_tokens or record.prompt_tokens
 
     async def close(self) -> None:

@@ -37,6 +37,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
     cached = sum(r.cached_tokens for r in done)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     itls = [g for r in done for g in r.itls_s()]
+    drafted = sum(r.spec_draft_tokens for r in done)
+    accepted = sum(r.spec_accepted_tokens for r in done)
     return {
         "completed": len(done),
         "failed": len(records) - len(done),
@@ -50,6 +52,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
         "total_tokens_per_s": per_s(prompt + output),
         "cache_hit_rate": cached / prompt if prompt else math.nan,
         "mean_concurrency": per_s(sum(r.e2e_s for r in done)),
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafted if drafted else math.nan,
         "ttft_ms": distribution_ms([r.ttft_s for r in done]),
         "tpot_ms": distribution_ms([t for r in done if (t := r.tpot_s) is not None]),
         "itl_ms": distribution_ms(itls),

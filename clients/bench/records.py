@@ -32,6 +32,10 @@ class RequestRecord:
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)  # when the driver sees ids
     error: str | None = None
+    # Speculative decoding (radixserve's GenerateComplete): drafted and
+    # accepted tokens.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ok(self) -> bool:

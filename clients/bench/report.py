@@ -20,6 +20,9 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("total tokens/s", ("total_tokens_per_s",), "{:.1f}"),
     ("cache hit rate", ("cache_hit_rate",), "{:.3f}"),
     ("mean concurrency", ("mean_concurrency",), "{:.1f}"),
+    ("drafted tokens (speculative)", ("spec_draft_tokens",), "{:.0f}"),
+    ("accepted drafted tokens", ("spec_accepted_tokens",), "{:.0f}"),
+    ("draft acceptance rate", ("spec_acceptance_rate",), "{:.3f}"),
 ]
 for _name, _key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
     for _stat in ("mean", "p50", "p90", "p99"):

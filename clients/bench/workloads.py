@@ -1,4 +1,4 @@
-"""The benchmark's workloads: generated-shared-prefix, random, and JSONL traces.
+"""The benchmark's workloads: generated-shared-prefix, random, quote, and JSONL traces.
 
 Prompts are token ids of the served model's vocabulary, so every driver and
 the baseline see exactly the same input. A trace line is a JSON object:
@@ -17,7 +17,9 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from clients.bench.passages import INSTRUCTIONS, PASSAGES
 from clients.bench.records import BenchRequest
+from clients.tokenizer_bundle import TokenizerBundle
 from clients.workloads import generated_shared_prefix
 
 
@@ -61,6 +63,26 @@ def random_workload(
         n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
         n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
         out.append(BenchRequest(i, [rng.randrange(vocab) for _ in range(n_in)], n_out))
+    return out
+
+
+def quote_workload(
+    tokenizer: TokenizerBundle, num_prompts: int, output_len: int, seed: int = 1
+) -> list[BenchRequest]:
+    """Chat prompts that ask the model to repeat a passage (clients/bench/
+    passages.py), each passage with each instruction in a seeded order: the
+    latency-bound traffic speculative decoding is for (an answer that quotes
+    its context)."""
+    if output_len < 1:
+        raise WorkloadError("--quote-output-len must be at least 1")
+    pairs = [(p, i) for p in PASSAGES for i in INSTRUCTIONS]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for k in range(num_prompts):
+        passage, instruction = pairs[k % len(pairs)]
+        text = instruction.format(passage=passage)
+        ids = tokenizer.chat_prompt([{"role": "user", "content": text}])
+        out.append(BenchRequest(k, ids, output_len))
     return out
 
 

@@ -258,3 +258,48 @@ def test_compare_medians_and_peer_arguments():
     keys = ("output_tokens_per_s", "request_throughput", "ttft_p50", "tpot_p50", "e2e_p50")
     r = ratio_ranges([dict.fromkeys(keys, 1.0), dict.fromkeys(keys, 2.0)])
     assert r["tpot_p50"] == [1.0, 2.0]
+
+
+def test_quote_workload_asks_to_repeat_each_passage_in_chat_form():
+    from clients.bench.cli import local_tokenizer
+    from clients.bench.passages import PASSAGES
+    from clients.bench.workloads import quote_workload
+
+    tok = local_tokenizer("default")
+    reqs = quote_workload(tok, 40, output_len=48, seed=5)
+    assert [r.index for r in reqs] == list(range(40)) and {r.output_len for r in reqs} == {48}
+    texts = [tok.decode(r.prompt_ids) for r in reqs]
+    # Every passage appears, whole, in some prompt; the order follows the seed.
+    assert all(any(p in t for t in texts) for p in PASSAGES)
+    assert all(t.rstrip().endswith("assistant") for t in texts), texts[0][-40:]
+    again = quote_workload(tok, 40, output_len=48, seed=5)
+    assert [r.prompt_ids for r in again] == [r.prompt_ids for r in reqs]
+    other = quote_workload(tok, 40, output_len=48, seed=6)
+    assert [r.prompt_ids for r in other] != [r.prompt_ids for r in reqs]
+    with pytest.raises(WorkloadError, match="quote-output-len"):
+        quote_workload(tok, 1, output_len=0)
+
+
+def test_summary_quotes_the_draft_acceptance_rate():
+    recs = [
+        RequestRecord(0, 10, 0.0, [0.1, 0.2], spec_draft_tokens=8, spec_accepted_tokens=6),
+        RequestRecord(1, 10, 0.0, [0.1, 0.3], spec_draft_tokens=2, spec_accepted_tokens=0),
+    ]
+    s = summarize(recs, 1.0)
+    assert (s["spec_draft_tokens"], s["spec_accepted_tokens"]) == (10, 6)
+    assert s["spec_acceptance_rate"] == pytest.approx(0.6)
+    assert math.isnan(summarize([RequestRecord(0, 1, 0.0, [0.1])], 1.0)["spec_acceptance_rate"])
+    assert "draft acceptance rate" in table({"radixserve": s})
+
+
+def test_compare_speculative_runs_alone_against_radixserve():
+    p = build_parser()
+    args = p.parse_args(["--compare-speculative", "--dataset", "quote"])
+    check_args(p, args)
+    from clients.bench.compare import speculation_off_args
+
+    off = speculation_off_args(args)
+    assert off.speculative is False and not hasattr(args, "speculative")
+    for extra in (["--baseline", "hf"], ["--backend", "openai"], ["--compare-openai", "x"]):
+        with pytest.raises(SystemExit):
+            check_args(p, p.parse_args(["--compare-speculative", *extra]))

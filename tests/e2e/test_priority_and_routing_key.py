@@ -48,6 +48,9 @@ def test_client_sends_priority_and_routing_key_in_custom_params():
     Sampling(priority=-3, routing_key="tenant-a").to_proto(m)
     assert dict(m.custom_params) == {"priority": -3.0, "routing_key": "tenant-a"}
     m = pb.SamplingParams()
+    Sampling(speculative=False).to_proto(m)
+    assert dict(m.custom_params) == {"speculative": False}
+    m = pb.SamplingParams()
     Sampling().to_proto(m)
     assert not m.HasField("custom_params")
 
