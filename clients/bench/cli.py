@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--trace", default=None, help="JSONL trace to replay")
     w.add_argument("--save-trace", default=None, help="write the workload as a JSONL trace")
 
+    w.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="radixserve: empty the server's prefix cache before each run, so repeated runs "
+        "of one workload (--repeats) start alike",
+    )
+
     a = p.add_argument_group("load")
     a.add_argument(
         "--request-rate",
@@ -262,6 +269,8 @@ async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
                 for i in range(args.warmup_requests)
             ]
             await run_workload(driver, warm, progress=False)
+        if args.flush_cache and isinstance(driver, RadixDriver):
+            await driver.flush_cache()
         replay = args.dataset == "trace" and requests[0].arrival_s is not None
         replay = replay and math.isinf(args.request_rate) and args.max_concurrency is None
         run = await run_workload(

@@ -9,6 +9,7 @@ import json
 import time
 from typing import Protocol
 
+from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from clients.bench.records import BenchRequest, RequestRecord
@@ -49,6 +50,15 @@ class RadixDriver:
             pb.GetModelInfoRequest(), timeout=30, metadata=self.client.metadata
         )
         return info.vocab_size or None
+
+    async def flush_cache(self) -> None:
+        """Empty the server's prefix cache (it must be idle), so a run does not
+        read what an earlier run of the same prompts left there."""
+        result = await self.client.stub.FlushCache(
+            cpb.FlushCacheRequest(timeout_s=30.0), timeout=60, metadata=self.client.metadata
+        )
+        if not result.success:
+            raise OSError(f"FlushCache failed: {result.message}")
 
     async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
         sampling = _sampling(req, self.speculative)

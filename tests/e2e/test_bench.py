@@ -90,6 +90,34 @@ def test_random_dataset_at_a_poisson_rate_then_replayed_from_its_trace(sim_addre
     assert s["mean_concurrency"] < 3  # sent one by one, not all at once
 
 
+def test_compare_speculative_alternates_with_drafts_off_and_flushes_the_cache(
+    sim_address, tmp_path
+):
+    def run(*extra: str) -> dict:
+        out = tmp_path / "spec.json"
+        r = bench(
+            "--address", sim_address, "--dataset", "random", "--num-prompts", "6",
+            "--random-input-len", "20", "--random-output-len", "24", "--random-range-ratio", "1",
+            "--max-concurrency", "2", "--compare-speculative", "--repeats", "2",
+            "--output-json", str(out), *extra,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "speculative decoding off" in r.stdout
+        return json.loads(out.read_text())
+
+    report = run("--flush-cache")
+    ours, off = report["repeats"]["radixserve"], report["repeats"]["peer"]
+    assert [s["completed"] for s in ours + off] == [6] * 4
+    assert all(s["spec_draft_tokens"] == 0 for s in off)
+    # Flushed: the simulated model's text never repeats, so drafts rarely land.
+    assert all(s["spec_accepted_tokens"] < 0.5 * s["output_tokens"] for s in ours)
+    # Not flushed: the second repeat runs after the drafts-off side answered the
+    # same prompts, and drafts those cached answers.
+    report = run()
+    second = report["repeats"]["radixserve"][1]
+    assert second["spec_accepted_tokens"] >= 0.5 * second["output_tokens"], second
+
+
 def test_bad_traces_and_unreachable_servers_give_clear_errors(sim_address, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_ids": [1, 2], "output_len": 2}\n{"prompt_ids": [99999999]}\n')
