@@ -70,8 +70,11 @@ def test_a_repeated_prompt_is_drafted_from_the_cached_answer(hf, smollm2_address
     second = run(s, ids, greedy(40, ignore_eos=True), "rep-b")
     assert list(second.output_ids) == list(first.output_ids)
     assert second.cached_tokens > 0
-    # The first answer is in the radix cache: its tokens are the drafts.
-    assert second.spec_accepted_tokens >= 30, (second.spec_draft_tokens, first.spec_draft_tokens)
+    # The first answer is in the radix cache as far as its full pages reach
+    # (page size 16 on CPU: 155 tokens, 144 cached, 29 of them the answer's):
+    # those are the drafts, and they are right.
+    drafted, accepted = second.spec_draft_tokens, second.spec_accepted_tokens
+    assert accepted >= 24 and accepted >= 0.8 * drafted, (drafted, accepted)
 
 
 def test_seeded_sampling_and_logprobs_are_identical_with_and_without_drafts(hf, smollm2_address):
