@@ -30,6 +30,9 @@ def accept_drafts(drafts: Sequence[Sequence[int]], out: SampleOutput) -> SampleO
     """``out`` with one row per sampled position (len(d) + 1 per entry) cut to
     the accepted tokens: per-token lists and ``token_counts`` per entry.
     ``drafts``: each sampling entry's drafts, in order (empty: a plain entry)."""
+    rows_needed = sum(len(d) + 1 for d in drafts)
+    if len(out.token_ids) != rows_needed:
+        raise ValueError(f"{len(out.token_ids)} sampled rows for {rows_needed} sampled positions")
     kept = SampleOutput(prompt_logprobs=out.prompt_logprobs)
     row = 0
     for d in drafts:
@@ -42,6 +45,4 @@ def accept_drafts(drafts: Sequence[Sequence[int]], out: SampleOutput) -> SampleO
         kept.ids_logprobs += out.ids_logprobs[rows]
         kept.token_counts.append(count)
         row += len(d) + 1
-    if row != len(out.token_ids):
-        raise ValueError(f"{len(out.token_ids)} sampled rows for {row} sampled positions")
     return kept

@@ -22,13 +22,19 @@ from tests.worker_service.worker_factory import runner_for
 from worker_service.convert import plan_from_proto, result_to_proto
 from worker_service.model_runner import ModelRunner
 from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, Result, SamplingSpec
+from worker_service.sampling.grammar import (
+    SIMULATED_EOS,
+    GrammarCompiler,
+    simulated_tokenizer_info,
+)
 from worker_service.simulated import SimulatedCompute
 
 # "List the planets of the solar system." in the default model's chat template.
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
 PROMPT += [411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 6106, 260, 9244, 282, 260, 3693, 817]
 PROMPT += [30, 2, 198, 1, 520, 9531, 198]
-TOKENS = 15
+TOKENS = 20
+COUNTS = [1, 1, 1, 9, 1, 3, 1, 1, 2]  # tokens per step of speculated()
 LOGPROBS = LogprobSpec(return_logprob=True, top_logprobs_num=3)
 SAMPLINGS = {
     "greedy": SamplingSpec(temperature=0.0),
@@ -74,12 +80,14 @@ def speculated(driver: DraftDriver, slot: int, ref: list[int], sampling: Samplin
     schedule = [
         ([], r[1:2]),
         ([], r[2:3]),
-        (r[3:6], r[3:7]),  # all right: k + 1 tokens
-        ([wrong(r[7]), r[8], r[9]], r[7:8]),  # the first one wrong: 1 token
-        ([r[8], r[9], wrong(r[10]), r[11]], r[8:11]),  # two right: 3 tokens
-        ([], r[11:12]),
-        ([wrong(r[12])], r[12:13]),
-        (r[13:14], r[13:15]),
+        # All right: k + 1 tokens (long enough that a penalty left out of a
+        # row, or a seeded draw at the wrong output count, changes a token).
+        (r[3:11], r[3:12]),
+        ([wrong(r[12]), r[13], r[14]], r[12:13]),  # the first one wrong: 1 token
+        ([r[13], r[14], wrong(r[15]), r[16]], r[13:16]),  # two right: 3 tokens
+        ([], r[16:17]),
+        ([wrong(r[17])], r[17:18]),
+        (r[18:19], r[18:20]),
     ]
     for drafts, expected in schedule:
         got = driver.verify(seq, drafts) if drafts else driver.decode(seq)
@@ -104,7 +112,7 @@ def test_drafts_give_the_tokens_and_logprobs_of_plain_decoding(runner, name):
     assert len(set(ref.outputs)) > 5  # a text, not one token repeated
     seq = speculated(driver, 1, ref.outputs, sampling)
     assert seq.outputs == ref.outputs
-    assert seq.counts == [1, 1, 1, 4, 1, 3, 1, 1, 2]
+    assert seq.counts == COUNTS
     assert seq.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert seq.top_ids == ref.top_ids
     for got, want in zip(seq.top_logprobs, ref.top_logprobs, strict=True):
@@ -166,7 +174,7 @@ def test_the_simulated_worker_verifies_drafts_the_same_way(page_size):
     ref = expected_output(PROMPT, TOKENS, SIM_VOCAB)
     seq = speculated(driver, 0, ref, SAMPLINGS["greedy"])
     assert seq.outputs == ref
-    assert seq.counts == [1, 1, 1, 4, 1, 3, 1, 1, 2]
+    assert seq.counts == COUNTS
     driver.decode(seq)
     assert seq.outputs == expected_output(PROMPT, TOKENS + 1, SIM_VOCAB)
 
@@ -189,6 +197,27 @@ def test_a_drafted_step_with_other_entries_keeps_plan_order():
     assert result.token_ids == ref_a[1:5] + ref_b[1:2]
     assert runner.slots[0].tokens == PROMPT + ref_a[:5]
     assert runner.slots[1].tokens == PROMPT[:20] + ref_b[:2]
+
+
+def test_grammar_ended_indexes_tokens_in_a_drafted_step():
+    """A grammar request decoding plainly beside a drafted extend: the index of
+    its ending token counts the drafted entry's tokens before it."""
+    compute = SimulatedCompute(vocab_size=SIM_VOCAB)
+    grammars = GrammarCompiler(lambda: simulated_tokenizer_info(SIM_VOCAB))
+    runner = ModelRunner(compute, 256, 4, SIM_VOCAB, grammars=grammars)
+    driver = DraftDriver(runner)
+    a = driver.start(0, PROMPT, SAMPLINGS["greedy"])
+    g = driver.start(1, PROMPT[:6], SamplingSpec(temperature=0.0, grammar=("regex", "a")))
+    assert g.outputs == [ord("a")]
+    ref_a = expected_output(PROMPT, 5, SIM_VOCAB)
+    plan = driver.drafted_plan(a, ref_a[1:4])
+    decode = driver.decode_plan(g)
+    plan.decode_slots, plan.decode_positions = decode.decode_slots, decode.decode_positions
+    plan.decode_new_pages = decode.decode_new_pages
+    result = driver.run(plan)
+    assert result.token_counts == [4, 1]
+    assert result.token_ids == ref_a[1:5] + [SIMULATED_EOS]
+    assert result.grammar_ended == [4]
 
 
 # -------------------------------------------------------------- refusals
