@@ -19,6 +19,7 @@ from common.simulated_model import expected_output
 from protos import worker_pb2 as pb
 from tests.worker_service.draft_driver import Decoded, DraftDriver
 from tests.worker_service.worker_factory import runner_for
+from tests.worker_service.worker_process import PlanStream, worker_process
 from worker_service.convert import plan_from_proto, result_to_proto
 from worker_service.model_runner import ModelRunner
 from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, Result, SamplingSpec
@@ -306,6 +307,40 @@ def test_drafts_for_a_grammar_request_are_refused():
 
 
 # -------------------------------------------------------------- protocol
+
+
+def test_a_simulated_worker_process_verifies_drafts_over_grpc(tmp_path):
+    """The real servicer and codecs: a drafted Extend in, token_counts out."""
+    prompt = [5, 17, 99, 3, 250, 41, 8]
+    ref = expected_output(prompt, 6, 32000)
+    with worker_process(tmp_path, "--model", "simulated", "--page-size", "4") as addr:
+        stream = PlanStream(addr)
+        greedy = pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0)
+        plan = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_PREFILL)
+        plan.joins.add(slot=0, rid="a", sampling=greedy, prompt_len=len(prompt))
+        plan.extends.add(slot=0, start_pos=0, input_ids=prompt, new_pages=[0, 1], sample=True)
+        first = stream.run(plan)
+        assert list(first.token_ids) == ref[:1] and not first.token_counts
+        plan = pb.StepPlan(step_id=2, mode=pb.FORWARD_MODE_MIXED)
+        drafts = [ref[1], ref[2], wrong(ref[3])]
+        inputs = [ref[0], *drafts]
+        plan.extends.add(
+            slot=0, start_pos=7, input_ids=inputs, new_pages=[2], sample=True, draft_len=3
+        )
+        second = stream.run(plan)
+        assert not second.error, second.error
+        assert list(second.token_counts) == [3]
+        assert list(second.token_ids) == ref[1:4]
+        assert list(second.slots) == [0]
+        # KV now ends at 10 (7 + 2 accepted + 1): a decode there continues.
+        plan = pb.StepPlan(step_id=3, mode=pb.FORWARD_MODE_DECODE)
+        plan.decode_slots.append(0)
+        plan.decode_positions.append(10)
+        plan.decode_new_pages.append(0)
+        third = stream.run(plan)
+        assert not third.error, third.error
+        assert list(third.token_ids) == ref[4:5] and not third.token_counts
+        stream.close()
 
 
 def test_the_protocol_carries_draft_len_and_token_counts():
