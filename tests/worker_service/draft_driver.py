@@ -38,7 +38,7 @@ class DraftDriver:
         self.free = list(range(runner.num_pages - 1, -1, -1))  # pop() takes the end
         self.step_id = 0
 
-    def _plan(self) -> Plan:
+    def new_plan(self) -> Plan:
         self.step_id += 1
         return Plan(self.step_id, Mode.MIXED)
 
@@ -56,7 +56,7 @@ class DraftDriver:
     ) -> Decoded:
         """Join and prefill: the first output token."""
         seq = Decoded(slot, list(prompt))
-        plan = self._plan()
+        plan = self.new_plan()
         plan.joins.append(JoinSpec(slot, f"r{slot}", sampling, logprobs, len(prompt), []))
         plan.extends.append(ExtendSpec(slot, 0, seq.prompt, self._pages_to(seq, len(prompt)), True))
         seq.kv_len = len(prompt)
@@ -64,7 +64,7 @@ class DraftDriver:
         return seq
 
     def decode_plan(self, seq: Decoded) -> Plan:
-        plan = self._plan()
+        plan = self.new_plan()
         new = self._pages_to(seq, seq.kv_len + 1)
         plan.decode_slots.append(seq.slot)
         plan.decode_positions.append(seq.kv_len)
@@ -73,7 +73,7 @@ class DraftDriver:
 
     def drafted_plan(self, seq: Decoded, drafts: list[int], last: int | None = None) -> Plan:
         """``last``: the last sampled token (default: the last output taken)."""
-        plan = self._plan()
+        plan = self.new_plan()
         end = seq.kv_len + 1 + len(drafts)
         new = self._pages_to(seq, end)
         last = seq.last if last is None else last

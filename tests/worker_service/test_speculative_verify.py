@@ -230,7 +230,7 @@ def decoding_runner(page_size: int = 4, max_context: int = 1 << 30):
     runner = simulated_runner(page_size, max_context)
     driver = DraftDriver(runner)
     seq = driver.start(0, PROMPT[:10], SAMPLINGS["greedy"])
-    plan = driver._plan()
+    plan = driver.new_plan()
     plan.joins.append(JoinSpec(1, "r1", SAMPLINGS["greedy"], LogprobSpec(), 10, []))
     plan.extends.append(ExtendSpec(1, 0, PROMPT[:5], [100, 101], False))
     driver.run(plan)
@@ -298,7 +298,7 @@ def test_drafts_past_the_context_are_refused():
 def test_drafts_for_a_grammar_request_are_refused():
     runner, driver, _ = decoding_runner()
     regex = SamplingSpec(temperature=0.0, grammar=("regex", "[ab]+"))
-    plan = driver._plan()
+    plan = driver.new_plan()
     plan.joins.append(JoinSpec(2, "r2", regex, LogprobSpec(), 4, []))
     plan.extends.append(ExtendSpec(2, 0, PROMPT[:4], [70], False))
     driver.run(plan)
