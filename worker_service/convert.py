@@ -92,6 +92,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
                 new_pages=list(e.new_pages),
                 sample=e.sample,
                 next_token=e.next_token if e.HasField("next_token") else None,
+                draft_len=e.draft_len,
             )
             for e in m.extends
         ],
@@ -128,4 +129,5 @@ def result_to_proto(r: Result) -> pb.StepResult:
         forward_ms=r.forward_ms,
         idle_ms=r.idle_ms,
         grammar_ended=r.grammar_ended,
+        token_counts=r.token_counts,
     )

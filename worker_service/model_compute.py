@@ -1,9 +1,13 @@
 """One step of the real model: flat batch -> forward -> logits -> tokens.
 
 Only the rows that need logits reach the LM head: the last token of every
-sampling request, and the prompt positions whose logprobs were asked for (the
-logits at position p score the prompt token at p + 1). ``ModelRunner``
-(model_runner.py) hands it each step's work in plan order.
+sampling request (the last draft_len + 1 of a drafted extend, speculative
+decoding: one sampled row each, in one sampler call with the others; the
+runner accepts the drafts, drafts.py), and the prompt positions whose
+logprobs were asked for (the logits at position p score the prompt token at
+p + 1). ``ModelRunner`` (model_runner.py) hands it each step's work in plan
+order; it runs a drafted step to its end (``run``), never overlapped, so no
+later step gathers its inputs from a drafted step's tokens.
 """
 
 from __future__ import annotations
@@ -119,14 +123,23 @@ class ModelCompute:
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, self.attn, self.kv, lora)
 
-        sample_rows = [
-            s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
-        ]
+        drafted = any(w.draft_len for w in work[:num_extends])
+        if drafted:  # a drafted extend samples at its last draft_len + 1 positions
+            sample_rows = [
+                row
+                for s, w in zip(batch.seqs, work, strict=True)
+                if w.sample
+                for row in range(s.q_start + s.q_len - 1 - w.draft_len, s.q_start + s.q_len)
+            ]
+        else:
+            sample_rows = [
+                s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
+            ]
         step = ModelStep(None)
         if sample_rows:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
-            step.sample = self._sample(logits, [w for w in work if w.sample])
+            step.sample = self._sample(logits, [w for w in work if w.sample], drafted)
         for span in self._prompt_spans(work, batch.seqs):
             step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
         return step
@@ -215,8 +228,14 @@ class ModelCompute:
         return spans
 
     # ------------------------------------------------------------- sample
-    def _sample(self, logits: torch.Tensor, work: list[SeqWork]) -> SampleLaunch:
-        rows = [self._sample_row(w) for w in work]
+    def _sample(
+        self, logits: torch.Tensor, work: list[SeqWork], drafted: bool = False
+    ) -> SampleLaunch:
+        """One batched sampler call; a drafted extend has draft_len + 1 rows."""
+        if drafted:
+            rows = [row for w in work for row in self._draft_rows(w)]
+        else:
+            rows = [self._sample_row(w) for w in work]
         if self.tp.rank == 0:
             launched = self.sampler.launch(logits, rows)
         else:  # the tokens come from rank 0; the logprobs are rank 0's to report
@@ -249,6 +268,24 @@ class ModelCompute:
             num_outputs=len(tokens) - n_prompt,
             grammar=state.grammar,
         )
+
+    def _draft_rows(self, w: SeqWork) -> list[SampleRow]:
+        """Row j samples as if drafts d[0..j-1] were accepted: they join the
+        output its penalties read, and its output count (min_new_tokens, the
+        seeded draw) is j more. A plain entry: its one row."""
+        first = self._sample_row(w)
+        if not w.draft_len:
+            return [first]
+        drafts = w.inputs[len(w.inputs) - w.draft_len :]
+        penalized = w.state.sampling.has_penalties
+        return [first] + [
+            dataclasses.replace(
+                first,
+                output_ids=[*first.output_ids, *drafts[:j]] if penalized else (),
+                num_outputs=first.output_count + j,
+            )
+            for j in range(1, w.draft_len + 1)
+        ]
 
     def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:
         """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:

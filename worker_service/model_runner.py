@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from worker_service.devices import DeviceFailure, is_sticky_device_error
+from worker_service.drafts import accept_drafts
 from worker_service.lora.store import AdapterStore, LoadedAdapter
 from worker_service.plan import Plan, Result
 from worker_service.request_state import SlotState
@@ -39,9 +40,17 @@ class SeqWork:
     # A decode whose input is still being sampled by the step before (overlap):
     # its index among that step's sampled tokens; ``inputs`` holds PENDING.
     pending: int | None = None
+    # Speculative decoding: the last draft_len inputs are drafts to verify
+    # (inputs[0] is the request's last sampled token, already in state.tokens).
+    # The compute samples at each of the last draft_len + 1 positions, as if
+    # the drafts before it were accepted: draft_len + 1 rows, in order.
+    draft_len: int = 0
 
 
 class Compute(Protocol):
+    """``run`` gives one sampled row per sampling ``SeqWork``, draft_len + 1
+    for a drafted one; ``ModelRunner`` accepts the drafts (drafts.py)."""
+
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
 
 
@@ -80,6 +89,7 @@ class StartedStep:
     sample_index: dict[int, int] = field(default_factory=dict)
     result: Result | None = None
     started_at: float = field(default_factory=time.perf_counter)
+    drafted: bool = False  # it verifies drafts (speculative decoding)
 
 
 class ModelRunner:
@@ -93,6 +103,11 @@ class ModelRunner:
     queued behind the previous step's before the host waits for those tokens.
     A request whose sampling reads its token values (penalties) is not
     overlapped: the previous step is completed first.
+
+    Drafted extends (speculative decoding) are never overlapped: a plan with
+    one completes the step before it first (its first input must be a known
+    token), and runs to its result at once (how many tokens it keeps is known
+    only then), so the plan after it starts from settled state.
     """
 
     def __init__(
@@ -158,6 +173,7 @@ class ModelRunner:
             return step
         step.work = work = self._apply(plan, loaded)
         step.num_extends = len(plan.extends)
+        step.drafted = any(e.draft_len for e in plan.extends)
         try:
             self._attach_grammars(work)
         except GrammarError as e:
@@ -170,7 +186,7 @@ class ModelRunner:
                 if w.inputs[0] == PENDING and w.start + 1 == len(w.state.tokens):
                     w.pending = previous.sample_index[id(w.state)]
         try:
-            if self.overlap:
+            if self.overlap and not step.drafted:
                 prior = None if previous is None else previous.launched
                 step.launched = self.compute.launch(work, step.num_extends, prior)
                 self._advance(step)
@@ -202,6 +218,8 @@ class ModelRunner:
     def _can_overlap(self, plan: Plan, previous: StartedStep) -> bool:
         if previous.result is not None:
             return True
+        if previous.drafted or any(e.draft_len for e in plan.extends):
+            return False  # drafts are checked against settled tokens
         pending = previous.sample_index
         for slot in plan.decode_slots:
             state = self.slots.get(slot)
@@ -251,8 +269,19 @@ class ModelRunner:
         for e in plan.extends:
             state = slots[e.slot]
             state.pages.extend(e.new_pages)
-            state.tokens.extend(e.input_ids)
-            work.append(SeqWork(e.slot, state, e.start_pos, e.input_ids, e.sample, e.next_token))
+            if not e.draft_len:  # a drafted extend's input 0 is the last token
+                state.tokens.extend(e.input_ids)
+            work.append(
+                SeqWork(
+                    e.slot,
+                    state,
+                    e.start_pos,
+                    e.input_ids,
+                    e.sample,
+                    e.next_token,
+                    draft_len=e.draft_len,
+                )
+            )
         for slot, pos, new_page in zip(
             plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
         ):
@@ -264,24 +293,31 @@ class ModelRunner:
 
     @staticmethod
     def _advance(step: StartedStep) -> None:
-        """The state the step leaves: KV computed, each sampled token PENDING."""
+        """The state the step leaves: KV computed, each sampled token PENDING.
+        A drafted extend: the KV of its first input for now; ``_result``
+        settles it once the drafts are checked."""
         for w in step.work:
             state = w.state
-            state.kv_len = w.start + len(w.inputs)
+            state.kv_len = w.start + (1 if w.draft_len else len(w.inputs))
             if w.sample:
                 step.sample_index[id(state)] = len(step.pending)
                 step.pending.append((state, len(state.tokens)))
                 state.tokens.append(PENDING)
 
-    @staticmethod
-    def _result(step: StartedStep, out: SampleOutput) -> Result:
+    def _result(self, step: StartedStep, out: SampleOutput) -> Result:
         result = Result(step.step_id, forward_ms=(time.perf_counter() - step.started_at) * 1e3)
-        for i, ((state, at), token) in enumerate(zip(step.pending, out.token_ids, strict=True)):
-            state.tokens[at] = token
-            if state.grammar is not None:
-                state.grammar.accept(token)
-                if state.grammar.ended:
-                    result.grammar_ended.append(i)
+        if step.drafted:
+            drafts = [w.inputs[len(w.inputs) - w.draft_len :] for w in step.work if w.sample]
+            out = accept_drafts(drafts, out)
+            self._settle_drafts(step, out, result)
+        else:
+            for i, ((state, at), token) in enumerate(zip(step.pending, out.token_ids, strict=True)):
+                state.tokens[at] = token
+                if state.grammar is not None:
+                    state.grammar.accept(token)
+                    if state.grammar.ended:
+                        result.grammar_ended.append(i)
+        result.token_counts = out.token_counts
         result.slots = [w.slot for w in step.work if w.sample]
         result.token_ids = out.token_ids
         result.logprobs = out.logprobs
@@ -294,3 +330,25 @@ class ModelRunner:
             result.ids_logprobs.extend(lps)
         result.prompt_logprobs = out.prompt_logprobs
         return result
+
+    def _settle_drafts(self, step: StartedStep, out: SampleOutput, result: Result) -> None:
+        """A drafted step's states once its tokens are known (no step overlaps
+        it, so each PENDING token is its state's last): the entry's tokens
+        replace it; a drafted extend keeps the KV of its first input and its
+        accepted drafts, and the pages that hold them (the scheduler frees the
+        rest). Drafted requests have no grammar (validation); others may."""
+        sampling = [w for w in step.work if w.sample]
+        i = 0
+        for w, (state, at), count in zip(sampling, step.pending, out.token_counts, strict=True):
+            tokens = out.token_ids[i : i + count]
+            del state.tokens[at:]
+            state.tokens.extend(tokens)
+            if w.draft_len:
+                state.kv_len = w.start + count
+                keep = -(-state.kv_len // self.page_size)  # pages holding its KV
+                del state.pages[keep:]
+            elif state.grammar is not None:
+                state.grammar.accept(tokens[0])
+                if state.grammar.ended:
+                    result.grammar_ended.append(i)
+            i += count

@@ -12,6 +12,10 @@ reads only the adapter's config (lora/loaders.py). A request
 with a grammar picks by the same hash among the tokens its grammar allows
 (the simulated vocabulary: byte t is token t, 256 ends a grammar).
 
+A drafted extend (speculative decoding) samples after its last known token
+and after each draft by the same rule, and the runner keeps the drafts that
+equal their samples, so the simulated output never depends on the drafts.
+
 For fault tests, ``fail_token`` makes every step that computes that token as
 an input fail (an exception, as a model that crashes on some input would):
 the worker answers the step with an error.
@@ -76,12 +80,22 @@ class SimulatedCompute:
                 else:  # the same rule, over the tokens the grammar allows
                     allowed = self._allowed(w)
                     token = allowed[token_of(state, len(allowed))]
-                out.token_ids.append(token)
-                out.logprobs.append(0.0)
-                out.top_ids.append([])
-                out.top_logprobs.append([])
-                out.ids_logprobs.append([])
+                _emit(out, token)
+                # A drafted extend: a sample after each draft, as if the drafts
+                # before it were accepted (the runner accepts them, drafts.py).
+                if w.draft_len:
+                    for draft in w.inputs[len(w.inputs) - w.draft_len :]:
+                        state = absorb(state, (draft,))
+                        _emit(out, token_of(state, self.vocab_size))
         remaining = self.step_time_s - (time.perf_counter() - t0)
         if remaining > 0:
             time.sleep(remaining)
         return out
+
+
+def _emit(out: SampleOutput, token: int) -> None:
+    out.token_ids.append(token)
+    out.logprobs.append(0.0)
+    out.top_ids.append([])
+    out.top_logprobs.append([])
+    out.ids_logprobs.append([])

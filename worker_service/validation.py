@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker_service.plan import Plan
+from worker_service.plan import ExtendSpec, Plan
 from worker_service.request_state import SlotState
 
 
@@ -65,7 +65,9 @@ def validate_plan(
 
     for e in plan.extends:
         kv_len, n_pages, sampled = state_of(e.slot, "extend")
-        if sampled:
+        if e.draft_len:
+            _check_drafted(e, None if e.slot in joined else slots[e.slot], sampled)
+        elif sampled:
             raise PlanError(f"extend of slot {e.slot}, which has a sampled token to decode")
         if e.start_pos != kv_len:
             raise PlanError(
@@ -94,6 +96,32 @@ def validate_plan(
             _check_pages([new_page - 1], num_pages, f"decode of slot {slot}")
         _check_context(slot, pos + 1, max_context)
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
+
+
+def _check_drafted(e: ExtendSpec, state: SlotState | None, sampled: bool) -> None:
+    """A drafted extend (speculative decoding) verifies drafts after a decoding
+    request's last sampled token: ``input_ids`` = that token, then the drafts.
+    ``state``: the slot's state before the plan (None: it joins in this plan);
+    ``sampled``: it has a sampled token to decode."""
+    what = f"drafted extend of slot {e.slot}"
+    if e.draft_len >= len(e.input_ids):
+        raise PlanError(
+            f"{what}: draft_len {e.draft_len} needs the last sampled token before the "
+            f"drafts, but the extend has {len(e.input_ids)} input tokens"
+        )
+    if not e.sample:
+        raise PlanError(f"{what}: drafts are verified by sampling, but sample is false")
+    if e.next_token is not None:
+        raise PlanError(f"{what}: next_token (prompt logprobs) does not go with drafts")
+    if state is not None and state.sampling.grammar is not None:
+        raise PlanError(f"{what}: speculative drafts are not supported with a grammar")
+    if state is None or not sampled:
+        raise PlanError(f"{what}, which is not decoding (it has no sampled token to compute)")
+    if e.input_ids[0] != state.tokens[-1]:
+        raise PlanError(
+            f"{what}: its first input {e.input_ids[0]} is not the request's last sampled "
+            f"token {state.tokens[-1]}"
+        )
 
 
 def _check_adapter_slots(
