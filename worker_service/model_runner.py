@@ -16,10 +16,10 @@ import structlog
 import torch
 
 from worker_service.devices import DeviceFailure, is_sticky_device_error
-from worker_service.drafts import accept_drafts
 from worker_service.lora.store import AdapterStore, LoadedAdapter
 from worker_service.plan import Plan, Result
 from worker_service.request_state import SlotState
+from worker_service.sampling.draft_acceptance import accept_drafts
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError
 from worker_service.sampling.rows import SampleOutput
 from worker_service.validation import PlanError, validate_plan
