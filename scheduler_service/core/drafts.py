@@ -1,0 +1,129 @@
+"""Draft sources for speculative decoding: guesses of a running request's
+next tokens, which the worker verifies (docs/design.md, "Speculative
+decoding"). A wrong guess costs compute, never correctness.
+
+Two n-gram sources, tried in this order:
+
+1. The radix cache's other sequences: if the request's whole sequence
+   (prompt + outputs) is a path in the cache, in its own namespace, and the
+   tree goes on, what another sequence continued with after exactly these
+   tokens (the same prompt answered before, a shared document quoted on).
+2. The request's own tokens (prompt lookup): the most recent earlier
+   occurrence of the sequence's last 3 tokens, else of its last 2, and the
+   tokens that followed it. Unigrams are not used: in natural text almost
+   every token occurred before, so a unigram source always "has a match"
+   and keeps a request drafting at a low acceptance rate.
+
+Both are cheap per step: the n-gram index is a dict per n updated with the
+tokens that arrived since the last call (bulk, C-level construction), and
+the cache walk is cached as a cursor (the continuation's tokens) that later
+steps advance without walking again; a walk that finds nothing is retried
+only after the sequence grew by a backoff that doubles.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Protocol
+
+from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.request import Request
+from scheduler_service.core.spec_state import SpecState
+
+# The longest continuation copied from the cache per walk (later steps
+# advance through it without walking again).
+RADIX_WINDOW = 64
+RADIX_RETRY_MIN = 4  # tokens the sequence grows before a failed walk is retried
+RADIX_RETRY_MAX = 256
+
+
+class Drafter(Protocol):
+    """Proposes up to ``k`` tokens to follow ``req``'s known tokens (prompt +
+    output_ids); ``state`` is the request's own scratch (SpecState)."""
+
+    def propose(self, req: Request, state: SpecState, k: int) -> list[int]: ...
+
+
+class PromptLookup:
+    """Incremental index of a sequence's bigrams and trigrams: each n-gram
+    maps to the position of its last token at its most recent occurrence.
+    Positions are indexed up to the one before the sequence's last, so the
+    lookup of the current suffix finds an earlier occurrence, never itself."""
+
+    __slots__ = ("bigrams", "indexed", "trigrams")
+
+    def __init__(self) -> None:
+        self.bigrams: dict[int, int] = {}
+        self.trigrams: dict[int, int] = {}
+        self.indexed = 0  # positions [0, indexed) are in the index
+
+    def _index(self, t: array, end: int) -> None:
+        start = self.indexed
+        if end <= start:
+            return
+        s2 = max(start, 1)
+        if s2 < end:
+            a, b = t[s2 - 1 : end - 1], t[s2:end]
+            keys = [(x << 32) | y for x, y in zip(a, b, strict=True)]
+            self.bigrams.update(zip(keys, range(s2, end), strict=True))
+        s3 = max(start, 2)
+        if s3 < end:
+            a, b, c = t[s3 - 2 : end - 2], t[s3 - 1 : end - 1], t[s3:end]
+            keys = [(x << 64) | (y << 32) | z for x, y, z in zip(a, b, c, strict=True)]
+            self.trigrams.update(zip(keys, range(s3, end), strict=True))
+        self.indexed = end
+
+    def propose(self, t: array, k: int) -> list[int]:
+        n = len(t)
+        if n < 3:
+            return []
+        self._index(t, n - 1)
+        key2 = (t[n - 2] << 32) | t[n - 1]
+        at = self.trigrams.get((t[n - 3] << 64) | key2)
+        if at is None:
+            at = self.bigrams.get(key2)
+            if at is None:
+                return []
+        return t[at + 1 : at + 1 + k].tolist()
+
+
+class NgramDrafter:
+    """The service's drafter: the radix cache's continuation, else prompt lookup."""
+
+    def __init__(self, cache: RadixCache) -> None:
+        self.cache = cache
+
+    def propose(self, req: Request, state: SpecState, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        tokens = req.token_array()
+        drafts = self._from_cache(req, state, tokens, k)
+        if drafts:
+            return drafts
+        lookup = state.lookup
+        if lookup is None:
+            lookup = state.lookup = PromptLookup()
+        return lookup.propose(tokens, k)
+
+    def _from_cache(self, req: Request, state: SpecState, tokens: array, k: int) -> list[int]:
+        n = len(tokens)
+        cont = state.radix_cont
+        if cont is not None:
+            # Advance the cursor over the tokens that arrived since the walk.
+            done = n - state.radix_base
+            if 0 <= done < len(cont) and tokens[state.radix_base :] == cont[:done]:
+                return cont[done : done + k].tolist()
+            state.radix_cont = None
+        if n < state.radix_retry_at:
+            return []
+        cont = self.cache.continuation(tokens, req.extra_key, RADIX_WINDOW)
+        if cont is None:
+            state.radix_retry_at = n + state.radix_backoff
+            state.radix_backoff = min(2 * state.radix_backoff, RADIX_RETRY_MAX)
+            return []
+        state.radix_backoff = RADIX_RETRY_MIN
+        state.radix_cont, state.radix_base = cont, n
+        return cont[:k].tolist()
+
+
+__all__ = ["Drafter", "NgramDrafter", "PromptLookup"]

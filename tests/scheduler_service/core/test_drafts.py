@@ -1,0 +1,93 @@
+"""The n-gram draft sources: prompt lookup's incremental index and the radix
+cache's continuation of a whole sequence."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler_service.core.drafts import NgramDrafter, PromptLookup
+from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.radix_node import id_array
+from scheduler_service.core.request import Request
+from scheduler_service.core.spec_state import SpecState
+
+
+def _scan(tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup by a full scan: the most recent earlier trigram, else bigram."""
+    n = len(tokens)
+    for size in (3, 2):
+        if n <= size:
+            continue
+        suffix = tokens[n - size :]
+        for end in range(n - 2, size - 2, -1):
+            if tokens[end - size + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+def test_prompt_lookup_matches_a_full_scan_as_tokens_arrive():
+    rng = random.Random(0)
+    for vocab in (3, 6, 40):
+        tokens = [rng.randrange(vocab) for _ in range(30)]
+        lookup = PromptLookup()
+        for _ in range(120):
+            k = rng.randint(1, 6)
+            assert lookup.propose(id_array(tokens), k) == _scan(tokens, k), tokens
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+
+
+def test_prompt_lookup_prefers_trigrams_and_the_latest_occurrence():
+    lookup = PromptLookup()
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [9, 1, 2, 5, 1, 2, 6, 7, 3, 1, 2, 8, 1]
+    assert lookup.propose(id_array(tokens + [2]), 3) == [8, 1, 2]  # latest "1 2"
+    tokens = [4, 1, 2, 5, 0, 1, 2, 6, 4, 1, 2]
+    assert PromptLookup().propose(id_array(tokens), 2) == [5, 0]  # "4 1 2" beats "1 2"
+
+
+def _cache(page_size: int, seqs: list[list[int]], extra_key: str | None = None) -> RadixCache:
+    pool = PagePool(1000, page_size)
+    cache = RadixCache(page_size, pool)
+    for seq in seqs:
+        n = len(seq) - len(seq) % page_size
+        cache.insert(seq[:n], pool.alloc(n // page_size), extra_key)
+    return cache
+
+
+def test_radix_continuation_of_a_whole_sequence():
+    base = list(range(100, 120))
+    for page_size in (1, 4):
+        cache = _cache(page_size, [base + [1, 2, 3, 4, 5, 6, 7, 8], base[:10] + [50] * 12])
+        # Ends on a page boundary, inside a page, and inside an edge.
+        assert cache.continuation(id_array(base), None, 5).tolist() == [1, 2, 3, 4, 5]
+        assert cache.continuation(id_array(base + [1, 2]), None, 3).tolist() == [3, 4, 5]
+        assert cache.continuation(id_array(base[:10]), None, 2).tolist() in ([110, 111], [50, 50])
+        assert cache.continuation(id_array(base + [1, 9]), None, 3) is None  # diverges
+        assert cache.continuation(id_array(base + list(range(1, 9))), None, 3) is None  # the end
+        assert cache.continuation(id_array(base), "other", 3) is None  # another namespace
+
+
+def test_radix_continuation_takes_the_most_recent_branch():
+    cache = _cache(1, [[1, 2, 3, 7, 7], [1, 2, 3, 8, 8]])
+    assert cache.continuation(id_array([1, 2, 3]), None, 2).tolist() == [8, 8]
+    cache.match([1, 2, 3, 7, 7])  # touched: now the most recent
+    assert cache.continuation(id_array([1, 2, 3]), None, 2).tolist() == [7, 7]
+
+
+def test_ngram_drafter_follows_the_cache_cursor_without_walking_again():
+    answer = list(range(200, 240))
+    prompt = [5, 6, 7, 8]
+    cache = _cache(1, [prompt + answer])
+    drafter = NgramDrafter(cache)
+    req = Request("r", list(prompt))
+    state = SpecState(8)
+    assert drafter.propose(req, state, 4) == answer[:4]
+    walks = []
+    cache.continuation = lambda *a: walks.append(a)  # any further walk is seen
+    req.output_ids.extend(answer[:3])
+    assert drafter.propose(req, state, 4) == answer[3:7]
+    assert not walks
+    req.output_ids.append(1)  # diverged: the cursor is dropped, the walk retried later
+    drafter.propose(req, state, 4)
+    assert state.radix_cont is None and len(walks) == 1
