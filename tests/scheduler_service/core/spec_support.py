@@ -57,8 +57,17 @@ class RecordingWorker(SimulatedWorker):
         super().__init__(*args, **kwargs)
         self.drafter = drafter
         self.verified: list[tuple[int, int]] = []  # (draft_len, accepted)
+        self.max_new: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
+        for join in plan.joins:
+            self.max_new[join.rid] = join.sampling.max_new_tokens
+        for e in plan.entries:
+            r = self.reqs.get(e.rid)
+            if e.draft_len and r is not None:
+                # k + 1 tokens may come back: they must fit max_new_tokens.
+                outputs = len(r.tokens) - r.prompt_len
+                assert outputs + e.draft_len + 1 <= self.max_new[e.rid], (e.rid, outputs)
         result = super().execute(plan)
         by_rid = {o.rid: o for o in result.outputs}
         for e in plan.entries:

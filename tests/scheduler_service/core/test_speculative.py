@@ -236,3 +236,26 @@ def test_grammar_and_opted_out_requests_never_draft():
     req = Request("a", _prompt(rng, 8), SamplingParams(max_new_tokens=30))
     drive(sched, worker, [(0, req)], overlap=True)
     assert req.spec_draft_tokens == 0 and drafter.calls == 0
+
+
+def test_short_pages_shrink_the_drafts_instead_of_retracting():
+    config = SchedulerConfig(page_size=4, vocab_size=VOCAB, speculative_max_draft=8)
+    drafter = OracleDrafter(VOCAB, "right")
+    sched, worker = _pair(config, 40, drafter)
+    req = Request("a", _prompt(random.Random(10), 8), SamplingParams(max_new_tokens=30))
+    sched.add_request(req)
+    sched.update(worker.execute(sched.step()))  # the prefill: kv_len 8, two full pages
+    # Something else holds every page but the one the plain decode needs.
+    hog = sched.pool.alloc(sched.pool.num_free - 1)
+    plan = sched.step()
+    (entry,) = plan.entries
+    assert req.spec.k == 4  # it wants 4 drafts; the page holds 3 (positions 8..11)
+    assert entry.draft_len == 3 and len(entry.new_pages) == 1 and sched.pool.num_free == 0
+    assert sched.stats.retractions == 0
+    sched.update(worker.execute(plan))
+    sched.pool.release(hog)
+    log = drive(sched, worker, [], overlap=True)
+    log.deltas = {"a": req.output_ids}
+    log.finished_deltas = {"a": 1}
+    check_outputs([req], config, VOCAB, log)
+    check_drained(sched, worker)
