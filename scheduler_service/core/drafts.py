@@ -24,6 +24,8 @@ only after the sequence grew by a backoff that doubles.
 from __future__ import annotations
 
 from array import array
+from itertools import repeat
+from operator import lshift, or_
 from typing import Protocol
 
 from scheduler_service.core.radix_cache import RadixCache
@@ -61,16 +63,24 @@ class PromptLookup:
         start = self.indexed
         if end <= start:
             return
-        s2 = max(start, 1)
-        if s2 < end:
-            a, b = t[s2 - 1 : end - 1], t[s2:end]
-            keys = [(x << 32) | y for x, y in zip(a, b, strict=True)]
-            self.bigrams.update(zip(keys, range(s2, end), strict=True))
-        s3 = max(start, 2)
-        if s3 < end:
-            a, b, c = t[s3 - 2 : end - 2], t[s3 - 1 : end - 1], t[s3:end]
-            keys = [(x << 64) | (y << 32) | z for x, y, z in zip(a, b, c, strict=True)]
-            self.trigrams.update(zip(keys, range(s3, end), strict=True))
+        bigrams, trigrams = self.bigrams, self.trigrams
+        if end - start <= 16:  # the usual step: a token or a few, one by one
+            for i in range(max(start, 1), end):
+                key2 = (t[i - 1] << 32) | t[i]
+                bigrams[key2] = i
+                if i >= 2:
+                    trigrams[(t[i - 2] << 64) | key2] = i
+        else:  # a prompt: in bulk, in C (map/zip), later positions overwriting
+            lo = max(start - 2, 0)
+            ids = t[lo:end].tolist()
+            high = list(map(lshift, ids, repeat(32, len(ids))))
+            keys2 = list(map(or_, high, ids[1:]))  # keys2[j] ends at lo + 1 + j
+            s2 = max(start, 1)
+            bigrams.update(zip(keys2[s2 - lo - 1 :], range(s2, end), strict=True))
+            s3 = max(start, 2)
+            high3 = map(lshift, high[s3 - lo - 2 :], repeat(32))
+            keys3 = map(or_, high3, keys2[s3 - lo - 1 :])  # as long as keys2[s3 - lo - 1 :]
+            trigrams.update(zip(keys3, range(s3, end), strict=True))
         self.indexed = end
 
     def propose(self, t: array, k: int) -> list[int]:

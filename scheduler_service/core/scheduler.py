@@ -108,6 +108,8 @@ class Scheduler:
         if config.speculative_ngram:
             self._drafter = drafter if drafter is not None else NgramDrafter(self.cache)
         self._drafting = False  # this step may draft (nothing in flight)
+        # No running request can want drafts before this step (all dormant).
+        self._spec_next_check = 0
         # Told (request, "retraction" | "preemption" | "worker loss") whenever
         # a request is sent back to wait; the service's tracing listens.
         self.on_requeue: Callable[[Request, str], None] | None = None
@@ -190,13 +192,15 @@ class Scheduler:
         if inflight and inflight[-1].drafts:
             return None  # a drafted plan: its result decides what comes next
         self._drafting = False
-        if self._drafter is not None and wants_drafts(
-            self.running, self._drafter, self._step_id, self.config.context_len
-        ):
-            if inflight:
-                self.stats.spec_drains += 1
-                return None  # drain: drafts need the last sampled tokens
-            self._drafting = True
+        if self._drafter is not None and self._step_id >= self._spec_next_check:
+            want, self._spec_next_check = wants_drafts(
+                self.running, self._drafter, self._step_id, self.config.context_len
+            )
+            if want:
+                if inflight:
+                    self.stats.spec_drains += 1
+                    return None  # drain: drafts need the last sampled tokens
+                self._drafting = True
         if self.held:
             self._release_held()
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
@@ -232,6 +236,8 @@ class Scheduler:
                     and req.sampling.grammar is None
                 ):
                     req.spec = SpecState(self.config.speculative_max_draft)
+                if req.spec is not None:
+                    self._spec_next_check = 0  # it may want drafts at once
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
             decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]

@@ -17,6 +17,7 @@ from scheduler_service.core.plan import ScheduledRequest
 from scheduler_service.core.request import Request
 from scheduler_service.core.spec_state import SpecState
 
+NEVER = 1 << 62
 # rid -> (request, epoch, start_pos, drafts): InFlight.drafts
 Drafts = dict[str, tuple[Request, int, int, list[int]]]
 
@@ -34,25 +35,31 @@ def draft_limit(req: Request, state: SpecState, context_len: int | None) -> int:
 
 def wants_drafts(
     running: RunningBatch, drafter: Drafter, step: int, context_len: int | None
-) -> bool:
-    """Whether a running request wants to draft now; wakes dormant requests
-    whose sources found a match (see spec_state.py)."""
+) -> tuple[bool, int]:
+    """Whether a running request wants to draft now, waking dormant requests
+    whose sources found a match (see spec_state.py); and the next step at
+    which asking again can change the answer (the nearest wake-up when all
+    are dormant: random text costs nothing in the steps between)."""
     want = False
+    next_check = NEVER
     for r in running:
         s = r.spec
         if s is None:
             continue
         if not s.k:
             if step < s.wake_at:
+                next_check = min(next_check, s.wake_at)
                 continue
             if drafter.propose(r, s, 1):
                 s.wake()
             else:
                 s.recheck_later(step)
+                next_check = min(next_check, s.wake_at)
                 continue
+        next_check = step  # an active request: ask every step
         if draft_limit(r, s, context_len) > 0:
             want = True
-    return want
+    return want, next_check
 
 
 def plan_decode_rows(

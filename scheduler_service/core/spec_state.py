@@ -14,8 +14,9 @@ The draft length k adapts to what the worker accepted:
   match: dormant again, for a backoff that doubles each time a waking led
   to nothing accepted (BACKOFF_MIN .. BACKOFF_MAX steps) and then a probe
   of PROBE_K drafts; an accepted draft resets the backoff;
-- a dormant request whose sources have no match looks again every
-  RECHECK_STEPS steps (a dictionary lookup; no drafts, no draining).
+- a dormant request whose sources have no match looks again after
+  RECHECK_MIN steps, then twice as long each time up to RECHECK_MAX (a
+  dictionary lookup and the index catch-up; no drafts, no draining).
 
 So random text never drafts and keeps full overlap (a dormant request does
 not drain the pipeline), and text that repeats drafts up to the maximum.
@@ -32,7 +33,8 @@ PROBE_K = 2
 FRUITLESS_LIMIT = 2
 BACKOFF_MIN = 8
 BACKOFF_MAX = 256
-RECHECK_STEPS = 4
+RECHECK_MIN = 4
+RECHECK_MAX = 32
 
 
 @dataclass(slots=True)
@@ -41,6 +43,7 @@ class SpecState:
     k: int = 0  # the draft length wanted now; 0: dormant
     wake_at: int = 0  # the scheduler step at which a dormant request looks again
     backoff: int = BACKOFF_MIN
+    recheck: int = RECHECK_MIN
     fruitless: int = 0  # steps in a row with no draft accepted
     accepted_since_wake: bool = False
     inflight: int = 0  # drafts of the plan in flight (kv_len counts them)
@@ -57,9 +60,12 @@ class SpecState:
         self.k = min(START_K if first else PROBE_K, self.max_draft)
         self.fruitless = 0 if first else FRUITLESS_LIMIT - 1  # a probe gets one try
         self.accepted_since_wake = False
+        self.recheck = RECHECK_MIN
 
     def recheck_later(self, step: int) -> None:
-        self.wake_at = step + RECHECK_STEPS
+        """Dormant, and no source has a match: look again later."""
+        self.wake_at = step + self.recheck
+        self.recheck = min(2 * self.recheck, RECHECK_MAX)
 
     def no_match(self, step: int) -> None:
         """The request wanted drafts but no source had any."""

@@ -31,10 +31,10 @@ def test_prompt_lookup_matches_a_full_scan_as_tokens_arrive():
     for vocab in (3, 6, 40):
         tokens = [rng.randrange(vocab) for _ in range(30)]
         lookup = PromptLookup()
-        for _ in range(120):
+        for _ in range(60):
             k = rng.randint(1, 6)
             assert lookup.propose(id_array(tokens), k) == _scan(tokens, k), tokens
-            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.choice([1, 2, 3, 17, 40])))
 
 
 def test_prompt_lookup_prefers_trigrams_and_the_latest_occurrence():
