@@ -13,13 +13,14 @@ What drafting costs the scheduler per running request and step, with 16 and
    - ``radix``: every request's sequence was answered before and is in the
      radix cache: the first call walks the tree, later ones advance the
      cursor.
-   ``index_build_us``: the first call of a request (its prompt indexed, once).
+   ``first_call_us``: the first call of a request (the prompt's n-gram index
+   is built then, once, if its last bigram repeats; random text only scans).
 2. The wake check of dormant requests (``wants_drafts``: what random text
    pays every step), per request per step.
 3. Whole core: ``Scheduler.step()`` + ``update()`` per step with the
    requests decoding random text, speculative decoding on vs off (the
-   simulated worker's time excluded), after WARMUP_STEPS untimed steps (in
-   which each request's prompt is indexed once: ``index_build_us`` above).
+   simulated worker's time excluded; this thread's CPU time, steadier on a
+   shared machine), after WARMUP_STEPS untimed steps.
 
 The last line printed is one JSON object with the figures.
 
@@ -88,7 +89,7 @@ def bench_drafter(n_reqs: int, kind: str, steps: int, seed: int) -> dict[str, fl
     calls = n_reqs * (steps - 1)
     return {
         "us_per_req_step": spent / calls * 1e6,
-        "index_build_us": build_us,
+        "first_call_us": build_us,
         "share_with_drafts": proposed / calls,
     }
 
@@ -136,19 +137,20 @@ def bench_core(n_reqs: int, steps: int, spec: bool, seed: int) -> float:
         sched.update(worker.execute(sched.step()))
     spent = 0.0
     inflight = []
+    clock = time.thread_time
     for step in range(-WARMUP_STEPS, steps):
         if step == 0:
             spent = 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         plan = sched.step()
-        spent += time.perf_counter() - t0
+        spent += clock() - t0
         if plan is not None:
             inflight.append(plan)
         while inflight and (len(inflight) > 1 or plan is None):
             result = worker.execute(inflight.pop(0))
-            t0 = time.perf_counter()
+            t0 = clock()
             sched.update(result)
-            spent += time.perf_counter() - t0
+            spent += clock() - t0
     assert sched.stats.spec_drains == 0 and sched.stats.spec_steps == 0
     return spent / steps * 1e6
 
@@ -168,14 +170,18 @@ def main() -> None:
             print(
                 f"drafter {kind:10s} {n:3d} requests: "
                 f"{out[f'drafter_{kind}_{n}_us_per_req_step']:.2f} us/request/step, "
-                f"first call (index build) {out[f'drafter_{kind}_{n}_index_build_us']:.0f} us, "
+                f"first call {out[f'drafter_{kind}_{n}_first_call_us']:.0f} us, "
                 f"drafts on {out[f'drafter_{kind}_{n}_share_with_drafts']:.0%} of calls"
             )
         v = statistics.median(bench_wake_check(n, args.steps, s) for s in range(args.runs))
         out[f"wake_check_{n}_us_per_req_step"] = round(v, 3)
         print(f"dormant wake check  {n:3d} requests: {v:.2f} us/request/step")
+        core: dict[bool, list[float]] = {False: [], True: []}
+        for seed in range(args.runs):  # interleaved: a shared machine's drift hits both
+            for spec in (False, True):
+                core[spec].append(bench_core(n, args.steps, spec, seed))
         for spec in (False, True):
-            v = statistics.median(bench_core(n, args.steps, spec, s) for s in range(args.runs))
+            v = statistics.median(core[spec])
             out[f"core_step_{n}_spec_{'on' if spec else 'off'}_us"] = round(v, 1)
             print(
                 f"core step+update    {n:3d} requests, spec {'on ' if spec else 'off'}: {v:.0f} us"

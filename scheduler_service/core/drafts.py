@@ -15,7 +15,9 @@ Two n-gram sources, tried in this order:
    and keeps a request drafting at a low acceptance rate.
 
 Both are cheap per step: the n-gram index is a dict per n updated with the
-tokens that arrived since the last call (bulk, C-level construction), and
+tokens that arrived since the last call (bulk, C-level construction), built
+only once the sequence's last bigram repeats (a C scan until then: text
+that never repeats costs no index and no memory), and
 the cache walk is cached as a cursor (the continuation's tokens) that later
 steps advance without walking again; a walk that finds nothing is retried
 only after the sequence grew by a backoff that doubles.
@@ -83,6 +85,26 @@ class PromptLookup:
             trigrams.update(zip(keys3, range(s3, end), strict=True))
         self.indexed = end
 
+    @staticmethod
+    def repeats_suffix(t: array) -> bool:
+        """Whether the last two tokens occurred together before: a scan in C
+        (bytes.rfind), so a request whose text never repeats (say random
+        text) needs no index at all; the index is built at its first match."""
+        n = len(t)
+        if n < 3:
+            return False
+        raw = t.tobytes()
+        width = t.itemsize
+        pattern = raw[-2 * width :]
+        end = (n - 1) * width  # an occurrence ending before the last token
+        while True:
+            at = raw.rfind(pattern, 0, end)
+            if at < 0:
+                return False
+            if at % width == 0:
+                return True
+            end = at + len(pattern) - 1  # a match across token boundaries
+
     def propose(self, t: array, k: int) -> list[int]:
         n = len(t)
         if n < 3:
@@ -112,6 +134,8 @@ class NgramDrafter:
             return drafts
         lookup = state.lookup
         if lookup is None:
+            if not PromptLookup.repeats_suffix(tokens):
+                return []
             lookup = state.lookup = PromptLookup()
         return lookup.propose(tokens, k)
 

@@ -4,6 +4,7 @@ cache's continuation of a whole sequence."""
 from __future__ import annotations
 
 import random
+import sys
 
 from scheduler_service.core.drafts import NgramDrafter, PromptLookup
 from scheduler_service.core.page_pool import PagePool
@@ -91,3 +92,33 @@ def test_ngram_drafter_follows_the_cache_cursor_without_walking_again():
     req.output_ids.append(1)  # diverged: the cursor is dropped, the walk retried later
     drafter.propose(req, state, 4)
     assert state.radix_cont is None and len(walks) == 1
+
+
+def test_repeat_scan_agrees_with_the_index_and_skips_misaligned_bytes():
+    rng = random.Random(1)
+    for vocab in (4, 50, 1 << 20):
+        tokens = [rng.randrange(vocab) for _ in range(5)]
+        for _ in range(80):
+            found = PromptLookup.repeats_suffix(id_array(tokens))
+            assert found == bool(_scan(tokens, 1)), tokens
+            tokens.append(rng.randrange(vocab))
+    # The last pair's bytes (01 02 03 04 05 06 07 08, little-endian) occur
+    # earlier only across token boundaries (at byte 2): no repeat.
+    a, b = 0x04030201, 0x08070605
+    misaligned = [0x02010000, 0x06050403, 0x00000807, a, b]
+    if sys.byteorder == "little":
+        pair = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+        assert pair in id_array(misaligned).tobytes()[:12]
+    assert not PromptLookup.repeats_suffix(id_array(misaligned))
+    assert PromptLookup.repeats_suffix(id_array([7, 0x0101, 0x0101, 0x0101]))
+
+
+def test_random_text_builds_no_index():
+    drafter = NgramDrafter(_cache(1, []))
+    req = Request("r", list(range(1000, 3000)))
+    state = SpecState(8)
+    assert drafter.propose(req, state, 4) == []
+    assert state.lookup is None
+    req.output_ids.extend([1500, 1501])  # "1500 1501" occurred in the prompt
+    assert drafter.propose(req, state, 3) == [1502, 1503, 1504]
+    assert state.lookup is not None
