@@ -48,12 +48,14 @@ def apply_drafted(
     delta = RequestDelta(req, [], [])
     outbox.append(delta)
     reason = None
-    for token, lp in zip(tokens, logprobs, strict=True):
+    last = len(tokens) - 1
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         req.output_ids.append(token)
         delta.new_token_ids.append(token)
         delta.logprobs.append(lp)
         stats.generated_tokens += 1
-        reason = check_finish(req, token, eos_ids, stop_strings, out.grammar_ended)
+        ended = out.grammar_ended and i == last  # it is about the entry's last token
+        reason = check_finish(req, token, eos_ids, stop_strings, ended)
         if reason is not None:
             delta.finished = True
             break

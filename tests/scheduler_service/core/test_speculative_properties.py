@@ -12,22 +12,23 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.scheduler_service.core.sim_driver import check_drained, check_outputs, drive
+from scheduler_service.core import Scheduler
+from tests.scheduler_service.core.sim_driver import (
+    check_drained,
+    check_outputs,
+    drive,
+    toy_stop_strings,
+)
 from tests.scheduler_service.core.spec_support import OracleDrafter, RecordingWorker
 from tests.scheduler_service.core.test_scheduler_properties import VOCAB, scenarios
 
 EXAMPLES = max(1, int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120")) // 2)
 
 
-def run_with_drafts(scenario, overlap: bool, mode: str, seed: int) -> RecordingWorker:
-    from scheduler_service.core import Scheduler
-
+def run_with_drafts(scenario, overlap: bool | int, mode: str, seed: int) -> RecordingWorker:
     config, num_pages, arrivals, aborts, aborted = scenario
     drafter = OracleDrafter(VOCAB, mode, seed)
-    sched = Scheduler(config, num_pages, drafter=drafter)
-    from tests.scheduler_service.core.sim_driver import toy_stop_strings
-
-    sched._stop_strings = toy_stop_strings
+    sched = Scheduler(config, num_pages, stop_strings=toy_stop_strings, drafter=drafter)
     worker = RecordingWorker(
         num_pages,
         config.page_size,
@@ -49,9 +50,11 @@ def run_with_drafts(scenario, overlap: bool, mode: str, seed: int) -> RecordingW
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(scenarios(), st.sampled_from(["mixed", "right", "wrong"]), st.integers(0, 9))
-def test_drafts_with_overlap(scenario, mode, seed):
-    run_with_drafts(scenario, True, mode, seed)
+@given(
+    scenarios(), st.sampled_from(["mixed", "right", "wrong"]), st.integers(0, 9), st.integers(1, 2)
+)
+def test_drafts_with_overlap(scenario, mode, seed, depth):
+    run_with_drafts(scenario, depth, mode, seed)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
