@@ -15,8 +15,8 @@ What drafting costs the scheduler per running request and step, with 16 and
      cursor.
    ``first_call_us``: the first call of a request (the prompt's n-gram index
    is built then, once, if its last bigram repeats; random text only scans).
-2. The wake check of dormant requests (``wants_drafts``: what random text
-   pays every step), per request per step.
+2. The wake checks of dormant requests (``DraftWatch.wants``: what random
+   text pays), per request per step.
 3. Whole core: ``Scheduler.step()`` + ``update()`` per step with the
    requests decoding random text, speculative decoding on vs off (the
    simulated worker's time excluded; this thread's CPU time, steadier on a
@@ -45,7 +45,7 @@ from scheduler_service.core.drafts import NgramDrafter
 from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.spec_plan import wants_drafts
+from scheduler_service.core.spec_plan import DraftWatch
 from scheduler_service.core.spec_state import SpecState
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 
@@ -101,20 +101,22 @@ def bench_wake_check(n_reqs: int, steps: int, seed: int) -> float:
     cache = RadixCache(1, pool)
     drafter = NgramDrafter(cache)
     batch = RunningBatch(KvManager(pool, cache))
+    watch = DraftWatch(drafter, None)
     futures = []
     for i in range(n_reqs):
         req = Request(f"r{i}", _text(rng, "random", rng.randint(1000, 1900)))
         req.output_ids.append(1)
         req.spec = SpecState(8)
         batch.merge([req])
+        watch.add(req)
         futures.append((req, _text(rng, "random", steps)))
-    wants_drafts(batch, drafter, 0, None)  # the indexes are built
+    watch.wants(batch, 0)  # the first look of each
     spent = 0.0
     for step in range(1, steps):
         for req, future in futures:
             req.output_ids.append(future[step])
         t0 = time.perf_counter()
-        wants_drafts(batch, drafter, step, None)
+        watch.wants(batch, step)
         spent += time.perf_counter() - t0
     return spent / (n_reqs * (steps - 1)) * 1e6
 

@@ -66,7 +66,7 @@ from scheduler_service.core.request import (
 )
 from scheduler_service.core.results import apply_result
 from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.core.spec_plan import Drafts, plan_decode_rows, wants_drafts
+from scheduler_service.core.spec_plan import Drafts, DraftWatch, plan_decode_rows
 from scheduler_service.core.spec_state import SpecState
 
 logger = structlog.get_logger(__name__)
@@ -105,11 +105,11 @@ class Scheduler:
         self._outbox: list[RequestDelta] = []
         self._admission_stuck = False
         self._drafter: Drafter | None = None
+        self._watch: DraftWatch | None = None
         if config.speculative_ngram:
             self._drafter = drafter if drafter is not None else NgramDrafter(self.cache)
+            self._watch = DraftWatch(self._drafter, config.context_len)
         self._drafting = False  # this step may draft (nothing in flight)
-        # No running request can want drafts before this step (all dormant).
-        self._spec_next_check = 0
         # Told (request, "retraction" | "preemption" | "worker loss") whenever
         # a request is sent back to wait; the service's tracing listens.
         self.on_requeue: Callable[[Request, str], None] | None = None
@@ -192,15 +192,11 @@ class Scheduler:
         if inflight and inflight[-1].drafts:
             return None  # a drafted plan: its result decides what comes next
         self._drafting = False
-        if self._drafter is not None and self._step_id >= self._spec_next_check:
-            want, self._spec_next_check = wants_drafts(
-                self.running, self._drafter, self._step_id, self.config.context_len
-            )
-            if want:
-                if inflight:
-                    self.stats.spec_drains += 1
-                    return None  # drain: drafts need the last sampled tokens
-                self._drafting = True
+        if self._watch is not None and self._watch.wants(self.running, self._step_id):
+            if inflight:
+                self.stats.spec_drains += 1
+                return None  # drain: drafts need the last sampled tokens
+            self._drafting = True
         if self.held:
             self._release_held()
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
@@ -236,8 +232,8 @@ class Scheduler:
                     and req.sampling.grammar is None
                 ):
                     req.spec = SpecState(self.config.speculative_max_draft)
-                if req.spec is not None:
-                    self._spec_next_check = 0  # it may want drafts at once
+                if req.spec is not None and self._watch is not None:
+                    self._watch.add(req)
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
             decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]

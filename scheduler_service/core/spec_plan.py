@@ -10,6 +10,8 @@ less, or not at all.
 
 from __future__ import annotations
 
+import heapq
+
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.drafts import Drafter
 from scheduler_service.core.kv_manager import KvManager
@@ -17,7 +19,6 @@ from scheduler_service.core.plan import ScheduledRequest
 from scheduler_service.core.request import Request
 from scheduler_service.core.spec_state import SpecState
 
-NEVER = 1 << 62
 # rid -> (request, epoch, start_pos, drafts): InFlight.drafts
 Drafts = dict[str, tuple[Request, int, int, list[int]]]
 
@@ -33,33 +34,62 @@ def draft_limit(req: Request, state: SpecState, context_len: int | None) -> int:
     return limit
 
 
-def wants_drafts(
-    running: RunningBatch, drafter: Drafter, step: int, context_len: int | None
-) -> tuple[bool, int]:
-    """Whether a running request wants to draft now, waking dormant requests
-    whose sources found a match (see spec_state.py); and the next step at
-    which asking again can change the answer (the nearest wake-up when all
-    are dormant: random text costs nothing in the steps between)."""
-    want = False
-    next_check = NEVER
-    for r in running:
-        s = r.spec
-        if s is None:
-            continue
-        if not s.k:
-            if step < s.wake_at:
-                next_check = min(next_check, s.wake_at)
+class DraftWatch:
+    """Which running requests want drafts, without looking at every request
+    every step: active ones (k > 0) are asked each step; dormant ones wait in
+    a heap by the step they look for a match again (spec_state.py), so a
+    batch of random text costs nothing in the steps between."""
+
+    def __init__(self, drafter: Drafter, context_len: int | None) -> None:
+        self.drafter = drafter
+        self.context_len = context_len
+        self._active: dict[str, Request] = {}
+        self._heap: list[tuple[int, int, Request]] = []
+        self._seq = 0
+
+    def add(self, req: Request) -> None:
+        """``req`` (with a SpecState) joined the running batch."""
+        self._active.pop(req.rid, None)
+        self._push(req, req.spec.wake_at)
+
+    def _push(self, req: Request, at: int) -> None:
+        self._seq += 1
+        req.spec.watch = self._seq  # older heap entries of req are void
+        heapq.heappush(self._heap, (at, self._seq, req))
+
+    def wants(self, running: RunningBatch, step: int) -> bool:
+        """Whether a running request wants to draft now; wakes the dormant
+        ones that are due and whose sources have a match."""
+        heap, active, drafter = self._heap, self._active, self.drafter
+        while heap and heap[0][0] <= step:
+            _, seq, req = heapq.heappop(heap)
+            s = req.spec
+            if s.watch != seq or req not in running:
                 continue
-            if drafter.propose(r, s, 1):
+            if not s.k:
+                if step < s.wake_at:
+                    self._push(req, s.wake_at)
+                    continue
+                if not drafter.propose(req, s, 1):
+                    s.recheck_later(step)
+                    self._push(req, s.wake_at)
+                    continue
                 s.wake()
-            else:
-                s.recheck_later(step)
-                next_check = min(next_check, s.wake_at)
-                continue
-        next_check = step  # an active request: ask every step
-        if draft_limit(r, s, context_len) > 0:
-            want = True
-    return want, next_check
+            s.watch = 0
+            active[req.rid] = req
+        want = False
+        gone: list[Request] = []
+        for req in active.values():
+            s = req.spec
+            if req not in running or not s.k:
+                gone.append(req)
+            elif not want and draft_limit(req, s, self.context_len) > 0:
+                want = True
+        for req in gone:
+            del active[req.rid]
+            if req in running:  # dormant again
+                self._push(req, req.spec.wake_at)
+        return want
 
 
 def plan_decode_rows(
@@ -117,4 +147,4 @@ def plan_decode_rows(
     return entries, planned
 
 
-__all__ = ["Drafts", "draft_limit", "plan_decode_rows", "wants_drafts"]
+__all__ = ["DraftWatch", "Drafts", "draft_limit", "plan_decode_rows"]

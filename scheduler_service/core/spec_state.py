@@ -47,6 +47,7 @@ class SpecState:
     fruitless: int = 0  # steps in a row with no draft accepted
     accepted_since_wake: bool = False
     inflight: int = 0  # drafts of the plan in flight (kv_len counts them)
+    watch: int = 0  # its live entry in the DraftWatch heap (0: active or none)
     # --- the draft sources' scratch (drafts.py) ---
     lookup: Any = None  # PromptLookup, built at the first proposal
     radix_cont: array | None = None  # continuation copied from the cache
