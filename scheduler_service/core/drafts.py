@@ -150,7 +150,10 @@ class NgramDrafter:
             state.radix_cont = None
         if n < state.radix_retry_at:
             return []
-        cont = self.cache.continuation(tokens, req.extra_key, RADIX_WINDOW)
+        node = req.last_node  # the end of its locked cached prefix: walk from there
+        if node is not None and node.parent is not None and not node.children:
+            return []  # nothing in the tree goes on past its own prefix
+        cont = self.cache.continuation(tokens, req.extra_key, RADIX_WINDOW, node)
         if cont is None:
             state.radix_retry_at = n + state.radix_backoff
             state.radix_backoff = min(2 * state.radix_backoff, RADIX_RETRY_MAX)

@@ -178,17 +178,34 @@ class RadixCache:
                 self._touch(node, now)
         return MatchResult(pages, pos, node)
 
-    def continuation(self, key: array, extra_key: str | None, max_tokens: int) -> array | None:
+    def continuation(
+        self,
+        key: array,
+        extra_key: str | None,
+        max_tokens: int,
+        start: RadixNode | None = None,
+    ) -> array | None:
         """The tokens that follow all of ``key`` in the tree (another sequence
         went on after exactly these tokens), up to ``max_tokens``, taking the
         most recently used branch at forks; None when ``key`` is not wholly a
         path prefix or nothing follows it. ``key`` may end inside a page.
-        Read-only: the LRU clock and the tree are not changed."""
-        node = self._roots.get(extra_key)
+        ``start``: a node whose path is known to spell the start of ``key``
+        (a request's locked prefix), where the walk begins. Read-only: the
+        LRU clock and the tree are not changed."""
+        pos = 0
+        node: RadixNode | None
+        if start is not None and start.parent is not None:
+            node = start
+            while node.parent is not None:
+                pos += len(node.key)
+                node = node.parent
+            node = start
+        else:
+            node = self._roots.get(extra_key)
         if node is None or max_tokens <= 0:
             return None
         page_size = self.page_size
-        n, pos = len(key), 0
+        n = len(key)
         while True:
             rest = n - pos
             if rest >= page_size:

@@ -122,3 +122,22 @@ def test_random_text_builds_no_index():
     req.output_ids.extend([1500, 1501])  # "1500 1501" occurred in the prompt
     assert drafter.propose(req, state, 3) == [1502, 1503, 1504]
     assert state.lookup is not None
+
+
+def test_walk_from_a_requests_locked_prefix_node():
+    base = list(range(100, 120))
+    for page_size in (1, 4):
+        cache = _cache(page_size, [base + [1, 2, 3, 4, 5, 6, 7, 8], base[:12] + [50] * 12])
+        node = cache.match(base[:12]).node  # as a request that cached 12 prompt tokens
+        for key in (base, base + [1, 2], base[:12], base[:14]):
+            got = cache.continuation(id_array(key), None, 5, node)
+            want = cache.continuation(id_array(key), None, 5)
+            assert got == want, (page_size, key)
+        # The drafter does not walk when nothing goes on past the request's node.
+        leaf = cache.match(base[:12] + [50] * 12).node
+        req = Request("r", base[:12] + [50] * 12)
+        req.last_node = leaf
+        walks = []
+        cache.continuation = lambda *a, walks=walks: walks.append(a)
+        assert NgramDrafter(cache).propose(req, SpecState(8), 4) == [50]
+        assert not walks  # (prompt lookup: the latest "50 50 50" is one token back)
