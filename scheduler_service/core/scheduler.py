@@ -67,6 +67,7 @@ from scheduler_service.core.request import (
 from scheduler_service.core.results import apply_result
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.spec_plan import Drafts, DraftWatch, plan_decode_rows
+from scheduler_service.core.spec_results import settle_drafts
 from scheduler_service.core.spec_state import SpecState
 
 logger = structlog.get_logger(__name__)
@@ -423,12 +424,7 @@ class Scheduler:
             self._stop_strings,
         )
         if record.drafts:
-            step = self._step_id
-            for req, epoch, start, drafts in record.drafts.values():
-                if req.epoch == epoch:  # not aborted meanwhile
-                    req.spec.inflight = 0
-                    req.spec.verified(len(drafts), req.kv_len - start - 1, step)
-                    self.kv.trim(req)  # pages past the accepted tokens
+            settle_drafts(record.drafts, self.kv, self._step_id)
         for req, reason in finished:
             self._finish(req, reason, emit=False)  # its delta says it finished
         for req, epoch in record.prefill_only:
@@ -475,6 +471,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req, cache_tokens=True)
         self._depart(req)
+        if req.spec is not None:  # its n-gram index and cache cursor
+            req.spec.lookup = req.spec.radix_cont = None
         req.finish(reason, self._clock())
         del self.requests[req.rid]
         kinds = self.stats.finished

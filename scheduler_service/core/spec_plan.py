@@ -17,10 +17,8 @@ from scheduler_service.core.drafts import Drafter
 from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.plan import ScheduledRequest
 from scheduler_service.core.request import Request
+from scheduler_service.core.spec_results import Drafts
 from scheduler_service.core.spec_state import SpecState
-
-# rid -> (request, epoch, start_pos, drafts): InFlight.drafts
-Drafts = dict[str, tuple[Request, int, int, list[int]]]
 
 
 def draft_limit(req: Request, state: SpecState, context_len: int | None) -> int:
@@ -61,6 +59,10 @@ class DraftWatch:
         """Whether a running request wants to draft now; wakes the dormant
         ones that are due and whose sources have a match."""
         heap, active, drafter = self._heap, self._active, self.drafter
+        if not running:  # whatever is left belongs to requests gone
+            heap.clear()
+            active.clear()
+            return False
         while heap and heap[0][0] <= step:
             _, seq, req = heapq.heappop(heap)
             s = req.spec

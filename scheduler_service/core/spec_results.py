@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from scheduler_service.core.finish import StopStringChecker, check_finish
 from scheduler_service.core.inflight import ProtocolError
+from scheduler_service.core.kv_manager import KvManager
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.plan import RequestOutput
 from scheduler_service.core.request import FinishReason, Request
+
+# rid -> (request, epoch, start_pos, drafts): InFlight.drafts
+Drafts = dict[str, tuple[Request, int, int, list[int]]]
 
 
 def apply_drafted(
@@ -62,3 +66,14 @@ def apply_drafted(
     dropped = len(tokens) - len(delta.new_token_ids)
     stats.discarded_tokens += dropped
     return reason
+
+
+def settle_drafts(drafts: Drafts, kv: KvManager, step: int) -> None:
+    """After a drafted plan's result was applied: each request's adaptive k
+    learns what was accepted, and its pages past the accepted tokens go back
+    at once (its kv_len was set by apply_drafted)."""
+    for req, epoch, start, d in drafts.values():
+        if req.epoch == epoch:  # not aborted meanwhile
+            req.spec.inflight = 0
+            req.spec.verified(len(d), req.kv_len - start - 1, step)
+            kv.trim(req)
