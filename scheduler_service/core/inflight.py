@@ -20,3 +20,6 @@ class InFlight:
     # Requests whose prefill completes in this step without sampling
     # (max_new_tokens == 0): they finish when the step's result arrives.
     prefill_only: list[tuple[Request, int]] = field(default_factory=list)
+    # Drafted extends (speculative decoding): rid -> (request, epoch, start_pos,
+    # drafts). While such a plan is in flight nothing else is planned.
+    drafts: dict[str, tuple[Request, int, int, list[int]]] = field(default_factory=dict)

@@ -58,16 +58,28 @@ def check_scheduler_integrity(
         holding.append((chunked, "chunked"))
     for rec in inflight:
         holding.extend((r, "prefill-only") for r, e in rec.prefill_only if r.epoch == e)
+    drafted: set[str] = set()
+    records = list(inflight)
+    for i, rec in enumerate(records):
+        if rec.drafts:
+            if i != len(records) - 1:
+                raise AssertionError(f"step {rec.step_id} has drafts and plans after it")
+            drafted.update(rid for rid, d in rec.drafts.items() if d[0].epoch == d[1])
     locking = 0
     for req, where in holding:
         place(req, where)
         if req.state is not _EXPECTED_STATE[where]:
             raise AssertionError(f"{where} request {req.rid} is {req.state}")
-        if where == "running" and req.kv_len != req.num_tokens + req.pending - 1:
-            raise AssertionError(
-                f"{req.rid}: kv_len {req.kv_len} != tokens {req.num_tokens} + pending "
-                f"{req.pending} - 1"
-            )
+        if where == "running":
+            # Drafted rows in flight also hold KV positions for their drafts.
+            drafts = req.spec.inflight if req.spec is not None else 0
+            if req.kv_len != req.num_tokens + req.pending - 1 + drafts:
+                raise AssertionError(
+                    f"{req.rid}: kv_len {req.kv_len} != tokens {req.num_tokens} + pending "
+                    f"{req.pending} - 1 + drafts in flight {drafts}"
+                )
+            if drafts and (req.pending != 1 or req.rid not in drafted):
+                raise AssertionError(f"{req.rid}: {drafts} drafts in flight, no drafted plan")
         kv.add_request_holdings(req, holders)
         if req.last_node is not None and req.last_node.parent is not None:
             locking += 1

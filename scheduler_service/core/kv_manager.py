@@ -68,6 +68,16 @@ class KvManager:
             req.pages.extend(new)
         return new
 
+    def trim(self, req: Request) -> None:
+        """Free ``req``'s pages past ceil(kv_len / page_size) (a drafted step
+        whose drafts were not all accepted: the worker truncates alike)."""
+        keep = -(-req.kv_len // self.page_size)
+        if keep < len(req.pages):
+            if keep < req.tree_pages:
+                raise RuntimeError(f"request {req.rid}: trim into its cached pages")
+            self.pool.release(req.pages[keep:])
+            del req.pages[keep:]
+
     def cache_computed_prefix(self, req: Request) -> None:
         """Share ``req``'s computed full pages through the cache while it runs.
 

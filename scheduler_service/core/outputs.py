@@ -42,8 +42,11 @@ class SchedulerStats:
     worker_losses: int = 0  # times the worker group was lost and the KV state dropped
     worker_loss_requeues: int = 0  # requests sent back to wait by those losses
     finished: dict[str, int] = field(default_factory=dict)  # by finish kind
-    # Speculative decoding: steps that verified drafts, drafted tokens sent,
-    # drafted tokens the worker accepted.
+    # Speculative decoding: steps with drafted rows, drafts sent and drafts the
+    # worker accepted (acceptance rate = accepted / draft tokens), and the
+    # times step() planned nothing so the pipeline drained for drafts.
     spec_steps: int = 0
+    spec_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drains: int = 0

@@ -161,6 +161,9 @@ class Request:
     match_pages: array = field(default_factory=id_array)
     match_node: Any = None
     match_len: int = 0
+    # Speculative decoding state (core/spec_state.SpecState) while the
+    # request may draft; None: it never drafts (off, opted out, grammar).
+    spec: Any = None
 
     # prompt_ids + output_ids packed for the radix cache: built once at
     # submission (validate) and appended to as outputs arrive (token_array).

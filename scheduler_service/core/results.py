@@ -13,6 +13,7 @@ from scheduler_service.core.inflight import InFlight, ProtocolError
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.plan import RequestOutput, StepResult
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.spec_results import apply_drafted
 
 
 def apply_result(
@@ -34,6 +35,7 @@ def apply_result(
         )
     finished: list[tuple[Request, FinishReason]] = []
     entries = record.entries
+    drafts = record.drafts
     checks_strings = stop_strings is not None
     for out in result.outputs:
         item = entries.pop(out.rid, None)  # a second output for one entry is refused too
@@ -45,8 +47,20 @@ def apply_result(
             raise ProtocolError(f"step {record.step_id}: {out.rid} sampled {samples=}")
         if req.epoch != epoch:
             if samples:
-                stats.discarded_tokens += 1
+                stats.discarded_tokens += 1 + len(out.more_tokens or ())
             continue
+        drafted = drafts.get(out.rid) if drafts else None
+        if drafted is not None:
+            if out.prompt_logprobs:
+                raise ProtocolError(f"step {record.step_id}: prompt logprobs for drafted {out.rid}")
+            reason = apply_drafted(
+                req, out, drafted[2], drafted[3], now, stats, outbox, eos_ids, stop_strings
+            )
+            if reason is not None:
+                finished.append((req, reason))
+            continue
+        if out.more_tokens:
+            raise ProtocolError(f"step {record.step_id}: {out.rid} has more tokens but no drafts")
         if token is None or out.prompt_logprobs or out.grammar_ended:
             reason = _apply_output(req, out, now, stats, outbox, eos_ids, stop_strings)
             if reason is not None:

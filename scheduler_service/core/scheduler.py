@@ -19,6 +19,13 @@ then name "the last sampled token", in-flight tokens are counted in
 ``Request.pending``, and results are matched to the request *epoch* they were
 planned for: a request retracted, preempted or finished since has its late
 token discarded (a finished one's extra step only wrote a page that is freed).
+
+Speculative decoding (spec_plan.py, spec_state.py, drafts.py): a running
+request that drafts gets an extend entry of its last token plus the drafts.
+Drafting needs that last token, so when a request wants drafts while plans
+are in flight, ``step()`` returns None until they are answered (the pipeline
+drains); while a drafted plan is in flight, nothing else is planned.
+Requests that do not draft keep the overlap.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.admission import plan_admission
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.drafts import Drafter, NgramDrafter
 from scheduler_service.core.finish import StopStringChecker
 from scheduler_service.core.inflight import InFlight, ProtocolError
 from scheduler_service.core.integrity import check_scheduler_integrity
@@ -58,6 +66,9 @@ from scheduler_service.core.request import (
 )
 from scheduler_service.core.results import apply_result
 from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.core.spec_plan import Drafts, DraftWatch, plan_decode_rows
+from scheduler_service.core.spec_results import settle_drafts
+from scheduler_service.core.spec_state import SpecState
 
 logger = structlog.get_logger(__name__)
 
@@ -69,7 +80,10 @@ class Scheduler:
         num_pages: int,
         stop_strings: StopStringChecker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
+        """``drafter``: the draft source when ``config.speculative_ngram`` is on
+        (default: the n-gram sources of drafts.py; tests inject their own)."""
         self.config = config
         self.pool = PagePool(num_pages, config.page_size)
         self.cache = RadixCache(config.page_size, self.pool, enable_events=config.enable_kv_events)
@@ -91,6 +105,12 @@ class Scheduler:
         self._departures: list[str] = []  # rids whose worker state the next plan drops
         self._outbox: list[RequestDelta] = []
         self._admission_stuck = False
+        self._drafter: Drafter | None = None
+        self._watch: DraftWatch | None = None
+        if config.speculative_ngram:
+            self._drafter = drafter if drafter is not None else NgramDrafter(self.cache)
+            self._watch = DraftWatch(self._drafter, config.context_len)
+        self._drafting = False  # this step may draft (nothing in flight)
         # Told (request, "retraction" | "preemption" | "worker loss") whenever
         # a request is sent back to wait; the service's tracing listens.
         self.on_requeue: Callable[[Request, str], None] | None = None
@@ -167,17 +187,33 @@ class Scheduler:
 
     # ================================================================ step
     def step(self) -> StepPlan | None:
-        """Plan the next forward; None when there is nothing to send."""
+        """Plan the next forward; None when there is nothing to send (or when
+        plans in flight must be answered first: speculative decoding)."""
+        inflight = self._inflight
+        if inflight and inflight[-1].drafts:
+            return None  # a drafted plan: its result decides what comes next
+        self._drafting = False
+        if self._watch is not None and self._watch.wants(self.running, self._step_id):
+            if inflight:
+                self.stats.spec_drains += 1
+                return None  # drain: drafts need the last sampled tokens
+            self._drafting = True
         if self.held:
             self._release_held()
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
         decode_reqs = self.running.decode_candidates() if mixed else []
         prefill = self._schedule_prefill(len(decode_reqs))
+        drafts: Drafts = {}
         if not prefill:
-            decode_entries = self._schedule_decode()
+            decode_entries, drafts = self._schedule_decode()
             if not decode_entries:
                 return self._idle_plan()
-            plan = StepPlan(self._next_step_id(), ForwardMode.DECODE, departures=self._depart_now())
+            mode = ForwardMode.DECODE
+            if drafts:
+                mode = (
+                    ForwardMode.MIXED if len(drafts) < len(decode_entries) else ForwardMode.PREFILL
+                )
+            plan = StepPlan(self._next_step_id(), mode, departures=self._depart_now())
             record = InFlight(plan.step_id, {}, 0)
             self.stats.decode_steps += 1
         else:
@@ -190,12 +226,21 @@ class Scheduler:
                 req.move_to(RequestState.DECODING)
                 req.pending = 1
                 self.running.merge([req])
+                if (
+                    req.spec is None
+                    and self._drafter is not None
+                    and req.speculative
+                    and req.sampling.grammar is None
+                ):
+                    req.spec = SpecState(self.config.speculative_max_draft)
+                if req.spec is not None and self._watch is not None:
+                    self._watch.add(req)
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
             decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]
             decode_entries = []
             if decode_reqs and self.running.pages_needed(decode_reqs) <= self.kv.available_pages():
-                decode_entries = self.running.prepare_decode(decode_reqs)
+                decode_entries, drafts = self._decode_rows(decode_reqs)
                 plan.mode = ForwardMode.MIXED
                 self.stats.mixed_steps += 1
             else:
@@ -209,6 +254,12 @@ class Scheduler:
             req = requests[e.rid]
             entries[e.rid] = (req, req.epoch, True)
         record.expected_tokens += len(decode_entries)
+        if drafts:
+            # Drafted extends go with the extends, before the decodes.
+            plan.entries.sort(key=lambda e: e.input_ids is None)
+            record.drafts = drafts
+            self.stats.spec_steps += 1
+            self.stats.spec_rows += len(drafts)
         self._inflight.append(record)
         self.stats.steps += 1
         return plan
@@ -293,9 +344,18 @@ class Scheduler:
         self.stats.oom_aborts += 1
 
     # -------------------------------------------------------------- decode
-    def _schedule_decode(self) -> list[ScheduledRequest]:
+    def _decode_rows(self, reqs: list[Request]) -> tuple[list[ScheduledRequest], Drafts]:
+        """Entries for ``reqs`` (their plain decode fits): drafted when this
+        step drafts, else decodes."""
+        if not self._drafting or self._drafter is None:
+            return self.running.prepare_decode(reqs), {}
+        return plan_decode_rows(
+            self.running, self.kv, reqs, self._drafter, self._step_id, self.config.context_len
+        )
+
+    def _schedule_decode(self) -> tuple[list[ScheduledRequest], Drafts]:
         if not self.running:
-            return []
+            return [], {}
         cfg = self.config
         candidates = self.running.decode_candidates()
         room = self.running.make_room_for_decode(candidates, self.chunked, bool(self._inflight))
@@ -326,10 +386,10 @@ class Scheduler:
                 self.new_token_ratio - cfg.new_token_ratio_decay, cfg.min_new_token_ratio
             )
         if not room.ready:
-            return []
+            return [], {}
         if room.retracted:  # otherwise the batch, and so its candidates, did not change
             candidates = self.running.decode_candidates()
-        return self.running.prepare_decode(candidates) if candidates else []
+        return self._decode_rows(candidates) if candidates else ([], {})
 
     def _abort_oom(self, req: Request) -> None:
         logger.warning(
@@ -363,6 +423,8 @@ class Scheduler:
             self.config.eos_token_ids,
             self._stop_strings,
         )
+        if record.drafts:
+            settle_drafts(record.drafts, self.kv, self._step_id)
         for req, reason in finished:
             self._finish(req, reason, emit=False)  # its delta says it finished
         for req, epoch in record.prefill_only:
@@ -386,6 +448,8 @@ class Scheduler:
         req.move_to(RequestState.RETRACTED)
         req.epoch += 1
         req.pending = 0
+        if req.spec is not None:
+            req.spec.inflight = 0
         req.times.queue_entry = self._clock()
         if self.on_requeue is not None:
             self.on_requeue(req, why)
@@ -407,6 +471,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req, cache_tokens=True)
         self._depart(req)
+        if req.spec is not None:  # its n-gram index and cache cursor
+            req.spec.lookup = req.spec.radix_cont = None
         req.finish(reason, self._clock())
         del self.requests[req.rid]
         kinds = self.stats.finished
@@ -451,6 +517,8 @@ class Scheduler:
             req.move_to(RequestState.RETRACTED)
             req.epoch += 1  # anything still arriving for the old plans is stale
             req.pending = 0
+            if req.spec is not None:
+                req.spec.inflight = 0
             req.times.queue_entry = now
         # The oldest first, ahead of the requests that never ran.
         holders.sort(key=lambda r: r.times.arrival)

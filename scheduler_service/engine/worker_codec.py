@@ -40,6 +40,7 @@ class WorkerProtocolError(RuntimeError):
 class _Sent:
     step_id: int
     sampled: list[str]  # rids of the sampling entries, in result order
+    draft_lens: list[int]  # their draft_len (decodes and plain extends: 0)
     extend_slots: dict[int, str]  # slot -> rid for the plan's extends (prompt logprobs)
 
 
@@ -107,6 +108,7 @@ class WorkerCodec:
         for join in plan.joins:
             self._join(join, msg.joins.add())
         sampled: list[str] = []
+        draft_lens: list[int] = []
         extend_slots: dict[int, str] = {}
         for e in plan.entries:
             if e.input_ids is not None:
@@ -117,19 +119,22 @@ class WorkerCodec:
                     input_ids=e.input_ids,
                     new_pages=e.new_pages,
                     sample=e.sample,
+                    draft_len=e.draft_len,
                 )
                 if e.next_token is not None:
                     ext.next_token = e.next_token
                 extend_slots[slot] = e.rid
                 if e.sample:
                     sampled.append(e.rid)
+                    draft_lens.append(e.draft_len)
         decodes = [e for e in plan.entries if e.input_ids is None]
         if decodes:
             msg.decode_slots.extend([slots[e.rid] for e in decodes])
             msg.decode_positions.extend([e.start_pos for e in decodes])
             msg.decode_new_pages.extend([e.new_pages[0] + 1 if e.new_pages else 0 for e in decodes])
             sampled.extend(e.rid for e in decodes)
-        self._sent[plan.step_id] = _Sent(plan.step_id, sampled, extend_slots)
+            draft_lens.extend([0] * len(decodes))
+        self._sent[plan.step_id] = _Sent(plan.step_id, sampled, draft_lens, extend_slots)
         return msg
 
     def _join(self, join: JoinRequest, m: pb.Join) -> None:
@@ -169,6 +174,8 @@ class WorkerCodec:
     def _decode(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
         if msg.error:
             raise WorkerProtocolError(f"the worker refused step {msg.step_id}: {msg.error}")
+        if msg.token_counts or any(sent.draft_lens):
+            return self._decode_counted(msg, sent)
         if len(msg.token_ids) != len(sent.sampled):
             raise WorkerProtocolError(
                 f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sent.sampled)} entries"
@@ -204,6 +211,69 @@ class WorkerCodec:
             outputs.append(RequestOutput(rid, token, lp))
         for i in ended:
             outputs[i].grammar_ended = True
+        for p in msg.prompt_logprobs:
+            rid = sent.extend_slots.get(p.slot)
+            if rid is None:
+                raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
+            outputs.append(self._prompt_output(rid, p))
+        return StepResult(msg.step_id, _merge_by_rid(outputs), msg.forward_ms, msg.idle_ms)
+
+    def _decode_counted(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
+        """A result with several tokens per entry (drafted extends): token_ids,
+        logprobs, top_counts and ids_counts hold one entry per token, and
+        token_counts says how many tokens each sampling entry has."""
+        step = msg.step_id
+        counts = list(msg.token_counts) or [1] * len(sent.sampled)
+        if len(counts) != len(sent.sampled):
+            raise WorkerProtocolError(
+                f"step {step}: {len(counts)} token counts for {len(sent.sampled)} entries"
+            )
+        for rid, n, k in zip(sent.sampled, counts, sent.draft_lens, strict=True):
+            if not 1 <= n <= k + 1:
+                raise WorkerProtocolError(f"step {step}: {n} tokens for {rid} with {k} drafts")
+        total = sum(counts)
+        if len(msg.token_ids) != total:
+            raise WorkerProtocolError(
+                f"step {step}: {len(msg.token_ids)} tokens, token_counts say {total}"
+            )
+        tops, idss = msg.top_counts, msg.ids_counts
+        for name, arr in (("top_counts", tops), ("ids_counts", idss)):
+            if arr and len(arr) != total:
+                raise WorkerProtocolError(f"step {step}: {len(arr)} {name} for {total} tokens")
+        if any(i >= total for i in msg.grammar_ended):
+            raise WorkerProtocolError(f"step {step}: grammar_ended past the sampled tokens")
+        wants = self._wants_logprobs
+        if any(rid in wants for rid in sent.sampled) and len(msg.logprobs) != total:
+            raise WorkerProtocolError(f"step {step}: {len(msg.logprobs)} logprobs, {total} tokens")
+        ended = set(msg.grammar_ended)
+        outputs: list[RequestOutput] = []
+        at = top_at = ids_at = 0
+        for rid, n in zip(sent.sampled, counts, strict=True):
+            opts = wants.get(rid)
+            lps: list[TokenLogprobs | None] = []
+            for i in range(at, at + n):
+                n_top = tops[i] if tops else 0
+                n_ids = idss[i] if idss else 0
+                lp = None
+                if opts is not None:
+                    lp = TokenLogprobs(logprob=msg.logprobs[i])
+                    if n_top:
+                        lp.top_ids = list(msg.top_ids[top_at : top_at + n_top])
+                        lp.top_logprobs = list(msg.top_logprobs[top_at : top_at + n_top])
+                    if n_ids:
+                        lp.ids = list(opts.token_ids_logprob)
+                        lp.ids_logprobs = list(msg.ids_logprobs[ids_at : ids_at + n_ids])
+                top_at += n_top
+                ids_at += n_ids
+                lps.append(lp)
+            out = RequestOutput(rid, msg.token_ids[at], lps[0])
+            if n > 1:
+                out.more_tokens = list(msg.token_ids[at + 1 : at + n])
+                if opts is not None:
+                    out.more_logprobs = lps[1:]
+            out.grammar_ended = (at + n - 1) in ended
+            outputs.append(out)
+            at += n
         for p in msg.prompt_logprobs:
             rid = sent.extend_slots.get(p.slot)
             if rid is None:

@@ -27,6 +27,7 @@ from common.simulated_model import absorb, expected_output, initial_state, token
 from scheduler_service.core.plan import (
     JoinRequest,
     RequestOutput,
+    ScheduledRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -133,6 +134,9 @@ class SimulatedWorker:
                 raise SimulatedWorkerError(
                     f"{e.rid}: plan starts at {e.start_pos}, the worker has KV up to {r.kv_len}"
                 )
+            if e.draft_len:
+                outputs.append(self._verify(e, r))
+                continue
             if e.input_ids is None:
                 if len(r.tokens) != r.kv_len + 1:
                     raise SimulatedWorkerError(f"{e.rid}: decode without a sampled token")
@@ -164,6 +168,46 @@ class SimulatedWorker:
             if remaining > 0:
                 time.sleep(remaining)
         return StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _verify(self, e: ScheduledRequest, r: _SimRequest) -> RequestOutput:
+        """A drafted extend: input_ids = [last sampled token] + drafts. Sample
+        each position as if the drafts before it were accepted; accept the
+        drafts that equal the samples, then the sample after them (the
+        worker's rule, protos/worker.proto Extend.draft_len)."""
+        inputs = e.input_ids or []
+        k = e.draft_len
+        if len(inputs) != k + 1 or not e.sample:
+            raise SimulatedWorkerError(f"{e.rid}: {len(inputs)} inputs for {k} drafts")
+        if len(r.tokens) != r.kv_len + 1 or inputs[0] != r.tokens[-1]:
+            raise SimulatedWorkerError(f"{e.rid}: drafted extend without its last sampled token")
+        if self.check_reads:
+            self._check_context(e.rid, r, e.start_pos)
+        slots, owners = self.slots, self.slot_adapter
+        for i, tok in enumerate(inputs):  # every position's KV is written
+            at = self._slot(r, e.start_pos + i, e.rid)
+            slots[at] = tok
+            owners[at] = r.adapter
+        drafts = inputs[1:]
+        state = r.state  # the context up to and with the last sampled token
+        accepted: list[int] = []
+        while True:
+            tok = token_of(state, self.vocab_size)
+            accepted.append(tok)
+            state = absorb(state, (tok,))
+            if len(accepted) > k or tok != drafts[len(accepted) - 1]:
+                break
+        r.tokens.extend(accepted)
+        r.state = state
+        r.kv_len = e.start_pos + len(accepted)
+        del r.pages[-(-r.kv_len // self.page_size) :]
+        more = accepted[1:]
+        return RequestOutput(
+            e.rid,
+            accepted[0],
+            TokenLogprobs(logprob=-1.0),
+            more_tokens=more or None,
+            more_logprobs=[TokenLogprobs(logprob=-1.0) for _ in more] or None,
+        )
 
     def _check_context(self, rid: str, r: _SimRequest, upto: int) -> None:
         """The KV read for positions [0, upto) must be the request's own tokens."""

@@ -1,0 +1,88 @@
+"""The worker codec's speculative-decoding fields: draft_len on Extend, and
+StepResult.token_counts decoded into RequestOutput.more_tokens/more_logprobs
+(inconsistent counts refused)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import worker_pb2 as pb
+from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
+from scheduler_service.core.sampling import LogprobOptions, SamplingParams
+from scheduler_service.engine.worker_codec import WorkerCodec, WorkerProtocolError
+
+
+def _codec(wants_a: bool = False) -> tuple[WorkerCodec, pb.StepPlan]:
+    codec = WorkerCodec()
+    joins = [
+        JoinRequest(
+            rid, SamplingParams(), LogprobOptions(return_logprob=wants_a and rid == "a"), 1, []
+        )
+        for rid in ("a", "b", "c")
+    ]
+    codec.encode(
+        StepPlan(
+            1,
+            ForwardMode.PREFILL,
+            [ScheduledRequest(r, 0, [1], [i], True) for i, r in enumerate("abc")],
+            joins,
+        )
+    )
+    codec.decode(pb.StepResult(step_id=1, token_ids=[4, 5, 6], logprobs=[0.0, 0.0, 0.0]))
+    plan = StepPlan(
+        2,
+        ForwardMode.MIXED,
+        [
+            ScheduledRequest("a", 1, [4, 7, 8, 9], [3], True, None, 3),
+            ScheduledRequest("b", 1, [5, 1], [4], True, None, 1),
+            ScheduledRequest("c", 1, None, [5], True),
+        ],
+    )
+    return codec, codec.encode(plan)
+
+
+def test_draft_len_is_encoded_and_counts_become_more_tokens():
+    codec, msg = _codec()
+    assert [e.draft_len for e in msg.extends] == [3, 1]
+    assert list(msg.extends[0].input_ids) == [4, 7, 8, 9]
+    res = codec.decode(
+        pb.StepResult(step_id=2, token_ids=[7, 8, 3, 11, 12], token_counts=[3, 1, 1])
+    )
+    outs = {o.rid: o for o in res.outputs}
+    assert (outs["a"].token_id, outs["a"].more_tokens) == (7, [8, 3])
+    assert (outs["b"].token_id, outs["b"].more_tokens) == (11, None)
+    assert (outs["c"].token_id, outs["c"].more_tokens) == (12, None)
+
+
+def test_logprobs_per_token_of_a_drafted_entry():
+    codec, _ = _codec(wants_a=True)
+    res = codec.decode(
+        pb.StepResult(
+            step_id=2,
+            token_ids=[7, 8, 3, 11, 12],
+            token_counts=[3, 1, 1],
+            logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5],
+        )
+    )
+    a = next(o for o in res.outputs if o.rid == "a")
+    assert a.logprobs.logprob == pytest.approx(-0.1)
+    assert [lp.logprob for lp in a.more_logprobs] == pytest.approx([-0.2, -0.3])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "counts", "why"),
+    [
+        ([7, 8, 3, 11, 12], [3, 1], "token counts for 3 entries"),
+        ([7, 8, 3, 9, 1, 11, 12], [5, 1, 1], "5 tokens for a with 3 drafts"),
+        ([7, 11, 12, 13, 14], [1, 3, 1], "3 tokens for b with 1 drafts"),
+        ([7, 11, 12], [1, 1, 2], "2 tokens for c with 0 drafts"),
+        ([7, 11, 12], [2, 1, 1], "3 tokens, token_counts say 4"),
+        ([7, 11, 12], [0, 2, 1], "0 tokens for a"),
+    ],
+)
+def test_inconsistent_token_counts_are_refused(tokens, counts, why):
+    codec, _ = _codec()
+    with pytest.raises(WorkerProtocolError, match=why):
+        codec.decode(pb.StepResult(step_id=2, token_ids=tokens, token_counts=counts))
+    # A refused result leaves the plan answerable (the loop names its requests).
+    assert codec.plan_rids(2) == {"a", "b", "c"}
