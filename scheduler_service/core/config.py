@@ -104,6 +104,15 @@ class SchedulerConfig:
     speculative_max_draft: int = setting(
         8, "speculative decoding: most drafted tokens per request and step"
     )
+    # A drafted row costs k + 1 tokens of compute; while a step is bound by
+    # reading the weights (small batches) they are nearly free, past that
+    # they cost more than the steps they save, and draining the overlap
+    # pipeline for them costs too (docs/benchmarks.md, speculative decoding).
+    speculative_disable_by_batch_size: int = setting(
+        8,
+        "speculative decoding: no drafts in a step while more than this many requests are "
+        "running (0: no limit)",
+    )
 
     # Fixed (SGLang's defaults).
     init_new_token_ratio: float = 0.7
@@ -131,6 +140,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"speculative_max_draft must be >= 1, got {self.speculative_max_draft}"
             )
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be >= 0")
         if self.prefix_hold_tokens < 0:
             raise ValueError("prefix_hold_tokens must be >= 0")
         if self.max_prefill_tokens < 1:

@@ -193,7 +193,12 @@ class Scheduler:
         if inflight and inflight[-1].drafts:
             return None  # a drafted plan: its result decides what comes next
         self._drafting = False
-        if self._watch is not None and self._watch.wants(self.running, self._step_id):
+        limit = self.config.speculative_disable_by_batch_size
+        if (
+            self._watch is not None
+            and (not limit or len(self.running) <= limit)
+            and self._watch.wants(self.running, self._step_id)
+        ):
             if inflight:
                 self.stats.spec_drains += 1
                 return None  # drain: drafts need the last sampled tokens

@@ -33,7 +33,9 @@ def _prompt(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
 
 
 def test_every_acceptance_length_and_exact_outputs():
-    config = SchedulerConfig(page_size=4, vocab_size=VOCAB, speculative_max_draft=4)
+    config = SchedulerConfig(
+        speculative_disable_by_batch_size=0, page_size=4, vocab_size=VOCAB, speculative_max_draft=4
+    )
     drafter = OracleDrafter(VOCAB, "mixed", seed=1)
     sched, worker = _pair(config, 400, drafter)
     rng = random.Random(0)
@@ -54,7 +56,9 @@ def test_every_acceptance_length_and_exact_outputs():
 
 def test_finishes_inside_drafts_drop_the_tokens_after_them():
     vocab = VOCAB
-    config = SchedulerConfig(page_size=1, vocab_size=vocab, speculative_max_draft=8)
+    config = SchedulerConfig(
+        speculative_disable_by_batch_size=0, page_size=1, vocab_size=vocab, speculative_max_draft=8
+    )
     rng = random.Random(5)
     prompts = [_prompt(rng, 6) for _ in range(3)]
     free = [expected_output(p, 40, vocab) for p in prompts]
@@ -98,7 +102,7 @@ def _first_drafted_plan(sched: Scheduler, worker, max_steps: int = 50):
 
 
 def test_nothing_is_planned_while_a_drafted_plan_is_in_flight():
-    config = SchedulerConfig(page_size=2, vocab_size=VOCAB)
+    config = SchedulerConfig(speculative_disable_by_batch_size=0, page_size=2, vocab_size=VOCAB)
     sched, worker = _pair(config, 100, OracleDrafter(VOCAB, "mixed"))
     rng = random.Random(2)
     sched.add_request(Request("a", _prompt(rng, 9), SamplingParams(max_new_tokens=30)))
@@ -113,7 +117,7 @@ def test_nothing_is_planned_while_a_drafted_plan_is_in_flight():
 
 
 def test_abort_with_a_drafted_plan_in_flight():
-    config = SchedulerConfig(page_size=4, vocab_size=VOCAB)
+    config = SchedulerConfig(speculative_disable_by_batch_size=0, page_size=4, vocab_size=VOCAB)
     sched, worker = _pair(config, 60, OracleDrafter(VOCAB, "right"))
     rng = random.Random(3)
     req = Request("a", _prompt(rng, 10), SamplingParams(max_new_tokens=40))
@@ -131,7 +135,7 @@ def test_abort_with_a_drafted_plan_in_flight():
 
 
 def test_worker_loss_with_a_drafted_plan_in_flight():
-    config = SchedulerConfig(page_size=4, vocab_size=VOCAB)
+    config = SchedulerConfig(speculative_disable_by_batch_size=0, page_size=4, vocab_size=VOCAB)
     drafter = OracleDrafter(VOCAB, "mixed", seed=4)
     sched, worker = _pair(config, 60, drafter)
     rng = random.Random(4)
@@ -155,7 +159,9 @@ def test_worker_loss_with_a_drafted_plan_in_flight():
 
 def test_radix_source_drafts_a_repeated_greedy_answer():
     for page_size in (1, 4):
-        config = SchedulerConfig(page_size=page_size, vocab_size=BIG_VOCAB)
+        config = SchedulerConfig(
+            speculative_disable_by_batch_size=0, page_size=page_size, vocab_size=BIG_VOCAB
+        )
         sched, worker = _pair(config, 400, vocab=BIG_VOCAB)
         prompt = _prompt(random.Random(6), 37, BIG_VOCAB)
         first = Request("first", prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
@@ -175,7 +181,9 @@ def test_radix_source_drafts_a_repeated_greedy_answer():
 
 def test_random_text_never_drafts_and_keeps_overlap():
     def run(spec: bool) -> tuple[Scheduler, int]:
-        config = SchedulerConfig(vocab_size=BIG_VOCAB, speculative_ngram=spec)
+        config = SchedulerConfig(
+            speculative_disable_by_batch_size=0, vocab_size=BIG_VOCAB, speculative_ngram=spec
+        )
         sched, worker = _pair(config, 4000, vocab=BIG_VOCAB)
         rng = random.Random(7)
         reqs = [
@@ -194,7 +202,9 @@ def test_random_text_never_drafts_and_keeps_overlap():
 
 
 def test_drafts_that_keep_failing_drive_k_to_zero():
-    config = SchedulerConfig(vocab_size=VOCAB, speculative_max_draft=8)
+    config = SchedulerConfig(
+        speculative_disable_by_batch_size=0, vocab_size=VOCAB, speculative_max_draft=8
+    )
     drafter = OracleDrafter(VOCAB, "wrong")
     sched, worker = _pair(config, 2000, drafter)
     rng = random.Random(8)
@@ -215,7 +225,7 @@ def test_drafts_that_keep_failing_drive_k_to_zero():
 
 
 def test_grammar_and_opted_out_requests_never_draft():
-    config = SchedulerConfig(vocab_size=VOCAB)
+    config = SchedulerConfig(speculative_disable_by_batch_size=0, vocab_size=VOCAB)
     drafter = OracleDrafter(VOCAB, "right")
     sched, worker = _pair(config, 200, drafter)
     rng = random.Random(9)
@@ -231,7 +241,9 @@ def test_grammar_and_opted_out_requests_never_draft():
     check_outputs([opted_out, grammar], config, VOCAB, log)
     assert opted_out.spec_draft_tokens == grammar.spec_draft_tokens == 0
     assert drafter.calls == 0 and sched.stats.spec_steps == 0
-    off = SchedulerConfig(vocab_size=VOCAB, speculative_ngram=False)
+    off = SchedulerConfig(
+        speculative_disable_by_batch_size=0, vocab_size=VOCAB, speculative_ngram=False
+    )
     sched, worker = _pair(off, 200, drafter)
     req = Request("a", _prompt(rng, 8), SamplingParams(max_new_tokens=30))
     drive(sched, worker, [(0, req)], overlap=True)
@@ -239,7 +251,9 @@ def test_grammar_and_opted_out_requests_never_draft():
 
 
 def test_short_pages_shrink_the_drafts_instead_of_retracting():
-    config = SchedulerConfig(page_size=4, vocab_size=VOCAB, speculative_max_draft=8)
+    config = SchedulerConfig(
+        speculative_disable_by_batch_size=0, page_size=4, vocab_size=VOCAB, speculative_max_draft=8
+    )
     drafter = OracleDrafter(VOCAB, "right")
     sched, worker = _pair(config, 40, drafter)
     req = Request("a", _prompt(random.Random(10), 8), SamplingParams(max_new_tokens=30))
@@ -259,3 +273,34 @@ def test_short_pages_shrink_the_drafts_instead_of_retracting():
     log.finished_deltas = {"a": 1}
     check_outputs([req], config, VOCAB, log)
     check_drained(sched, worker)
+
+
+def test_no_drafts_while_more_requests_run_than_the_batch_size_limit():
+    config = SchedulerConfig(
+        speculative_disable_by_batch_size=2, page_size=4, vocab_size=VOCAB, speculative_max_draft=4
+    )
+    drafter = OracleDrafter(VOCAB, "right", seed=3)
+    sched, worker = _pair(config, 400, drafter)
+    running_when_drafted: list[int] = []
+    plain_execute = worker.execute
+
+    def execute(plan):
+        if any(e.draft_len for e in plan.entries):
+            running_when_drafted.append(len(sched.running))
+        return plain_execute(plan)
+
+    worker.execute = execute
+    rng = random.Random(5)
+    # Finishing one after another: 6, then 5, ... running.
+    reqs = [
+        Request(
+            f"r{i}", _prompt(rng, 6), SamplingParams(max_new_tokens=10 + 12 * i, ignore_eos=True)
+        )
+        for i in range(6)
+    ]
+    log = drive(sched, worker, [(0, r) for r in reqs], overlap=True)
+    check_outputs(reqs, config, VOCAB, log)
+    check_drained(sched, worker)
+    assert running_when_drafted, "the last two requests never drafted"
+    assert max(running_when_drafted) <= 2, running_when_drafted
+    assert reqs[0].spec_draft_tokens == 0 and reqs[5].spec_accepted_tokens > 0
