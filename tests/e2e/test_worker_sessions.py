@@ -158,6 +158,9 @@ def test_a_new_scheduler_takes_over_and_the_replaced_one_stays_out(tmp_path: Pat
     wport = free_port()
     worker = ["--worker", f"grpc://127.0.0.1:{wport}"]
     a_cmd = [str(BIN / "radixserve-scheduler"), *worker, "--worker-recovery-timeout", "3"]
+    # No drafts: A's second run would draft the baseline's cached answers and
+    # finish before B has started.
+    a_cmd.append("--no-speculative-ngram")
     b_metrics = free_port()
     b_cmd = [str(BIN / "radixserve-scheduler"), *worker, "--metrics-port", str(b_metrics)]
     with (
