@@ -33,7 +33,8 @@ from worker_service.worker import Worker
 
 logger = structlog.get_logger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: Execute streams open a fenced session
+# 2: Execute streams open a fenced session; 3: drafted extends (speculative decoding)
+PROTOCOL_VERSION = 3
 # Exit status of a worker whose GPU context broke: `radixserve serve` (or
 # Kubernetes) restarts it, and the scheduler re-prefills what it was running.
 EXIT_DEVICE_FAILURE = 70

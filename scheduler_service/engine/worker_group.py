@@ -41,7 +41,7 @@ from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
 logger = structlog.get_logger(__name__)
 
 
-PROTOCOL_VERSION = 2  # the workers' WorkerInfo.protocol_version this scheduler speaks
+PROTOCOL_VERSION = 3  # the workers' WorkerInfo.protocol_version this scheduler speaks
 OPEN_TIMEOUT_S = 10.0  # a session opening not answered by then fails the attempt
 
 

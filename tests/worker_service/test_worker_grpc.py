@@ -33,7 +33,7 @@ def test_get_info_health_and_reflection(tiny):
     _, addr = tiny
     channel = grpc.insecure_channel(addr)
     info = worker_pb2_grpc.WorkerStub(channel).GetInfo(pb.GetInfoRequest())
-    assert info.protocol_version == 2 and info.model.architecture == "Qwen2ForCausalLM"
+    assert info.protocol_version == 3 and info.model.architecture == "Qwen2ForCausalLM"
     assert (info.page_size, info.num_pages, info.tp_size) == (PAGE, 64, 1)
     assert (info.model.num_heads, info.model.num_kv_heads, info.model.vocab_size) == (4, 2, 256)
     health = health_pb2_grpc.HealthStub(channel)

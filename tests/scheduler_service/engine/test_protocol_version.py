@@ -1,4 +1,4 @@
-"""A worker of another protocol version (one without sessions) is refused with
+"""A worker of another protocol version (an older one) is refused with
 a message that says what to do, not left to fail on its first stream."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 class _OldWorker(worker_pb2_grpc.WorkerServicer):
     def GetInfo(self, request, context):
         return pb.WorkerInfo(
-            protocol_version=1, page_size=16, num_pages=8, tp_size=1, model=pb.ModelInfo()
+            protocol_version=2, page_size=16, num_pages=8, tp_size=1, model=pb.ModelInfo()
         )
 
 
@@ -27,7 +27,7 @@ def test_a_worker_of_protocol_1_is_refused_at_connect():
     server.start()
     group = WorkerGroup([f"grpc://127.0.0.1:{port}"])
     try:
-        with pytest.raises(WorkerError, match="speaks worker protocol 1, this scheduler 2"):
+        with pytest.raises(WorkerError, match="speaks worker protocol 2, this scheduler 3"):
             group.connect(timeout_s=10)
     finally:
         group.close()
