@@ -211,12 +211,7 @@ class WorkerCodec:
             outputs.append(RequestOutput(rid, token, lp))
         for i in ended:
             outputs[i].grammar_ended = True
-        for p in msg.prompt_logprobs:
-            rid = sent.extend_slots.get(p.slot)
-            if rid is None:
-                raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
-            outputs.append(self._prompt_output(rid, p))
-        return StepResult(msg.step_id, _merge_by_rid(outputs), msg.forward_ms, msg.idle_ms)
+        return self._with_prompt_logprobs(msg, sent, outputs)
 
     def _decode_counted(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
         """A result with several tokens per entry (drafted extends): token_ids,
@@ -274,6 +269,12 @@ class WorkerCodec:
             out.grammar_ended = (at + n - 1) in ended
             outputs.append(out)
             at += n
+        return self._with_prompt_logprobs(msg, sent, outputs)
+
+    def _with_prompt_logprobs(
+        self, msg: pb.StepResult, sent: _Sent, outputs: list[RequestOutput]
+    ) -> StepResult:
+        """The result: ``outputs`` plus the extends' prompt logprobs, one output per rid."""
         for p in msg.prompt_logprobs:
             rid = sent.extend_slots.get(p.slot)
             if rid is None:

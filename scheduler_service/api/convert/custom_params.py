@@ -42,6 +42,14 @@ def _integer(name: str, value: Value, low: int, high: int, shown: str) -> int:
     return int(number)
 
 
+def _of_kind(name: str, value: Value, kind: str, shown: str) -> str | bool:
+    """The value of a non-numeric key, refused unless it is of ``kind``."""
+    if value.WhichOneof("kind") != kind:
+        got = value.WhichOneof("kind") or "nothing"
+        raise InvalidRequestError(f"custom_params.{name} must be {shown}, got {got}")
+    return getattr(value, kind)
+
+
 def seed(params: Struct) -> int | None:
     if "seed" not in params.fields:
         return None
@@ -60,11 +68,7 @@ def priority(params: Struct) -> int:
 def routing_key(params: Struct) -> str | None:
     if "routing_key" not in params.fields:
         return None
-    value = params.fields["routing_key"]
-    if value.WhichOneof("kind") != "string_value":
-        got = value.WhichOneof("kind") or "nothing"
-        raise InvalidRequestError(f"custom_params.routing_key must be a string, got {got}")
-    key = value.string_value
+    key = _of_kind("routing_key", params.fields["routing_key"], "string_value", "a string")
     if not key or len(key) > MAX_ROUTING_KEY_LEN:
         raise InvalidRequestError(
             f"custom_params.routing_key must have 1 to {MAX_ROUTING_KEY_LEN} characters, "
@@ -77,8 +81,4 @@ def speculative(params: Struct) -> bool:
     """True when not given: the service's --speculative-ngram decides."""
     if "speculative" not in params.fields:
         return True
-    value = params.fields["speculative"]
-    if value.WhichOneof("kind") != "bool_value":
-        got = value.WhichOneof("kind") or "nothing"
-        raise InvalidRequestError(f"custom_params.speculative must be a boolean, got {got}")
-    return value.bool_value
+    return _of_kind("speculative", params.fields["speculative"], "bool_value", "a boolean")
