@@ -8,6 +8,13 @@ without it (torch's gather and SDPA), alternating, and prints the ratio.
 
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --context 320 --threads 1
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-decode-kernel 3
+    python benchmarks/worker_decode_cpu.py --batch 16 --shared-prefix 256 --groups 4
+
+``--shared-prefix N --groups G``: request i belongs to group i % G (so a
+group's rows are not next to each other in the batch); its prompt starts
+with its group's N tokens, and all but the group's first request join one
+step later and read that prefix from the first one's pages, as they would
+from the radix cache. The rest of each prompt is its own.
 """
 
 from __future__ import annotations
@@ -28,7 +35,37 @@ from worker_service.config import WorkerConfig
 from worker_service.worker import build_worker
 
 
-def measure(runner, batch: int, context: int, steps: int, page_size: int, profile: bool) -> dict:
+def requests(batch: int, context: int, steps: int, shared: int, groups: int) -> list[DriverRequest]:
+    reqs = []
+    for i in range(batch):
+        own = [(7 * i + j) % 40000 + 100 for j in range(context)]
+        if not shared:
+            reqs.append(DriverRequest(own, steps + 1))
+            continue
+        g = i % groups
+        prefix = [(13 * g + j) % 40000 + 41000 for j in range(shared)]
+        leader = i < groups
+        reqs.append(
+            DriverRequest(
+                prefix + own[: max(1, context - shared)],
+                steps + 1,
+                arrive=0 if leader else 1,
+                share_from=None if leader else g,
+            )
+        )
+    return reqs
+
+
+def measure(
+    runner,
+    batch: int,
+    context: int,
+    steps: int,
+    page_size: int,
+    profile: bool,
+    shared: int = 0,
+    groups: int = 1,
+) -> dict:
     driver = PlanDriver(runner, page_size)
     times: list[float] = []
     cpu: list[float] = []
@@ -39,7 +76,7 @@ def measure(runner, batch: int, context: int, steps: int, page_size: int, profil
 
     def timed(reqs, plan):
         nonlocal started
-        decode = not plan.extends
+        decode = not plan.extends and not plan.joins
         if decode and profile and not started:  # decode steps only
             prof.start()
             started = True
@@ -50,11 +87,7 @@ def measure(runner, batch: int, context: int, steps: int, page_size: int, profil
             cpu.append(time.thread_time() - c0)
 
     driver._apply = timed
-    reqs = [
-        DriverRequest([(7 * i + j) % 40000 + 100 for j in range(context)], steps + 1)
-        for i in range(batch)
-    ]
-    driver.run(reqs)
+    driver.run(requests(batch, context, steps, shared, groups))
     if started:
         prof.stop()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -76,6 +109,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N")
+    p.add_argument("--groups", type=int, default=4)
     p.add_argument("--ab-decode-kernel", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args()
     worker = build_worker(
@@ -86,7 +121,16 @@ def main() -> None:
         return
     out = []
     for b in args.batch:
-        r = measure(worker.runner, b, args.context, args.steps, args.page_size, args.profile)
+        r = measure(
+            worker.runner,
+            b,
+            args.context,
+            args.steps,
+            args.page_size,
+            args.profile,
+            args.shared_prefix,
+            args.groups,
+        )
         print(
             f"batch {b}: {r['ms_per_step']:.1f} ms per decode step "
             f"({r['cpu_ms_per_step']:.1f} ms of this thread's CPU)",
@@ -108,7 +152,16 @@ def ab_decode_kernel(worker, args) -> None:
             for side, runs in sides.items():
                 attn.decode_kernel = kernel if side == "kernel" else None
                 runs.append(
-                    measure(worker.runner, b, args.context, args.steps, args.page_size, False)
+                    measure(
+                        worker.runner,
+                        b,
+                        args.context,
+                        args.steps,
+                        args.page_size,
+                        False,
+                        args.shared_prefix,
+                        args.groups,
+                    )
                 )
         attn.decode_kernel = kernel
         row: dict = {"batch": b}

@@ -13,7 +13,7 @@ from tests.worker_service.test_flashinfer_backend import make_batch
 from worker_service.attention import cpu_paged_kernel
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
-from worker_service.attention.torch_backend import TorchAttention
+from worker_service.attention.torch_backend import KERNEL_MAX_QUERIES, TorchAttention
 from worker_service.kv_cache import KvCache
 
 CPU = torch.device("cpu")
@@ -61,10 +61,13 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 )
 def test_kernel_matches_torch(kernel, page_size, heads, kv_heads, head_dim, window, dtype) -> None:
     # Lengths at and around page boundaries, a one-token context and a long
-    # row; an extend with a prefix and a whole prompt in the same step.
+    # row; extends with a prefix and a whole prompt in the same step. Extends
+    # of up to KERNEL_MAX_QUERIES tokens (a drafted verify row: 9 here) attend
+    # through the kernel, a row per query; (17, 25) through SDPA.
     decodes = [1, page_size, page_size + 1, 37, 150, 2]
+    extends = [(5, 20), (9, 9), (KERNEL_MAX_QUERIES, 30), (KERNEL_MAX_QUERIES + 1, 25)]
     spec, batch, q, k, v, kv = case(
-        page_size, heads, kv_heads, head_dim, window, dtype, [(5, 20), (9, 9)], decodes
+        page_size, heads, kv_heads, head_dim, window, dtype, extends, decodes
     )
     want = attend(spec, None, batch, q, k, v, kv)
     got = attend(spec, kernel, batch, q, k, v, kv)
@@ -98,6 +101,18 @@ def test_unsupported_shapes_stay_on_torch(kernel) -> None:
     assert TorchAttention(spec, kernel).decode_kernel is None
     spec16 = AttentionSpec(4, 2, 64, 16, None, torch.float16, CPU)
     assert TorchAttention(spec16, kernel).decode_kernel is None
+
+
+def test_short_extends_are_kernel_rows(kernel) -> None:
+    """Each query of a short extend becomes a kernel row over its own causal
+    prefix; a longer extend stays on SDPA."""
+    spec, batch, *_ = case(16, 9, 3, 64, None, torch.float32, [(9, 300), (17, 40)], [50])
+    attn = TorchAttention(spec, kernel)
+    attn.begin_step(batch)
+    layout = attn._layout
+    assert layout is not None and layout.num_rows == 9 + 1
+    assert sorted(layout.lens.tolist()) == [50, *range(292, 301)]
+    assert sorted(layout.rows.tolist()) == [*range(9), 9 + 17]
     assert kernel.supports(torch.float32, 9, 3, 64)
     assert not kernel.supports(torch.float32, 34, 2, 64)  # group of 17
 

@@ -202,6 +202,13 @@ class DecodeLayout:
     step, with their ctypes pointers made once (not once per layer)."""
 
     def __init__(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> None:
+        # The kernel walks the rows in this order: sorted by page table, so rows
+        # that share prefix pages (the radix cache hands them the same ids) come
+        # one after another and read those pages from the CPU's caches.
+        order = sorted(range(len(rows)), key=tables.__getitem__)
+        rows = [rows[i] for i in order]
+        lens = [lens[i] for i in order]
+        tables = [tables[i] for i in order]
         self.num_rows = len(rows)
         self.rows = np.asarray(rows, dtype=np.int64)
         self.lens = np.asarray(lens, dtype=np.int64)

@@ -7,7 +7,11 @@ one zero-padded (rows, max kv_len) batch with a padding mask, and a query
 head group shares its key head without copying it (queries viewed as
 (rows, kv_heads, group, head_dim)). One attention call per layer instead of
 one per sequence: at batch 64 on a CPU the per-sequence loop cost several
-times the rest of the step."""
+times the rest of the step.
+
+With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
+of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
+chunks), attend through it instead, reading the pages in place."""
 
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ from worker_service.attention.base import AttentionBackend, AttentionBatch, Atte
 from worker_service.attention.cpu_paged_kernel import DecodeLayout, PagedDecodeKernel
 from worker_service.kv_cache import KvCache
 from worker_service.transfer import to_device
+
+# Extends of up to this many tokens attend through the CPU kernel, a kernel row
+# per query (each reads the sequence's keys once more); longer ones through
+# SDPA. Covers every drafted verify row (at most --speculative-max-draft + 1).
+KERNEL_MAX_QUERIES = 16
 
 
 @dataclass(slots=True)
@@ -63,19 +72,26 @@ class TorchAttention(AttentionBackend):
         )
         self._masks: list[torch.Tensor | None] = []
         self._decode, self._layout = None, None
+        kernel_max_q = KERNEL_MAX_QUERIES if self.decode_kernel is not None else 1
         if self.decode_kernel is not None:
-            decodes = [s for s in batch.seqs if s.q_len == 1]
-            if decodes:
-                self._layout = DecodeLayout(
-                    [s.q_start for s in decodes],
-                    [s.kv_len for s in decodes],
-                    [s.page_table for s in decodes],
-                )
+            # Query i of a short extend (a drafted verify row, a short chunk)
+            # is a decode row of its own over the first kv_len - q_len + i + 1
+            # positions, with the same page table.
+            rows, lens, tables = [], [], []
+            for s in batch.seqs:
+                if s.q_len <= kernel_max_q:
+                    start = s.kv_len - s.q_len
+                    for i in range(s.q_len):
+                        rows.append(s.q_start + i)
+                        lens.append(start + i + 1)
+                        tables.append(s.page_table)
+            if rows:
+                self._layout = DecodeLayout(rows, lens, tables)
         else:
             self._decode = self._decode_batch(batch)
         for s in batch.seqs:
-            if s.q_len == 1:
-                self._masks.append(None)  # attends in the decode batch
+            if s.q_len <= kernel_max_q:
+                self._masks.append(None)  # attends in the decode batch or the kernel
                 continue
             if s.q_len == s.kv_len and window is None:
                 self._masks.append(None)  # a whole prompt: plain causal attention
@@ -143,8 +159,9 @@ class TorchAttention(AttentionBackend):
                 qs, keys, values, attn_mask=d.bias.to(q.dtype), scale=self.spec.scale
             )
             out[d.rows] = o.reshape(n, self.spec.num_heads, -1)
+        kernel_max_q = KERNEL_MAX_QUERIES if self.decode_kernel is not None else 1
         for s, table, mask in zip(batch.seqs, self._tables, self._masks, strict=True):
-            if s.q_len == 1:
+            if s.q_len <= kernel_max_q:
                 continue
             keys, values = kv.read(layer, table, s.kv_len)
             # 4-D (1, heads, len, D): torch's CPU flash kernel takes only batched
