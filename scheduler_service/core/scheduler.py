@@ -3,12 +3,15 @@
 It owns every request's place (the request table; the waiting queue; n > 1
 siblings held until their shared prompt is planned; the running batch; the
 request whose prefill is chunked; the plans in flight) and makes every move
-between them. Its collaborators decide and report: admission
-(admission.py) says which waiting requests run and which running ones are
-preempted, the running batch (batch.py) says which requests must give up
-their KV for a decode to fit, prefill_entries.py turns admissions into plan
-entries, results.py says what a result means for each request and which
-finished; the KV manager (kv_manager.py) owns pages.
+between them. Its collaborators decide and report: intake.py checks new
+requests and releases held siblings, admission (admission.py) says which
+waiting requests run and which running ones are preempted, the running batch
+(batch.py) says which requests must give up their KV for a decode to fit,
+decode_schedule.py makes the decode rows and moves the new-token ratio,
+oom_aborts.py says which request cannot fit at all, prefill_entries.py turns
+admissions into plan entries, results.py says what a result means for each
+request and which finished, worker_loss.py what a lost worker group means
+for each; the KV manager (kv_manager.py) owns pages.
 
 Each step is a prefill (admit waiting requests, continue a chunked one),
 optionally mixed with the decode batch, or else a decode of the running
@@ -48,7 +51,7 @@ from scheduler_service.core.decode_schedule import (
 )
 from scheduler_service.core.drafts import Drafter, NgramDrafter
 from scheduler_service.core.finish import StopStringChecker
-from scheduler_service.core.inflight import InFlight, ProtocolError
+from scheduler_service.core.inflight import InFlight, ProtocolError, take_answered
 from scheduler_service.core.intake import check_new_request, leader_planned, release_held
 from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv_manager import KvManager
@@ -74,7 +77,11 @@ from scheduler_service.core.request import (
 from scheduler_service.core.results import apply_result
 from scheduler_service.core.spec_plan import Drafts, DraftWatch
 from scheduler_service.core.spec_results import settle_drafts
-from scheduler_service.core.worker_loss import forget_cache_reads, kv_holders, send_back_to_wait
+from scheduler_service.core.worker_loss import (
+    forget_cache_reads,
+    send_back_to_wait,
+    take_kv_holders,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -320,10 +327,7 @@ class Scheduler:
     # ============================================================== update
     def update(self, result: StepResult) -> None:
         """Apply the worker's result for the oldest plan in flight."""
-        if not self._inflight or self._inflight[0].step_id != result.step_id:
-            expected = self._inflight[0].step_id if self._inflight else None
-            raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
-        record = self._inflight.popleft()
+        record = take_answered(self._inflight, result.step_id)
         finished = apply_result(
             record,
             result,
@@ -355,12 +359,7 @@ class Scheduler:
         """Turn a request whose KV was released into one waiting again (the
         caller takes it out of where it was and puts it in the queue)."""
         self._depart(req)
-        req.move_to(RequestState.RETRACTED)
-        req.epoch += 1
-        req.pending = 0
-        if req.spec is not None:
-            req.spec.inflight = 0
-        req.times.queue_entry = self._clock()
+        req.back_to_wait(self._clock())
         if self.on_requeue is not None:
             self.on_requeue(req, why)
 
@@ -403,9 +402,7 @@ class Scheduler:
         unchanged). Safe to call again while nothing ran in between. Returns
         the requests sent back to wait.
         """
-        holders = kv_holders(self.running, self.chunked, self._inflight)
-        for req in self.running.reqs():
-            self.running.remove(req)
+        holders = take_kv_holders(self.running, self.chunked, self._inflight)
         self.chunked = None
         send_back_to_wait(holders, self.waiting, self._clock())
         forget_cache_reads(self.waiting, self.requests, self.stats)

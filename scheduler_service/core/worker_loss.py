@@ -15,12 +15,13 @@ from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import Request, RequestState
 
 
-def kv_holders(
+def take_kv_holders(
     running: RunningBatch, chunked: Request | None, inflight: Iterable[InFlight]
 ) -> list[Request]:
-    """The requests that hold KV: running, chunked, and those with
-    max_new_tokens == 0 whose prefill is in flight (they sit in no queue:
-    only the in-flight record knows them)."""
+    """The requests that hold KV: running (taken out of the batch here),
+    chunked (the caller forgets it), and those with max_new_tokens == 0
+    whose prefill is in flight (they sit in no queue: only the in-flight
+    record knows them)."""
     holders: list[Request] = running.reqs()
     if chunked is not None:
         holders.append(chunked)
@@ -30,6 +31,8 @@ def kv_holders(
             for r, epoch in rec.prefill_only
             if r.epoch == epoch and r.state is RequestState.PREFILLING
         )
+    for req in running.reqs():
+        running.remove(req)
     return holders
 
 
@@ -42,12 +45,7 @@ def send_back_to_wait(holders: list[Request], waiting: list[Request], now: float
         req.forget_kv()
         req.on_worker = False
         req.adapter_slot = 0
-        req.move_to(RequestState.RETRACTED)
-        req.epoch += 1  # anything still arriving for the old plans is stale
-        req.pending = 0
-        if req.spec is not None:
-            req.spec.inflight = 0
-        req.times.queue_entry = now
+        req.back_to_wait(now)  # anything still arriving for the old plans is stale
     holders.sort(key=lambda r: r.times.arrival)
     waiting[:0] = holders
 
