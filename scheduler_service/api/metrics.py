@@ -32,6 +32,79 @@ ERROR_CODES = (
 )
 
 
+# Counters by label: (name, help, label, the attribute holding label -> count).
+LABELLED_COUNTERS = (
+    ("radixserve_requests", "Samples that finished, by reason.", "finish_reason", "finished"),
+    (
+        "radixserve_request_errors",
+        "Generate calls that ended with an error status, by gRPC code.",
+        "code",
+        "errors",
+    ),
+    (
+        "radixserve_lora_requests",
+        "Samples accepted with a LoRA adapter, by lora_id.",
+        "lora_id",
+        "lora_samples",
+    ),
+    (
+        "radixserve_lora_generation_tokens",
+        "Tokens generated with a LoRA adapter, by lora_id.",
+        "lora_id",
+        "lora_generated",
+    ),
+)
+# Counters the API process keeps: (name, help, attribute).
+API_COUNTERS = (
+    (
+        "radixserve_prompt_tokens",
+        "Prompt tokens of samples that got a token (counted when the call ends).",
+        "prompt_tokens",
+    ),
+    ("radixserve_generation_tokens", "Tokens generated and sent.", "generation_tokens"),
+    (
+        "radixserve_cached_tokens",
+        "Prompt tokens those samples read from the prefix cache, once.",
+        "cached_tokens",
+    ),
+)
+# Counters of the core's latest load snapshot (0 before the first):
+# (name, help, ipc.Load field).
+LOAD_COUNTERS = (
+    (
+        "radixserve_retractions",
+        "Running requests sent back to wait for lack of KV memory.",
+        "retractions",
+    ),
+    (
+        "radixserve_preemptions",
+        "Running requests preempted by higher-priority ones.",
+        "preemptions",
+    ),
+    (
+        "radixserve_worker_losses",
+        "Times the worker group's streams broke (its KV cache dropped, requests requeued).",
+        "worker_losses",
+    ),
+    (
+        "radixserve_worker_recoveries",
+        "Times a lost worker group came back and the interrupted requests resumed.",
+        "worker_recoveries",
+    ),
+    ("radixserve_spec_verify_steps", "Steps that verified speculative drafts.", "spec_steps"),
+    (
+        "radixserve_spec_draft_tokens",
+        "Drafted tokens sent to the worker for verification (speculative decoding).",
+        "spec_draft_tokens",
+    ),
+    (
+        "radixserve_spec_accepted_tokens",
+        "Drafted tokens the worker accepted (each one a forward saved).",
+        "spec_accepted_tokens",
+    ),
+)
+
+
 class SchedulerMetrics(Collector):
     def __init__(self, core: CoreClient) -> None:
         self.core = core
@@ -85,90 +158,21 @@ class SchedulerMetrics(Collector):
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        c = CounterMetricFamily(
-            "radixserve_requests", "Samples that finished, by reason.", labels=["finish_reason"]
-        )
-        for reason, n in self.finished.items():
-            c.add_metric([reason], n)
-        yield c
-        c = CounterMetricFamily(
-            "radixserve_request_errors",
-            "Generate calls that ended with an error status, by gRPC code.",
-            labels=["code"],
-        )
-        for code, n in self.errors.items():
-            c.add_metric([code], n)
-        yield c
-        c = CounterMetricFamily(
-            "radixserve_lora_requests",
-            "Samples accepted with a LoRA adapter, by lora_id.",
-            labels=["lora_id"],
-        )
-        for lora_id, n in self.lora_samples.items():
-            c.add_metric([lora_id], n)
-        yield c
-        c = CounterMetricFamily(
-            "radixserve_lora_generation_tokens",
-            "Tokens generated with a LoRA adapter, by lora_id.",
-            labels=["lora_id"],
-        )
-        for lora_id, n in self.lora_generated.items():
-            c.add_metric([lora_id], n)
-        yield c
-        yield CounterMetricFamily(
-            "radixserve_prompt_tokens",
-            "Prompt tokens of samples that got a token (counted when the call ends).",
-            self.prompt_tokens,
-        )
-        yield CounterMetricFamily(
-            "radixserve_generation_tokens", "Tokens generated and sent.", self.generation_tokens
-        )
-        yield CounterMetricFamily(
-            "radixserve_cached_tokens",
-            "Prompt tokens those samples read from the prefix cache, once.",
-            self.cached_tokens,
-        )
+        for name, doc, label, attr in LABELLED_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=[label])
+            for key, n in getattr(self, attr).items():
+                c.add_metric([key], n)
+            yield c
+        for name, doc, attr in API_COUNTERS:
+            yield CounterMetricFamily(name, doc, getattr(self, attr))
         load = self.core.load
         ready = self.core.ready
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
 
-        yield CounterMetricFamily(
-            "radixserve_retractions",
-            "Running requests sent back to wait for lack of KV memory.",
-            load.retractions if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_preemptions",
-            "Running requests preempted by higher-priority ones.",
-            load.preemptions if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_worker_losses",
-            "Times the worker group's streams broke (its KV cache dropped, requests requeued).",
-            load.worker_losses if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_worker_recoveries",
-            "Times a lost worker group came back and the interrupted requests resumed.",
-            load.worker_recoveries if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_spec_verify_steps",
-            "Steps that verified speculative drafts.",
-            load.spec_steps if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_spec_draft_tokens",
-            "Drafted tokens sent to the worker for verification (speculative decoding).",
-            load.spec_draft_tokens if load else 0,
-        )
-        yield CounterMetricFamily(
-            "radixserve_spec_accepted_tokens",
-            "Drafted tokens the worker accepted (each one a forward saved).",
-            load.spec_accepted_tokens if load else 0,
-        )
+        for name, doc, field in LOAD_COUNTERS:
+            yield CounterMetricFamily(name, doc, getattr(load, field) if load else 0)
         yield gauge(
             "radixserve_requests_running",
             "Requests being prefilled or decoded.",

@@ -19,6 +19,9 @@ Page accounting, true after every public call::
 
     evictable_pages == sum(len(n.pages) for unlocked nodes)
     protected_pages == sum(len(n.pages) for locked nodes)
+
+Beside it: radix_continuation.py walks what follows a sequence (speculative
+drafts), radix_events.py keeps the block hashes and KV events.
 """
 
 from __future__ import annotations
@@ -29,17 +32,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from scheduler_service.core.id_runs import common_len, differing_pages
-from scheduler_service.core.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventLog,
-    chain_page_hashes,
-    namespace_seed,
-)
+from scheduler_service.core.kv_events import EventLog
 from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.radix_continuation import continuation
+from scheduler_service.core.radix_events import (
+    check_hashes,
+    log_cleared,
+    log_removed,
+    log_stored,
+    split_hashes,
+)
 from scheduler_service.core.radix_node import (
-    HASH_TYPE,
     InsertResult,
     MatchResult,
     RadixCacheError,
@@ -47,10 +50,6 @@ from scheduler_service.core.radix_node import (
     as_id_array,
     id_array,
 )
-
-
-def _last_access(node: RadixNode) -> int:
-    return node.last_access
 
 
 class RadixCache:
@@ -118,9 +117,7 @@ class RadixCache:
         upper = RadixNode(node.key[:at], node.pages[: at // page_size], parent, node.namespace)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
-        if node.hashes is not None:
-            upper.hashes = node.hashes[: at // page_size]
-            node.hashes = node.hashes[at // page_size :]
+        split_hashes(upper, node, at // page_size)
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[at:]
         node.pages = node.pages[at // page_size :]
@@ -185,55 +182,10 @@ class RadixCache:
         max_tokens: int,
         start: RadixNode | None = None,
     ) -> array | None:
-        """The tokens that follow all of ``key`` in the tree (another sequence
-        went on after exactly these tokens), up to ``max_tokens``, taking the
-        most recently used branch at forks; None when ``key`` is not wholly a
-        path prefix or nothing follows it. ``key`` may end inside a page.
-        ``start``: a node whose path is known to spell the start of ``key``
-        (a request's locked prefix), where the walk begins. Read-only: the
-        LRU clock and the tree are not changed."""
-        pos = 0
-        node: RadixNode | None
-        if start is not None and start.parent is not None:
-            node = start
-            while node.parent is not None:
-                pos += len(node.key)
-                node = node.parent
-            node = start
-        else:
-            node = self._roots.get(extra_key)
-        if node is None or max_tokens <= 0:
-            return None
-        page_size = self.page_size
-        n = len(key)
-        while True:
-            rest = n - pos
-            if rest >= page_size:
-                child = node.children.get(
-                    key[pos] if page_size == 1 else key[pos : pos + page_size].tobytes()
-                )
-                if child is None:
-                    return None
-                edge = child.key
-                m = min(len(edge), rest)
-                if common_len(key, pos, edge, m) < m:
-                    return None
-            else:  # the key ends here or inside the next page: any child that agrees
-                tail = key[pos:]
-                fits = [c for c in node.children.values() if c.key[:rest] == tail]
-                if not fits:
-                    return None
-                child = max(fits, key=_last_access)
-                edge = child.key
-            if rest < len(edge):
-                out = edge[rest : rest + max_tokens]
-                node = child
-                while len(out) < max_tokens and node.children:
-                    node = max(node.children.values(), key=_last_access)
-                    out += node.key[: max_tokens - len(out)]
-                return out
-            pos += len(edge)
-            node = child
+        """The tokens that follow all of ``key`` in the tree, up to
+        ``max_tokens`` (radix_continuation.py); None when nothing does.
+        ``start``: a node whose path spells the start of ``key``. Read-only."""
+        return continuation(self._roots.get(extra_key), self.page_size, key, max_tokens, start)
 
     # ------------------------------------------------------------- insert
     def insert(
@@ -299,13 +251,7 @@ class RadixCache:
         self._num_nodes += 1
         self.evictable_pages += len(pages)
         if self.events is not None:
-            parent_hash = parent.hashes[-1] if parent.hashes else None
-            seed = parent_hash if parent_hash is not None else namespace_seed(parent.namespace)
-            hashes = chain_page_hashes(seed, key, self.page_size)
-            leaf.hashes = array(HASH_TYPE, hashes)
-            self.events.append(
-                BlockStored(hashes, parent_hash, key.tolist(), self.page_size, parent.namespace)
-            )
+            log_stored(self.events, parent, leaf, self.page_size)
         self._push(leaf)
         return leaf
 
@@ -356,8 +302,8 @@ class RadixCache:
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
             self._num_nodes -= 1
-            if events is not None and node.hashes:
-                events.append(BlockRemoved(node.hashes.tolist()))
+            if events is not None:
+                log_removed(events, node)
             if not parent.children:
                 if parent.parent is not None:
                     if parent.lock_ref == 0:
@@ -381,7 +327,7 @@ class RadixCache:
         self._heap = []
         self._num_nodes = 0
         if self.events is not None:
-            self.events.append(AllBlocksCleared())
+            log_cleared(self.events)
 
     # ------------------------------------------------------------ queries
     @property
@@ -435,10 +381,8 @@ class RadixCache:
                     evictable += len(node.pages)
                     if not node.children and node.heap_seq not in live_seqs:
                         raise RadixCacheError(f"evictable leaf {node!r} is missing from the heap")
-                if self.events is not None and (
-                    node.hashes is None or len(node.hashes) != len(node.pages)
-                ):
-                    raise RadixCacheError(f"{node!r} has no block hash per page")
+                if self.events is not None:
+                    check_hashes(node)
                 if holders is not None:
                     for p in node.pages:
                         holders[p] = holders.get(p, 0) + 1

@@ -190,6 +190,16 @@ class Request:
         self.epoch += 1
         self.pending = 0
 
+    def back_to_wait(self, now: float) -> None:
+        """Waiting again, its KV released or lost (retraction, preemption,
+        worker loss): what plans already sent bring for it is stale."""
+        self.move_to(RequestState.RETRACTED)
+        self.epoch += 1
+        self.pending = 0
+        if self.spec is not None:
+            self.spec.inflight = 0
+        self.times.queue_entry = now
+
     def forget_kv(self) -> None:
         """Drop every KV holding without giving anything back (the worker group
         that held the pages is gone, and the pool and cache are wiped)."""

@@ -3,12 +3,15 @@
 It owns every request's place (the request table; the waiting queue; n > 1
 siblings held until their shared prompt is planned; the running batch; the
 request whose prefill is chunked; the plans in flight) and makes every move
-between them. Its collaborators decide and report: admission
-(admission.py) says which waiting requests run and which running ones are
-preempted, the running batch (batch.py) says which requests must give up
-their KV for a decode to fit, prefill_entries.py turns admissions into plan
-entries, results.py says what a result means for each request and which
-finished; the KV manager (kv_manager.py) owns pages.
+between them. Its collaborators decide and report: intake.py checks new
+requests and releases held siblings, admission (admission.py) says which
+waiting requests run and which running ones are preempted, the running batch
+(batch.py) says which requests must give up their KV for a decode to fit,
+decode_schedule.py makes the decode rows and moves the new-token ratio,
+oom_aborts.py says which request cannot fit at all, prefill_entries.py turns
+admissions into plan entries, results.py says what a result means for each
+request and which finished, worker_loss.py what a lost worker group means
+for each; the KV manager (kv_manager.py) owns pages.
 
 Each step is a prefill (admit waiting requests, continue a chunked one),
 optionally mixed with the decode batch, or else a decode of the running
@@ -40,11 +43,19 @@ from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.admission import plan_admission
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.decode_schedule import (
+    decode_rows,
+    expect_decodes,
+    next_new_token_ratio,
+    start_decoding,
+)
 from scheduler_service.core.drafts import Drafter, NgramDrafter
 from scheduler_service.core.finish import StopStringChecker
-from scheduler_service.core.inflight import InFlight, ProtocolError
+from scheduler_service.core.inflight import InFlight, ProtocolError, take_answered
+from scheduler_service.core.intake import check_new_request, leader_planned, release_held
 from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.oom_aborts import oom_after_retraction, unfit_head
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.plan import (
@@ -56,7 +67,6 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.policy import SchedulePolicy
 from scheduler_service.core.prefill_entries import plan_prefill
 from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import (
     FinishAbort,
     FinishLength,
@@ -65,10 +75,13 @@ from scheduler_service.core.request import (
     RequestState,
 )
 from scheduler_service.core.results import apply_result
-from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.core.spec_plan import Drafts, DraftWatch, plan_decode_rows
+from scheduler_service.core.spec_plan import Drafts, DraftWatch
 from scheduler_service.core.spec_results import settle_drafts
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.worker_loss import (
+    forget_cache_reads,
+    send_back_to_wait,
+    take_kv_holders,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -120,27 +133,11 @@ class Scheduler:
         """Queue a request; raise InvalidRequestError if it can never run.
         A request that ``waits_for`` a live sibling is held until that
         sibling's prompt is planned (and so cached)."""
-        if req.rid in self.requests:
-            raise InvalidRequestError(f"request id {req.rid!r} is already in use")
-        if req.state is not RequestState.WAITING or req.output_ids or req.pages:
-            raise InvalidRequestError(f"request {req.rid!r} is not a fresh request")
-        req.validate(self.config.vocab_size, self.config.context_len)
-        if req.adapter is not None:
-            if req.adapter not in self.adapters.loaded:
-                raise InvalidRequestError(f"lora_id {req.adapter!r} names no loaded LoRA adapter")
-            # Each adapter's prefixes live in a cache namespace of their own.
-            salt = f"|{req.extra_key}" if req.extra_key is not None else ""
-            req.extra_key = f"lora:{req.adapter}{salt}"
-        capacity = self.pool.num_pages * self.pool.page_size
-        if len(req.prompt_ids) + 1 > capacity:
-            raise InvalidRequestError(
-                f"request {req.rid}: the prompt has {len(req.prompt_ids)} tokens but the KV "
-                f"cache holds {capacity} tokens in all"
-            )
+        check_new_request(req, self.requests, self.config, self.adapters, self.pool)
         now = self._clock()
         req.times.arrival = req.times.queue_entry = now
         self.requests[req.rid] = req
-        if req.waits_for is not None and not self._leader_planned(req):
+        if req.waits_for is not None and not leader_planned(req, self.requests):
             self.held.append(req)
         else:
             req.waits_for = None
@@ -167,24 +164,6 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not (self.requests or self._inflight or self._departures)
 
-    def _leader_planned(self, req: Request) -> bool:
-        leader = self.requests.get(req.waits_for)
-        return leader is None or (
-            leader.state is not RequestState.WAITING and leader.kv_len >= len(leader.prompt_ids)
-        )
-
-    def _release_held(self) -> None:
-        """Held siblings join the queue once their leader's prompt is planned."""
-        still = []
-        for req in self.held:
-            if self._leader_planned(req):
-                req.waits_for = None
-                req.times.queue_entry = self._clock()
-                self.waiting.append(req)
-            else:
-                still.append(req)
-        self.held = still
-
     # ================================================================ step
     def step(self) -> StepPlan | None:
         """Plan the next forward; None when there is nothing to send (or when
@@ -204,7 +183,7 @@ class Scheduler:
                 return None  # drain: drafts need the last sampled tokens
             self._drafting = True
         if self.held:
-            self._release_held()
+            self.held = release_held(self.held, self.requests, self.waiting, self._clock)
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
         decode_reqs = self.running.decode_candidates() if mixed else []
         prefill = self._schedule_prefill(len(decode_reqs))
@@ -227,19 +206,9 @@ class Scheduler:
             )
             record = InFlight(plan.step_id, {}, 0)
             for req in plan_prefill(prefill, plan, record, self.kv, self._clock(), self.stats):
-                # Its prefill is done and it samples: from now on it decodes.
-                req.move_to(RequestState.DECODING)
-                req.pending = 1
-                self.running.merge([req])
-                if (
-                    req.spec is None
-                    and self._drafter is not None
-                    and req.speculative
-                    and req.sampling.grammar is None
-                ):
-                    req.spec = SpecState(self.config.speculative_max_draft)
-                if req.spec is not None and self._watch is not None:
-                    self._watch.add(req)
+                start_decoding(
+                    req, self.running, self._drafter, self._watch, self.config.speculative_max_draft
+                )
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
             decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]
@@ -253,18 +222,7 @@ class Scheduler:
         plan.entries.extend(decode_entries)
         if self.adapters.changed:
             plan.adapter_slots = self.adapters.take_changes()
-        entries = record.entries
-        requests = self.requests
-        for e in decode_entries:
-            req = requests[e.rid]
-            entries[e.rid] = (req, req.epoch, True)
-        record.expected_tokens += len(decode_entries)
-        if drafts:
-            # Drafted extends go with the extends, before the decodes.
-            plan.entries.sort(key=lambda e: e.input_ids is None)
-            record.drafts = drafts
-            self.stats.spec_steps += 1
-            self.stats.spec_rows += len(drafts)
+        expect_decodes(record, plan, decode_entries, drafts, self.requests, self.stats)
         self._inflight.append(record)
         self.stats.steps += 1
         return plan
@@ -323,45 +281,27 @@ class Scheduler:
         return decision.admitted
 
     def _abort_unschedulable(self) -> None:
-        """Nothing runs and nothing is in flight, yet nothing was admitted: an
-        idle scheduler admits any request that fits, so the one first in line
-        cannot fit even in an empty pool (a retracted request that grew), and
-        waiting longer cannot help."""
+        """Abort the request first in line if it cannot fit even in an empty
+        pool (oom_aborts.unfit_head): only when nothing runs, nothing is in
+        flight and admission was stuck."""
         if self.running or self._inflight or not self._admission_stuck:
             return
-        head = self.chunked if self.chunked is not None else (self.waiting or [None])[0]
-        if head is None:
-            return
-        capacity = self.pool.num_pages * self.pool.page_size
-        logger.warning(
-            "request does not fit the KV pool",
-            request_id=head.rid,
-            trace_id=head.trace_id,
-            tokens=head.num_tokens,
-        )
-        self._finish(
-            head,
-            FinishAbort(
-                f"out of memory: the request needs {head.num_tokens + 1} tokens of KV cache "
-                f"and the pool holds {capacity}"
-            ),
-        )
-        self.stats.oom_aborts += 1
+        unfit = unfit_head(self.chunked, self.waiting, self.pool)
+        if unfit is not None:
+            self._finish(*unfit)
+            self.stats.oom_aborts += 1
 
     # -------------------------------------------------------------- decode
     def _decode_rows(self, reqs: list[Request]) -> tuple[list[ScheduledRequest], Drafts]:
-        """Entries for ``reqs`` (their plain decode fits): drafted when this
-        step drafts, else decodes."""
-        if not self._drafting or self._drafter is None:
-            return self.running.prepare_decode(reqs), {}
-        return plan_decode_rows(
-            self.running, self.kv, reqs, self._drafter, self._step_id, self.config.context_len
+        drafter = self._drafter if self._drafting else None
+        return decode_rows(
+            self.running, self.kv, reqs, drafter, self._step_id, self.config.context_len
         )
 
     def _schedule_decode(self) -> tuple[list[ScheduledRequest], Drafts]:
+        """Decode the running batch, retracting requests when pages run out."""
         if not self.running:
             return [], {}
-        cfg = self.config
         candidates = self.running.decode_candidates()
         room = self.running.make_room_for_decode(candidates, self.chunked, bool(self._inflight))
         for req in room.retracted:
@@ -373,52 +313,21 @@ class Scheduler:
             self._retracted(req)
             self.waiting.insert(0, req)
         for req in room.out_of_memory:
-            self._abort_oom(req)
-        if room.retracted:
-            reqs = self.running.reqs()
-            decoded = sum(len(r.output_ids) for r in reqs)
-            budget = sum(r.sampling.max_new_tokens for r in reqs)
-            estimate = min(1.0, (decoded + cfg.retract_decode_steps * len(reqs)) / max(budget, 1))
-            self.new_token_ratio = max(self.new_token_ratio, estimate)
-            logger.info(
-                "retracted requests to fit decode",
-                retracted=len(room.retracted),
-                running=len(reqs),
-                new_token_ratio=round(self.new_token_ratio, 3),
-            )
-        else:
-            self.new_token_ratio = max(
-                self.new_token_ratio - cfg.new_token_ratio_decay, cfg.min_new_token_ratio
-            )
+            self.stats.oom_aborts += 1
+            self._finish(req, oom_after_retraction(req))
+        self.new_token_ratio = next_new_token_ratio(
+            self.config, self.new_token_ratio, self.running, len(room.retracted)
+        )
         if not room.ready:
             return [], {}
         if room.retracted:  # otherwise the batch, and so its candidates, did not change
             candidates = self.running.decode_candidates()
         return self._decode_rows(candidates) if candidates else ([], {})
 
-    def _abort_oom(self, req: Request) -> None:
-        logger.warning(
-            "out of memory even after retraction",
-            request_id=req.rid,
-            trace_id=req.trace_id,
-            tokens=req.num_tokens,
-        )
-        self.stats.oom_aborts += 1
-        self._finish(
-            req,
-            FinishAbort(
-                "out of memory: the KV cache cannot hold this request even after retracting "
-                "all others"
-            ),
-        )
-
     # ============================================================== update
     def update(self, result: StepResult) -> None:
         """Apply the worker's result for the oldest plan in flight."""
-        if not self._inflight or self._inflight[0].step_id != result.step_id:
-            expected = self._inflight[0].step_id if self._inflight else None
-            raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
-        record = self._inflight.popleft()
+        record = take_answered(self._inflight, result.step_id)
         finished = apply_result(
             record,
             result,
@@ -450,12 +359,7 @@ class Scheduler:
         """Turn a request whose KV was released into one waiting again (the
         caller takes it out of where it was and puts it in the queue)."""
         self._depart(req)
-        req.move_to(RequestState.RETRACTED)
-        req.epoch += 1
-        req.pending = 0
-        if req.spec is not None:
-            req.spec.inflight = 0
-        req.times.queue_entry = self._clock()
+        req.back_to_wait(self._clock())
         if self.on_requeue is not None:
             self.on_requeue(req, why)
 
@@ -498,44 +402,10 @@ class Scheduler:
         unchanged). Safe to call again while nothing ran in between. Returns
         the requests sent back to wait.
         """
-        holders: list[Request] = self.running.reqs()
-        if self.chunked is not None:
-            holders.append(self.chunked)
-        # max_new_tokens == 0 requests whose prefill was in flight sit in no
-        # queue: only the in-flight record knows them.
-        for rec in self._inflight:
-            holders.extend(
-                r
-                for r, epoch in rec.prefill_only
-                if r.epoch == epoch and r.state is RequestState.PREFILLING
-            )
-        for req in self.running.reqs():
-            self.running.remove(req)
+        holders = take_kv_holders(self.running, self.chunked, self._inflight)
         self.chunked = None
-        now = self._clock()
-        for req in holders:
-            # No release: the pool and the cache are wiped below, and
-            # inserting pages whose contents are gone would poison the cache.
-            req.forget_kv()
-            req.on_worker = False
-            req.adapter_slot = 0
-            req.move_to(RequestState.RETRACTED)
-            req.epoch += 1  # anything still arriving for the old plans is stale
-            req.pending = 0
-            if req.spec is not None:
-                req.spec.inflight = 0
-            req.times.queue_entry = now
-        # The oldest first, ahead of the requests that never ran.
-        holders.sort(key=lambda r: r.times.arrival)
-        self.waiting[:0] = holders
-        for req in self.waiting:  # matches point into the cache being dropped
-            req.match_pages, req.match_node, req.match_len = id_array(), None, 0
-        for req in self.requests.values():
-            # What they read from the cache is gone and will be computed
-            # again: the next admission counts their hits afresh.
-            self.stats.cached_tokens -= req.cached_tokens
-            req.cached_tokens = 0
-            req.cache_hits_counted = False
+        send_back_to_wait(holders, self.waiting, self._clock())
+        forget_cache_reads(self.waiting, self.requests, self.stats)
         self._inflight.clear()
         self._departures.clear()  # the new worker holds no request state to drop
         self.adapters.reset()  # and no adapter in its slots
