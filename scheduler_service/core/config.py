@@ -106,10 +106,12 @@ class SchedulerConfig:
     )
     # A drafted row costs k + 1 tokens of compute; while a step is bound by
     # reading the weights (small batches) they are nearly free, past that
-    # they cost more than the steps they save, and draining the overlap
-    # pipeline for them costs too (docs/benchmarks.md, speculative decoding).
+    # they cost more, and draining the overlap pipeline for them costs too.
+    # On 2 CPU cores drafts paid at 16 and 32 running requests once verify
+    # rows attend through the C kernel (docs/benchmarks.md, speculative
+    # decoding); beyond 32 is unmeasured.
     speculative_disable_by_batch_size: int = setting(
-        8,
+        32,
         "speculative decoding: no drafts in a step while more than this many requests are "
         "running (0: no limit)",
     )
