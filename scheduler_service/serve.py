@@ -85,9 +85,11 @@ def _worker_args(
     if security.worker_token_file:
         cmd += ["--worker-token-file", security.worker_token_file]
     if worker.device == "cpu":
-        # Leave a core to the scheduler: a busy core makes every small op of a
-        # multi-threaded worker wait.
-        threads = worker.threads or max(1, (os.cpu_count() or 2) - 1)
+        # Every core: the scheduler and API processes sleep between events
+        # (overlap plans the next step while the worker computes), and on 2
+        # cores two torch threads served the shared-prefix load 1.30x and the
+        # random load 1.46x faster than one (docs/benchmarks.md, issue 18).
+        threads = worker.threads or max(1, os.cpu_count() or 1)
         cmd += ["--threads", str(threads)]
     return cmd
 

@@ -77,8 +77,8 @@ class WorkerConfig:
     )
     threads: int = setting(
         0,
-        "CPU threads for torch (0: all cores); leave a core to a scheduler on the same "
-        "machine, a busy core makes every small op of a multi-threaded worker wait",
+        "CPU threads for torch (0: all cores, also under radixserve serve); fewer leaves "
+        "cores to other work on the machine",
     )
     onednn_linears: bool = setting(
         True,
