@@ -56,16 +56,10 @@ def requests(batch: int, context: int, steps: int, shared: int, groups: int) -> 
     return reqs
 
 
-def measure(
-    runner,
-    batch: int,
-    context: int,
-    steps: int,
-    page_size: int,
-    profile: bool,
-    shared: int = 0,
-    groups: int = 1,
-) -> dict:
+def measure(runner, batch: int, args: argparse.Namespace, profile: bool = False) -> dict:
+    """Median ms per decode step of ``batch`` requests shaped by ``args``
+    (context, steps, page_size, shared_prefix, groups)."""
+    context, steps, page_size = args.context, args.steps, args.page_size
     driver = PlanDriver(runner, page_size)
     times: list[float] = []
     cpu: list[float] = []
@@ -87,7 +81,7 @@ def measure(
             cpu.append(time.thread_time() - c0)
 
     driver._apply = timed
-    driver.run(requests(batch, context, steps, shared, groups))
+    driver.run(requests(batch, context, steps, args.shared_prefix, args.groups))
     if started:
         prof.stop()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -121,16 +115,7 @@ def main() -> None:
         return
     out = []
     for b in args.batch:
-        r = measure(
-            worker.runner,
-            b,
-            args.context,
-            args.steps,
-            args.page_size,
-            args.profile,
-            args.shared_prefix,
-            args.groups,
-        )
+        r = measure(worker.runner, b, args, args.profile)
         print(
             f"batch {b}: {r['ms_per_step']:.1f} ms per decode step "
             f"({r['cpu_ms_per_step']:.1f} ms of this thread's CPU)",
@@ -151,18 +136,7 @@ def ab_decode_kernel(worker, args) -> None:
         for _ in range(args.ab_decode_kernel):
             for side, runs in sides.items():
                 attn.decode_kernel = kernel if side == "kernel" else None
-                runs.append(
-                    measure(
-                        worker.runner,
-                        b,
-                        args.context,
-                        args.steps,
-                        args.page_size,
-                        False,
-                        args.shared_prefix,
-                        args.groups,
-                    )
-                )
+                runs.append(measure(worker.runner, b, args))
         attn.decode_kernel = kernel
         row: dict = {"batch": b}
         for unit in ("ms_per_step", "cpu_ms_per_step"):

@@ -61,6 +61,13 @@ class TorchAttention(AttentionBackend):
         self.decode_kernel = decode_kernel if usable else None
         self._layout: DecodeLayout | None = None
 
+    @property
+    def _batched_max_q(self) -> int:
+        """Longest extend that attends with the step's batched rows (the kernel,
+        or without it the decode batch, which takes one-query rows only); the
+        rest attend one SDPA call per sequence."""
+        return KERNEL_MAX_QUERIES if self.decode_kernel is not None else 1
+
     def begin_step(self, batch: AttentionBatch) -> None:
         device = self.spec.device
         window = self.spec.sliding_window
@@ -72,7 +79,7 @@ class TorchAttention(AttentionBackend):
         )
         self._masks: list[torch.Tensor | None] = []
         self._decode, self._layout = None, None
-        kernel_max_q = KERNEL_MAX_QUERIES if self.decode_kernel is not None else 1
+        kernel_max_q = self._batched_max_q
         if self.decode_kernel is not None:
             # Query i of a short extend (a drafted verify row, a short chunk)
             # is a decode row of its own over the first kv_len - q_len + i + 1
@@ -159,7 +166,7 @@ class TorchAttention(AttentionBackend):
                 qs, keys, values, attn_mask=d.bias.to(q.dtype), scale=self.spec.scale
             )
             out[d.rows] = o.reshape(n, self.spec.num_heads, -1)
-        kernel_max_q = KERNEL_MAX_QUERIES if self.decode_kernel is not None else 1
+        kernel_max_q = self._batched_max_q
         for s, table, mask in zip(batch.seqs, self._tables, self._masks, strict=True):
             if s.q_len <= kernel_max_q:
                 continue
