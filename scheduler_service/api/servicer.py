@@ -23,7 +23,12 @@ from scheduler_service import ipc
 from scheduler_service.api.admin import AdminRpcs
 from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
-from scheduler_service.api.convert.responses import SampleState, chunk, complete
+from scheduler_service.api.convert.responses import (
+    SampleState,
+    chunk,
+    complete,
+    wants_input_logprobs,
+)
 from scheduler_service.api.core_client import (
     Call,
     CoreClient,
@@ -171,10 +176,20 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         obs: CallObserver,
     ) -> AsyncIterator[pb.GenerateResponse]:
         start = g.logprobs.logprob_start_len if g.logprobs.return_logprob else -1
-        samples = {
-            r.rid: SampleState(r.rid, i, r.prompt_ids, start) for i, r in enumerate(g.requests)
-        }
+        first = SampleState(g.requests[0].rid, 0, g.requests[0].prompt_ids, start)
+        samples = {first.rid: first}
+        for i, r in enumerate(g.requests[1:], 1):
+            # Siblings share the first sample's prompt logprobs (only it
+            # computes them: generate_call).
+            samples[r.rid] = SampleState(
+                r.rid, i, r.prompt_ids, start, prompt_logprobs=first.prompt_logprobs
+            )
         open_samples = set(samples)
+        # Siblings whose answer waits for the first sample's prompt logprobs
+        # (its prefill result normally arrives before any sibling's token; a
+        # requeue after a worker loss can reorder them).
+        deferred: dict[str, None] = {}
+        prompt_ready = len(samples) == 1 or start < 0
         with_lp = g.logprobs.return_logprob
         while open_samples:
             items = [await call.queue.get()]
@@ -194,12 +209,21 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 have = new.setdefault(item.rid, ([], []))
                 have[0].extend(tokens)
                 have[1].extend(lps)
-            for rid, (tokens, lps) in new.items():
-                s = samples[rid]
-                if g.stream:
-                    # stream_interval: a chunk once that many tokens are unsent
+            if g.stream:
+                for rid, (tokens, lps) in new.items():
+                    s = samples[rid]
                     s.unsent_tokens += tokens
                     s.unsent_logprobs += lps
+            if not prompt_ready:
+                prompt_ready = first.finish is not None or first.has_prompt_logprobs()
+            for rid in dict.fromkeys([*deferred, *new]):
+                s = samples[rid]
+                deferred.pop(rid, None)
+                if s is not first and wants_input_logprobs(s) and not prompt_ready:
+                    deferred[rid] = None
+                    continue
+                if g.stream:
+                    # stream_interval: a chunk once that many tokens are unsent
                     if s.finish is None and len(s.unsent_tokens) < g.stream_interval:
                         continue
                     tokens, lps = s.take_unsent()

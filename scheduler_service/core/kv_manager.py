@@ -8,8 +8,12 @@ A running request's page table is always shaped::
 Tree pages are shared through the radix cache and kept alive by the lock on
 ``last_node``; own pages are the request's alone. Tables only grow on the
 worker (plans append page ids), so a request never swaps a page under its
-own table: if another request cached the same tokens first, this request
-keeps its duplicate pages until it releases them.
+own table: where another request cached the same tokens first, the tree
+region holds this request's duplicate instead of the cache's page
+(``req.dup_pages``, in table order). Duplicates are the request's own and go
+back to the pool when it releases them; the pages after them still enter the
+cache (a request that computed a cached prefix again, e.g. for its prompt
+logprobs, shares the rest of its prompt with the requests after it).
 
 KV of position p is "valid" once a plan that computes it has been created:
 the worker runs plans in order, so any later plan that reads it (through the
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from array import array
 
+from scheduler_service.core.id_runs import differing_pages
 from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.radix_cache import RadixCache, RadixNode
 from scheduler_service.core.radix_node import id_array
@@ -81,8 +86,9 @@ class KvManager:
     def cache_computed_prefix(self, req: Request) -> None:
         """Share ``req``'s computed full pages through the cache while it runs.
 
-        Skipped when the cache already holds those tokens under other pages:
-        the request keeps using its own copy until it is released.
+        Where the cache already holds those tokens under other pages, the
+        request keeps using its own copies (``dup_pages``) until it is
+        released; the cache takes the pages past them.
         """
         page_size = self.page_size
         n_pages = min(req.kv_len, req.num_tokens) // page_size
@@ -90,13 +96,11 @@ class KvManager:
             return
         tokens = req.token_array()
         result = self.cache.insert(
-            tokens[: n_pages * page_size],
-            req.pages[:n_pages],
-            req.extra_key,
-            stop_on_conflict=True,
+            tokens[: n_pages * page_size], req.pages[:n_pages], req.extra_key
         )
-        if result.conflict:
-            return
+        # The whole key was inserted again: its duplicates are the old ones
+        # (the locked path did not change) plus those of the new pages.
+        req.dup_pages = result.dup_pages
         self.cache.lock(result.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
@@ -113,6 +117,7 @@ class KvManager:
         pool, cache = self.pool, self.cache
         pages = req.pages
         own_from = req.tree_pages
+        dups = req.dup_pages
         if cache_tokens:
             n_pages = min(req.kv_len, req.num_tokens) // self.page_size
             if n_pages > req.tree_pages:
@@ -120,13 +125,15 @@ class KvManager:
                 result = cache.insert(
                     tokens[: n_pages * self.page_size], pages[:n_pages], req.extra_key
                 )
-                pool.release(result.dup_pages)
+                dups = result.dup_pages  # the old duplicates and the new ones
                 own_from = n_pages
+        pool.release(dups)
         pool.release(pages[own_from:])
         if req.last_node is not None:
             cache.unlock(req.last_node)
         req.pages = id_array()
         req.tree_pages = 0
+        req.dup_pages = id_array()
         req.last_node = None
         req.kv_len = 0
 
@@ -141,6 +148,8 @@ class KvManager:
             )
         for p in req.pages[req.tree_pages :]:
             holders[p] = holders.get(p, 0) + 1
+        for p in req.dup_pages:
+            holders[p] = holders.get(p, 0) + 1
         path: list[array] = []
         node = req.last_node
         while node is not None and node.parent is not None:
@@ -151,8 +160,9 @@ class KvManager:
         tree_pages = id_array()
         for seg in reversed(path):
             tree_pages += seg
-        if tree_pages != req.pages[: req.tree_pages]:
+        mine = req.pages[: req.tree_pages]
+        if len(tree_pages) != len(mine) or differing_pages(mine, tree_pages) != req.dup_pages:
             raise AssertionError(
                 f"request {req.rid}: its first {req.tree_pages} pages are not the cache path "
-                "it locked"
+                "it locked (its duplicates aside)"
             )

@@ -193,16 +193,13 @@ class RadixCache:
         key: Iterable[int],
         pages: Iterable[int],
         extra_key: str | None = None,
-        stop_on_conflict: bool = False,
     ) -> InsertResult:
         """Cache ``key`` (page aligned) whose KV is in ``pages``.
 
         The cache takes ownership of the caller's pages for the part of the
         key it did not hold. Where it already held the tokens under other
         pages, those caller pages are returned in ``dup_pages`` (still the
-        caller's). With ``stop_on_conflict`` the insert stops before taking
-        anything once such a duplicate is found, for a caller that keeps
-        using its own copy.
+        caller's).
         """
         key = as_id_array(key)
         pages = as_id_array(pages)
@@ -234,8 +231,6 @@ class RadixCache:
                 child = self._split(child, m)
             mine = pages[pos // page_size : (pos + m) // page_size]
             if mine != child.pages:
-                if stop_on_conflict:
-                    return InsertResult(pos, id_array(), node, conflict=True)
                 dup += differing_pages(mine, child.pages)
             pos += m
             node = child

@@ -103,4 +103,3 @@ class InsertResult:
     prefix_len: int  # tokens of the key that were cached before this insert
     dup_pages: array  # caller's pages duplicating cached ones (caller still holds them)
     node: RadixNode  # node ending at the last inserted token
-    conflict: bool = False  # stopped at the first duplicate (stop_on_conflict)

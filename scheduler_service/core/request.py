@@ -122,8 +122,11 @@ class Request:
     # packed 32-bit page ids (radix_node.id_array).
     pages: array = field(default_factory=id_array)
     # The first `tree_pages` pages belong to the radix cache and are kept alive
-    # by the lock on `last_node`; the rest are this request's own.
+    # by the lock on `last_node`, except `dup_pages`: this request's own
+    # copies of pages the cache got from another request first; the pages
+    # past `tree_pages` are this request's own.
     tree_pages: int = 0
+    dup_pages: array = field(default_factory=id_array)
     last_node: Any = None
     # Positions [0, kv_len) have their KV computed or in an in-flight step.
     kv_len: int = 0
@@ -205,6 +208,7 @@ class Request:
         that held the pages is gone, and the pool and cache are wiped)."""
         self.pages = id_array()
         self.tree_pages = 0
+        self.dup_pages = id_array()
         self.last_node = None
         self.kv_len = 0
 

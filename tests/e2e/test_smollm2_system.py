@@ -121,6 +121,46 @@ def test_max_new_tokens_and_n_samples_sharing_the_prompt(hf, server):
     assert cached[-1] >= 16  # the samples read the prompt's KV from the cache
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_with_prompt_logprobs_prefill_the_prompt_once(hf, server, stream):
+    """The prompt's logprobs are the same for every sample: the first sample
+    computes them, the others read the prompt's KV from the cache (a sample
+    that wants prompt logprobs cannot) and answer with the first's."""
+    tok, model = hf
+    ids = chat_ids(tok, QUESTIONS[1])
+    with torch.no_grad():
+        prompt_lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    got = generate(
+        server,
+        ids,
+        greedy(4, ignore_eos=True, n=4),
+        stream=stream,
+        rid=f"nlp-{stream}",
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )
+    done = sorted((r.complete for r in got if r.HasField("complete")), key=lambda c: c.index)
+    assert [c.index for c in done] == [0, 1, 2, 3]
+    if stream:  # the prompt's logprobs come once per sample, in its first chunk
+        firsts = {}
+        for r in got:
+            if r.HasField("chunk") and r.chunk.index not in firsts:
+                firsts[r.chunk.index] = r.chunk.input_logprobs
+        inputs = [firsts[i] for i in range(4)]
+    else:
+        inputs = [c.input_logprobs for c in done]
+    for inp in inputs:
+        assert list(inp.token_ids) == ids and not inp.token_logprobs[0].HasField("value")
+        assert inp == inputs[0] and len(inp.top_logprobs) == len(ids) - 1
+        for pos in range(1, len(ids)):
+            assert abs(inp.token_logprobs[pos].value - prompt_lps[pos - 1, ids[pos]].item()) < 1e-4
+    # One prefill of the prompt: every sibling read it from the cache.
+    assert all(c.cached_tokens >= (len(ids) - 1) // 16 * 16 > 0 for c in done[1:]), [
+        (c.index, c.cached_tokens, len(ids)) for c in done
+    ]
+
+
 def test_abort_and_disconnect_free_pages(hf, server):
     tok, _ = hf
     ids = chat_ids(tok, QUESTIONS[0])

@@ -11,6 +11,7 @@ spaces_between_special_tokens explicitly).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Collection
@@ -208,7 +209,11 @@ def generate_call(
     rid = m.request_id or uuid.uuid4().hex
     rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     # n > 1: the first sample prefills the shared prompt; the others wait for
-    # that prefill to be planned and read the prompt's KV from the cache.
+    # that prefill to be planned and read the prompt's KV from the cache. The
+    # prompt's logprobs are the same for every sample: only the first computes
+    # them (a sample that wants them cannot read those positions from the
+    # cache), and the servicer hands them to its siblings.
+    sibling_lp = dataclasses.replace(lp, logprob_start_len=-1)
     priority = custom_params.priority(m.sampling_params.custom_params)
     routing_key = custom_params.routing_key(m.sampling_params.custom_params)
     speculative = custom_params.speculative(m.sampling_params.custom_params)
@@ -217,7 +222,7 @@ def generate_call(
             r,
             list(ids),
             sp,
-            lp,
+            sibling_lp if i else lp,
             priority=priority,
             adapter=adapter,
             routing_key=routing_key,

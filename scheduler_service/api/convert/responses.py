@@ -35,6 +35,14 @@ class SampleState:
     unsent_tokens: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
+    def has_prompt_logprobs(self) -> bool:
+        """Every prompt position asked for has its logprob (position 0 has
+        none: nothing precedes it)."""
+        if self.logprob_start < 0:
+            return True
+        have = self.prompt_logprobs
+        return all(p in have for p in range(max(self.logprob_start, 1), len(self.prompt_ids)))
+
     def take_unsent(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         tokens, lps = self.unsent_tokens, self.unsent_logprobs
         self.unsent_tokens, self.unsent_logprobs = [], []
@@ -81,7 +89,7 @@ def input_logprobs(s: SampleState) -> pb.InputLogProbs:
     return m
 
 
-def _wants_input(s: SampleState) -> bool:
+def wants_input_logprobs(s: SampleState) -> bool:
     return s.logprob_start >= 0 and not s.prompt_logprobs_sent
 
 
@@ -100,7 +108,7 @@ def chunk(
     c.index = s.index
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
-    if _wants_input(s) and tokens:
+    if wants_input_logprobs(s) and tokens:
         c.input_logprobs.CopyFrom(input_logprobs(s))
         s.prompt_logprobs_sent = True
     return r
@@ -126,7 +134,7 @@ def complete(
         c.matched_stop_str = f.matched_str
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
-    if _wants_input(s):
+    if wants_input_logprobs(s):
         c.input_logprobs.CopyFrom(input_logprobs(s))
         s.prompt_logprobs_sent = True
     return pb.GenerateResponse(request_id=rid, complete=c)

@@ -6,7 +6,7 @@ core's hit rate (stats.cached_tokens) is the sum of the requests' counts."""
 
 from __future__ import annotations
 
-from scheduler_service.core import Request, SamplingParams, SchedulerConfig
+from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.sim_driver import check_drained, drive, make_pair
 
@@ -81,3 +81,27 @@ def test_after_a_worker_loss_what_the_rebuilt_cache_gives_counts():
     # reads its 32 tokens from the rebuilt cache
     assert (first.cached_tokens, second.cached_tokens) == (0, 32)
     assert sched.stats.cached_tokens == 32
+
+
+def test_a_request_that_recomputed_a_cached_prefix_shares_the_rest_while_it_runs():
+    """A request wanting its prompt's logprobs computes a cached prefix again
+    (its own duplicate pages); the pages after the duplicates still enter the
+    cache at plan time, so a request arriving while it runs reads them."""
+    config = SchedulerConfig(vocab_size=V, page_size=4, chunked_prefill_size=None)
+    sched, worker = make_pair(config, 64, V)
+    shared = list(range(1, 9))  # two pages another request cached first
+    drive(sched, worker, [(0, req("warm", shared, 1))])
+    prompt = [*shared, *range(20, 32)]  # 20 tokens: five pages
+    scorer = Request(
+        "scorer",
+        prompt,
+        SamplingParams(max_new_tokens=12, ignore_eos=True),
+        logprobs=LogprobOptions(return_logprob=True, logprob_start_len=0),
+    )
+    late = req("late", [*prompt, 40], 2)
+    # "late" arrives two steps after the scorer's prefill was planned
+    log = drive(sched, worker, [(0, scorer), (3, late)])
+    assert scorer.cached_tokens == 0  # it computed everything for its logprobs
+    assert late.cached_tokens == 20  # its prompt, past the scorer's duplicates
+    assert len(log.deltas["scorer"]) == 12
+    check_drained(sched, worker)

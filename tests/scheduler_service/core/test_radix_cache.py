@@ -64,12 +64,10 @@ def test_page_aligned_keys_only():
     check(pool, cache)
 
 
-def test_insert_returns_duplicates_and_can_stop_at_the_first():
+def test_insert_returns_duplicates():
     pool, cache = make()
     put(pool, cache, [1, 2, 3])
     mine = pool.alloc(4)
-    stopped = cache.insert([1, 2, 3, 4], mine, stop_on_conflict=True)
-    assert stopped.conflict and cache.cached_pages == 3  # nothing taken
     result = cache.insert([1, 2, 3, 4], mine)
     assert result.prefix_len == 3 and result.dup_pages == mine[:3]
     pool.release(result.dup_pages)
