@@ -89,7 +89,8 @@ class RunningBatch:
 
         Retracts least progress first, keeping at least one request; if even
         that one cannot fit, the chunked prefill in progress gives up its KV
-        too. If it still cannot fit and results are in flight (which may
+        too, then any request left that holds duplicates of cached pages
+        (kv_manager.py). If it still cannot fit and results are in flight (which may
         finish requests and free pages), decoding waits for them; otherwise
         the requests left are out of memory. Requests only waiting for their
         last token (not among ``candidates``) are left alone.
@@ -114,6 +115,15 @@ class RunningBatch:
         if needed > kv.available_pages() and chunked is not None:
             kv.release(chunked, cache_tokens=True)
             room.chunked_released = True
+        if needed > kv.available_pages():
+            # A request holding duplicates of cached pages pins both copies
+            # (its later pages hang under the cache's); retracted, it reads the
+            # cache's copy back and needs no more than it would have alone.
+            for victim in [r for r in order if r.dup_pages]:
+                order.remove(victim)
+                needed -= victim.kv_len % page_size == 0
+                kv.release(victim, cache_tokens=True)
+                room.retracted.append(victim)
         if needed <= kv.available_pages():
             room.ready = True
         elif not results_pending:

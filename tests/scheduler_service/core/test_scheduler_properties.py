@@ -2,7 +2,7 @@
 
 Each example draws a configuration (page size 1 or 16, tiny pools, chunking,
 policies, priorities, mixed steps, overlap on or off) and a workload (shared
-prefixes, arrival times, lengths, aborts, extra keys), runs it to the end with
+prefixes, arrival times, lengths, aborts, extra keys, prompt logprobs), runs it to the end with
 ``check_integrity()`` after every step and update, and checks every output
 against the oracle and that the pool ends free or cached-unlocked.
 """
@@ -14,7 +14,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core import Request, SamplingParams, SchedulerConfig
+from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
 from scheduler_service.core.config import POLICIES
 from tests.scheduler_service.core.sim_driver import (
     check_drained,
@@ -49,6 +49,12 @@ def scenarios(draw, pressure: bool = False):
         max_new = draw(st.integers(16, 48) if pressure else st.integers(0, 48))
         min_new = draw(st.integers(0, max_new)) if draw(st.booleans()) else 0
         rid = f"r{i}"
+        # A request that wants its prompt's logprobs reads nothing of them
+        # from the cache, so it computes cached pages again (duplicates).
+        logprobs = LogprobOptions()
+        if draw(st.integers(0, 3)) == 0:
+            start = draw(st.integers(0, len(prefix) + len(suffix) - 1))
+            logprobs = LogprobOptions(return_logprob=True, logprob_start_len=start)
         req = Request(
             rid,
             prefix + suffix,
@@ -67,6 +73,7 @@ def scenarios(draw, pressure: bool = False):
             priority=draw(st.sampled_from([0, 0, 5, 20, 40])),
             extra_key=draw(st.sampled_from([None, None, None, "a", "b"])),
             routing_key=draw(st.sampled_from([None, "x", "y"])),
+            logprobs=logprobs,
         )
         arrival = draw(st.integers(0, 4 if pressure else 40))
         arrivals.append((arrival, req))
