@@ -25,8 +25,9 @@ from worker_service.devices import DeviceFailure, use_device
 from worker_service.lora.peft_config import AdapterError
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
+from worker_service.request_decoding import Undecodable
 from worker_service.sampling.grammar import GrammarError
-from worker_service.session import SessionFence, SessionRefused, Undecodable
+from worker_service.session import SessionFence, SessionRefused
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -102,13 +103,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         active session and the worker's state are untouched."""
         plans: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
-        try:
-            opening = plans.get(timeout=OPEN_TIMEOUT_S)
-        except queue.Empty:
-            opening = Undecodable(f"no opening message within {OPEN_TIMEOUT_S:g} s")
         peer = context.peer()
         results: queue.SimpleQueue = queue.SimpleQueue()
         try:
+            try:
+                opening = plans.get(timeout=OPEN_TIMEOUT_S)
+            except queue.Empty:
+                raise SessionRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"no opening message within {OPEN_TIMEOUT_S:g} s",
+                ) from None
             self.sessions.check(opening)  # refuse without waiting for the lock
             with self._lock:
                 session = self.sessions.take(opening, peer)
@@ -120,6 +124,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 replaced, self._active_results = self._active_results, results
         except SessionRefused as e:
             logger.warning("Execute stream refused", peer=peer, code=e.code.name, reason=e.message)
+            if self.metrics is not None:
+                self.metrics.refused("Execute", e.code.name)
             context.abort(e.code, e.message)
         if replaced is not None:
             replaced.put(
@@ -168,7 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     results.put("replaced by a newer Execute stream")
                     return
                 if isinstance(msg, Undecodable):
-                    results.put(f"a plan does not parse as a StepPlan ({msg.error})")
+                    results.put(f"a plan on the stream: {msg.details()}")
                     return
                 try:
                     if msg is _NOTHING_YET:  # nothing to overlap with: finish it

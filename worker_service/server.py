@@ -57,7 +57,7 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
             raise SystemExit(str(e)) from e
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
-        interceptors=[WorkerCallGuard(SERVICE_NAME, token)],
+        interceptors=[WorkerCallGuard(SERVICE_NAME, token, metrics)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

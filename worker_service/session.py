@@ -30,12 +30,14 @@ import grpc
 
 from common.session_epoch import MAX_SESSION_EPOCH, MAX_SESSION_EPOCH_TEXT
 from protos import worker_pb2 as pb
+from worker_service.request_decoding import Undecodable
 
 MAX_SESSION_ID = 256
 # How far an opening's epoch may lead the worker's clock and its highest
 # epoch: about 18.3 minutes of clock difference between scheduler and worker.
 MAX_EPOCH_LEAD_NS = 1 << 40
 _LEAD_TEXT = f"2**40 ns ({MAX_EPOCH_LEAD_NS / 60e9:.1f} min)"
+STEP_PLAN = pb.StepPlan.DESCRIPTOR.full_name
 
 
 class SessionRefused(Exception):
@@ -52,27 +54,20 @@ class Session:
     peer: str
 
 
-class Undecodable:
-    """A message on the Execute stream that does not parse as a StepPlan."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
 def parse_plan(data: bytes) -> pb.StepPlan | Undecodable:
     """Execute's request deserializer: garbage becomes a value the servicer
     refuses with a clear status (gRPC's own would be INTERNAL)."""
     try:
         return pb.StepPlan.FromString(data)
     except Exception as e:  # protobuf's DecodeError and friends
-        return Undecodable(f"{type(e).__name__}: {e}")
+        return Undecodable("Execute", STEP_PLAN, f"{type(e).__name__}: {e}", len(data))
 
 
 def _opening(msg: object) -> Session:
     if isinstance(msg, Undecodable):
         raise SessionRefused(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"the opening message of an Execute stream does not parse as a StepPlan ({msg.error})",
+            f"the opening message of an Execute stream: {msg.details()}",
         )
     if not isinstance(msg, pb.StepPlan) or not msg.HasField("session"):
         raise SessionRefused(

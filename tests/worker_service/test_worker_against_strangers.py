@@ -1,18 +1,21 @@
 """A token-less worker process (as `radixserve serve` runs it by default)
-against strangers on its port: bad session epochs. None of them may change
-the worker's state."""
+against strangers on its port: bad session epochs, bytes that do not parse.
+None of them may change the worker's state."""
 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+from tests.e2e.system import free_port
 from tests.worker_service.test_sessions import _negative_epoch_opening
 from tests.worker_service.worker_process import PlanStream, WorkerProc, next_epoch
 
@@ -22,17 +25,38 @@ AHEAD = "more than 2**40 ns (18.3 min) ahead of"
 
 
 class _Worker:
-    def __init__(self, address: str, log: Path) -> None:
+    def __init__(self, address: str, metrics_port: int, log: Path) -> None:
         self.address = address
+        self.metrics_port = metrics_port
         self.log = log
         self.channel = grpc.insecure_channel(address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
+    def raw(self, method: str, data: bytes, **kw) -> grpc.RpcError:
+        """A unary call of raw bytes; the error it ends with."""
+        call = self.channel.unary_unary(SERVICE + method)
+        with pytest.raises(grpc.RpcError) as info:
+            call(data, timeout=10, **kw)
+        return info.value
+
+    def refused(self) -> dict[tuple[str, str], float]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        return {
+            (s.labels["method"], s.labels["code"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "radixserve_worker_request_errors"
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+
 
 def _start(tmp: Path, name: str, *args: str) -> tuple[WorkerProc, _Worker]:
-    proc = WorkerProc(tmp, ("--model", "simulated", *args), name)
+    metrics = free_port()
+    proc = WorkerProc(tmp, ("--model", "simulated", "--metrics-port", str(metrics), *args), name)
     try:
-        return proc, _Worker(proc.address(), proc.log_path)
+        return proc, _Worker(proc.address(), metrics, proc.log_path)
     except BaseException:
         proc.stop()
         raise
@@ -88,3 +112,48 @@ def test_bad_session_epochs_are_refused_before_anything_changes(worker):
     after = PlanStream(worker.address, "next scheduler", epoch=max(next_epoch(), before + 1))
     assert not after.run(idle).error
     after.close()
+
+
+def test_undecodable_bodies_answer_invalid_argument_logged_and_counted(worker):
+    garbage = b"\xff\xfe\xfd garbage"
+    for method, message in (
+        ("GetInfo", "GetInfoRequest"),
+        ("LoadAdapter", "LoadAdapterRequest"),
+        ("UnloadAdapter", "UnloadAdapterRequest"),
+        ("CompileGrammar", "CompileGrammarRequest"),
+    ):
+        e = worker.raw(method, garbage)
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e)
+        expected = f"the request (11 bytes) does not parse as radixserve.worker.v1.{message}: "
+        assert e.details().startswith(expected), e.details()
+    tokenizer = worker.channel.unary_stream(SERVICE + "GetTokenizer")
+    with pytest.raises(grpc.RpcError) as info:
+        list(tokenizer(garbage, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "radixserve.worker.v1.GetTokenizerRequest" in info.value.details()
+    refused = worker.refused()
+    for method in ("GetInfo", "LoadAdapter", "UnloadAdapter", "CompileGrammar", "GetTokenizer"):
+        assert refused[(method, "INVALID_ARGUMENT")] >= 1, refused
+    log = worker.log.read_text()
+    assert log.count('"undecodable request refused"') >= 5
+    assert '"method": "GetTokenizer", "bytes": 11' in log
+    # the worker still serves
+    assert worker.stub.GetInfo(pb.GetInfoRequest(), timeout=10).page_size > 0
+
+
+def test_garbage_without_the_token_is_still_unauthenticated(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("the-token\n")
+    proc, w = _start(tmp_path, "tw", "--worker-token-file", str(token))
+    try:
+        e = w.raw("GetInfo", b"\xff\xfe garbage")
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        e = w.raw("GetInfo", b"\xff\xfe garbage", metadata=(("authorization", "Bearer the-token"),))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert w.refused() == {
+            ("GetInfo", "UNAUTHENTICATED"): 1.0,
+            ("GetInfo", "INVALID_ARGUMENT"): 1.0,
+        }
+    finally:
+        w.channel.close()
+        proc.stop()
