@@ -1,20 +1,23 @@
 """The worker's server interceptor, in order: the shared token on every Worker
 RPC (when one is configured); request bytes that do not parse answered
 INVALID_ARGUMENT with a message, logged and counted (Execute's stream is
-parsed leniently too, and refused by session.py).
+parsed leniently too, and refused by session.py); the bounds on calls that
+can hold a gRPC thread for long (call_budget.py) other than Execute's, which
+the servicer keeps.
 
 grpc.health.v1 and reflection stay open: probes carry no token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 import structlog
 
 from common.worker_token import TokenCheck
+from worker_service.call_budget import ADAPTER_LOADS, TOKENIZER_STREAMS, CallSlots
 from worker_service.request_decoding import Undecodable, tolerant
 from worker_service.session import parse_plan
 from worker_service.telemetry.metrics import WorkerMetrics
@@ -27,17 +30,27 @@ DENIED = (
 )
 
 
+def default_limits() -> dict[str, CallSlots]:
+    """The bounded methods' slots, by method name."""
+    return {
+        "GetTokenizer": CallSlots("GetTokenizer streams", TOKENIZER_STREAMS),
+        "LoadAdapter": CallSlots("LoadAdapter calls", ADAPTER_LOADS),
+    }
+
+
 class WorkerCallGuard(grpc.ServerInterceptor):
     def __init__(
         self,
         service: str,
         token: TokenCheck | None,
         metrics: WorkerMetrics | None = None,
+        limits: Mapping[str, CallSlots] | None = None,
     ) -> None:
         self.prefix = f"/{service}/"
         self.execute = f"/{service}/Execute"
         self.token = token
         self.metrics = metrics
+        self.limits = default_limits() if limits is None else dict(limits)
 
     def intercept_service(
         self,
@@ -75,16 +88,31 @@ class WorkerCallGuard(grpc.ServerInterceptor):
             self._count(request.method, grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details())
 
+    def _take(self, slots: CallSlots, method: str, context: grpc.ServicerContext) -> None:
+        """Take one of the method's slots, or abort (raise) RESOURCE_EXHAUSTED."""
+        if not slots.try_take():
+            logger.warning("call refused: too many at once", method=method, limit=slots.limit)
+            self._count(method, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, slots.refusal())
+
     def _guarded(self, handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         """The handler with a lenient deserializer, whose behaviour first
-        refuses bytes that did not parse."""
+        refuses bytes that did not parse and takes a slot if it is bounded."""
         deserializer = tolerant(handler.request_deserializer, name)
+        slots = self.limits.get(name)
         if handler.response_streaming:
             streaming = handler.unary_stream
 
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 self._admit(request, context)
-                yield from streaming(request, context)
+                if slots is None:
+                    yield from streaming(request, context)
+                    return
+                self._take(slots, name, context)
+                try:
+                    yield from streaming(request, context)
+                finally:
+                    slots.give_back()
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
@@ -95,7 +123,13 @@ class WorkerCallGuard(grpc.ServerInterceptor):
 
         def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
             self._admit(request, context)
-            return behaviour(request, context)
+            if slots is None:
+                return behaviour(request, context)
+            self._take(slots, name, context)
+            try:
+                return behaviour(request, context)
+            finally:
+                slots.give_back()
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary,

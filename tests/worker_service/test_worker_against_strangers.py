@@ -1,12 +1,16 @@
 """A token-less worker process (as `radixserve serve` runs it by default)
-against strangers on its port: bad session epochs, bytes that do not parse.
-None of them may change the worker's state."""
+against strangers on its port: bad session epochs, Execute streams that never
+open or never read, bytes that do not parse. None of them may change the
+worker's state or keep its gRPC threads from the scheduler."""
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -112,6 +116,97 @@ def test_bad_session_epochs_are_refused_before_anything_changes(worker):
     after = PlanStream(worker.address, "next scheduler", epoch=max(next_epoch(), before + 1))
     assert not after.run(idle).error
     after.close()
+
+
+def _silent(release: threading.Event) -> Iterator[bytes]:
+    """A request stream that sends nothing until released."""
+    release.wait(30)
+    yield from ()
+
+
+def test_silent_streams_leave_threads_for_get_info_and_the_scheduler(worker):
+    """Ten Execute streams that never send their opening held all 8 gRPC
+    threads for 10 s: GetInfo waited 9 s and no scheduler could open."""
+    n = 10
+    open_streams = worker.channel.stream_stream(SERVICE + "Execute")
+    release = threading.Event()
+
+    def silent_stream() -> tuple[grpc.StatusCode, str, float]:
+        t0 = time.monotonic()
+        try:
+            list(open_streams(_silent(release), timeout=30))
+        except grpc.RpcError as e:
+            return e.code(), e.details(), time.monotonic() - t0
+        raise AssertionError("a silent stream was accepted")
+
+    with ThreadPoolExecutor(n) as pool:
+        try:
+            ends = [pool.submit(silent_stream) for _ in range(n)]
+            time.sleep(0.5)  # every stream has reached the worker
+            t0 = time.monotonic()
+            info = worker.stub.GetInfo(pb.GetInfoRequest(), timeout=5)
+            get_info_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            session = PlanStream(worker.address, "scheduler", epoch=info.session_epoch + 1)
+            open_s = time.monotonic() - t0
+            session.close()
+            results = [f.result() for f in ends]
+        finally:
+            release.set()
+    assert get_info_s < 0.1, get_info_s
+    assert open_s < 0.5, open_s
+    # Each newer stream took the place of the oldest silent one, which was
+    # refused at once; the last four (the scheduler's took a fifth's place)
+    # ran out of time.
+    evicted = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    timed_out = [r for r in results if r[0] == grpc.StatusCode.INVALID_ARGUMENT]
+    assert len(evicted) == 7 and len(timed_out) == 3, results
+    assert all("a newer stream took this one's place" in d for _, d, _ in evicted)
+    assert all("no opening message within 3 s" in d for _, d, _ in timed_out)
+    assert all(2.5 < s < 5 for _, _, s in timed_out), timed_out
+    print(f"GetInfo {get_info_s * 1e3:.1f} ms, a session opened in {open_s * 1e3:.1f} ms")
+
+
+def _stuffed_session(address: str, epoch: int, plans: int) -> tuple[grpc.Channel, object]:
+    """A stranger's session that sends ``plans`` idle plans and reads none of
+    their results: once they fill the stream's flow-control window, the
+    worker's thread sending them is stuck."""
+    # A small receive window (1 KiB) fills with a few hundred results.
+    small_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    channel = grpc.insecure_channel(
+        address, options=[*small_window, ("grpc.use_local_subchannel_pool", 1)]
+    )
+    stream: queue.SimpleQueue = queue.SimpleQueue()
+    stream.put(pb.StepPlan(session=pb.SessionOpen(session_id="stuffer", epoch=epoch)))
+    for i in range(plans):
+        stream.put(pb.StepPlan(step_id=i + 1, mode=pb.FORWARD_MODE_IDLE))
+    call = worker_pb2_grpc.WorkerStub(channel).Execute(iter(stream.get, None), timeout=20)
+    next(call)  # the session is open; nothing more is read
+    return channel, call
+
+
+@pytest.mark.slow
+def test_replaced_sessions_that_read_nothing_do_not_keep_their_threads(worker):
+    """Sessions replaced while stuck sending results held a gRPC thread each,
+    for good: eight of them (seven replaced, one active) left no thread for
+    anything. Now a replaced one is cancelled after REPLACED_GRACE_S."""
+    held = []
+    epoch = max(next_epoch(), worker.stub.GetInfo(pb.GetInfoRequest(), timeout=10).session_epoch)
+    cancelled = "replaced Execute stream does not read its results: cancelled"
+    before = worker.log.read_text().count(cancelled)
+    try:
+        for i in range(8):
+            held.append(_stuffed_session(worker.address, epoch + i + 1, 300))
+            time.sleep(0.2)  # the worker runs the plans and fills the window
+        t0 = time.monotonic()
+        worker.stub.GetInfo(pb.GetInfoRequest(), timeout=5)
+        get_info_s = time.monotonic() - t0
+    finally:
+        for channel, call in held:
+            call.cancel()
+            channel.close()
+    assert get_info_s < 0.1, get_info_s
+    assert worker.log.read_text().count(cancelled) - before == 7
 
 
 def test_undecodable_bodies_answer_invalid_argument_logged_and_counted(worker):
