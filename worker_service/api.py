@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,13 +20,21 @@ import structlog
 from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+from worker_service.call_budget import (
+    EVICTED,
+    OPEN_TIMEOUT_S,
+    REPLACED_GRACE_S,
+    UNOPENED_STREAMS,
+    UnopenedStreams,
+)
 from worker_service.convert import grammar_from_proto, plan_from_proto, result_to_proto
 from worker_service.devices import DeviceFailure, use_device
 from worker_service.lora.peft_config import AdapterError
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
+from worker_service.request_decoding import Undecodable
 from worker_service.sampling.grammar import GrammarError
-from worker_service.session import SessionFence, SessionRefused, Undecodable
+from worker_service.session import Session, SessionFence, SessionRefused
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -39,8 +47,6 @@ PROTOCOL_VERSION = 3
 # Kubernetes) restarts it, and the scheduler re-prefills what it was running.
 EXIT_DEVICE_FAILURE = 70
 TOKENIZER_CHUNK = 1 << 20
-# An Execute stream that has not sent its opening message by then is refused.
-OPEN_TIMEOUT_S = 10.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -58,8 +64,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._lock = threading.Lock()  # one step at a time
         self._stream_gen = 0
         self.sessions = SessionFence()
-        # The active session's result queue: a session that takes over ends it.
-        self._active_results: queue.SimpleQueue | None = None
+        # Streams that have not taken the worker over yet (call_budget.py).
+        self.unopened = UnopenedStreams(UNOPENED_STREAMS)
+        # The session that holds the worker: a session that takes over ends it.
+        self._active: _SessionStream | None = None
         self._tokenizer_zip: bytes | None = None
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
@@ -100,31 +108,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         The first message must open a session (session.py): until it has, the
         active session and the worker's state are untouched."""
-        plans: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_read_plans, args=(request_iterator, plans), daemon=True).start()
-        try:
-            opening = plans.get(timeout=OPEN_TIMEOUT_S)
-        except queue.Empty:
-            opening = Undecodable(f"no opening message within {OPEN_TIMEOUT_S:g} s")
         peer = context.peer()
-        results: queue.SimpleQueue = queue.SimpleQueue()
+        plans: queue.SimpleQueue = queue.SimpleQueue()
+        stream = _SessionStream(queue.SimpleQueue(), context, peer)
         try:
-            self.sessions.check(opening)  # refuse without waiting for the lock
-            with self._lock:
-                session = self.sessions.take(opening, peer)
-                self._stream_gen += 1
-                gen = self._stream_gen
-                self.worker.runner.reset()
-                if self.tracer is not None:
-                    self.tracer.reset()
-                replaced, self._active_results = self._active_results, results
+            session, gen, opening = self._open(request_iterator, plans, stream)
         except SessionRefused as e:
             logger.warning("Execute stream refused", peer=peer, code=e.code.name, reason=e.message)
+            if self.metrics is not None:
+                self.metrics.refused("Execute", e.code.name)
             context.abort(e.code, e.message)
-        if replaced is not None:
-            replaced.put(
-                f"replaced by scheduler session {session.session_id} (epoch {session.epoch})"
-            )
         logger.info(
             "scheduler session opened",
             peer=peer,
@@ -133,6 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         if self.metrics is not None:
             self.metrics.streams += 1
+        results = stream.results
         threading.Thread(target=self._run_plans, args=(plans, gen, results), daemon=True).start()
         try:
             yield pb.StepResult(step_id=opening.step_id)  # the session is open
@@ -141,9 +135,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     context.abort(grpc.StatusCode.ABORTED, item)
                 yield item
         finally:
+            stream.ended.set()
             if self.metrics is not None:
                 self.metrics.streams -= 1
         logger.info("scheduler stream closed", peer=peer, session_id=session.session_id)
+
+    def _open(
+        self,
+        request_iterator: Iterator[pb.StepPlan],
+        plans: queue.SimpleQueue,
+        stream: _SessionStream,
+    ) -> tuple[Session, int, pb.StepPlan]:
+        """Wait for the stream's opening and take the worker over with it, or
+        raise SessionRefused. Until the stream it replaced has ended, the
+        stream counts among the unopened ones, whose number is bounded: a
+        stream that never opens holds a gRPC thread for OPEN_TIMEOUT_S, or
+        until a newer stream takes its place."""
+        place = self.unopened.enter(plans)
+        if place is None:
+            raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, self.unopened.refusal())
+        try:
+            threading.Thread(
+                target=_read_plans, args=(request_iterator, plans), daemon=True
+            ).start()
+            try:
+                opening = plans.get(timeout=OPEN_TIMEOUT_S)
+            except queue.Empty:
+                raise SessionRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"no opening message within {OPEN_TIMEOUT_S:g} s",
+                ) from None
+            if opening is EVICTED or not self.unopened.opened(place):
+                raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, self.unopened.eviction())
+            self.sessions.check(opening)  # refuse without waiting for the lock
+            with self._lock:
+                session = self.sessions.take(opening, stream.peer)
+                self._stream_gen += 1
+                gen = self._stream_gen
+                self.worker.runner.reset()
+                if self.tracer is not None:
+                    self.tracer.reset()
+                replaced, self._active = self._active, stream
+            if replaced is not None:
+                _end_replaced(replaced, session)
+            return session, gen, opening
+        finally:
+            self.unopened.leave(place)
 
     def _run_plans(self, plans: queue.SimpleQueue, gen: int, results: queue.SimpleQueue) -> None:
         """Execute the stream's plans in order. With an overlapping runner the
@@ -168,7 +205,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     results.put("replaced by a newer Execute stream")
                     return
                 if isinstance(msg, Undecodable):
-                    results.put(f"a plan does not parse as a StepPlan ({msg.error})")
+                    results.put(f"a plan on the stream: {msg.details()}")
                     return
                 try:
                     if msg is _NOTHING_YET:  # nothing to overlap with: finish it
@@ -280,6 +317,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 _NOTHING_YET = object()  # no plan waiting behind the running step
+
+
+@dataclass
+class _SessionStream:
+    """An Execute stream that holds (or held) the worker: its results go out
+    from the RPC's thread, which sets ``ended`` when the call is over."""
+
+    results: queue.SimpleQueue
+    context: grpc.ServicerContext
+    peer: str
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+def _end_replaced(replaced: _SessionStream, by: Session) -> None:
+    """Tell the replaced stream it is over; cancel it if it has not ended in
+    REPLACED_GRACE_S, which means its caller does not read its results and its
+    thread is stuck sending one (only a cancel frees that thread)."""
+    replaced.results.put(f"replaced by scheduler session {by.session_id} (epoch {by.epoch})")
+    if not replaced.ended.wait(REPLACED_GRACE_S):
+        logger.warning(
+            "replaced Execute stream does not read its results: cancelled",
+            peer=replaced.peer,
+            grace_s=REPLACED_GRACE_S,
+        )
+        replaced.context.cancel()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from observability import health_port, tracing
 from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
+from worker_service.call_budget import WORKER_THREADS
 from worker_service.call_guard import WorkerCallGuard
 from worker_service.config import WorkerConfig
 from worker_service.telemetry.metrics import WorkerMetrics
@@ -56,8 +57,8 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         except TokenFileError as e:
             raise SystemExit(str(e)) from e
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
-        interceptors=[WorkerCallGuard(SERVICE_NAME, token)],
+        futures.ThreadPoolExecutor(max_workers=WORKER_THREADS),
+        interceptors=[WorkerCallGuard(SERVICE_NAME, token, metrics)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -11,7 +11,11 @@ connect as max(wall-clock time in ns, the highest epoch any rank reports + 1)
 and goes up by one for each session a rank accepted, so a restarted
 scheduler always opens above its predecessor (even with a clock behind the
 old one's), while a scheduler that was replaced never climbs back over its
-successor: a refused opening does not raise its next epoch.
+successor: a refused opening does not raise its next epoch. A rank that
+reports an epoch at the protocol's maximum (common/session_epoch.py) leaves
+no room above it: it is refused by name like a rank of another protocol
+version (a starting scheduler stops, a reconnecting one keeps trying, as the
+worker may be restarted), never turned into an epoch the field cannot hold.
 
 A hung worker is noticed two ways: gRPC keepalive pings on the channels
 (``--worker-keepalive``: a stopped process or a dead host leaves them
@@ -34,6 +38,7 @@ import grpc
 import structlog
 
 from common import tokenizer_archive, worker_token
+from common.session_epoch import MAX_SESSION_EPOCH, MAX_SESSION_EPOCH_TEXT
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
@@ -212,6 +217,12 @@ class WorkerGroup:
                     f"worker {rank.address} speaks worker protocol {info.protocol_version}, this "
                     f"scheduler {PROTOCOL_VERSION}: upgrade schedulers and workers together"
                 )
+            if info.session_epoch >= MAX_SESSION_EPOCH:
+                raise WorkerError(
+                    f"worker {rank.address} reports session epoch {info.session_epoch}, at or "
+                    f"above the protocol's maximum {MAX_SESSION_EPOCH_TEXT}, so no session can "
+                    "open above it: restart that worker"
+                )
         by_rank = sorted(zip(infos, self.ranks, strict=True), key=lambda p: p[0].tp_rank)
         ranks = [i.tp_rank for i, _ in by_rank]
         if ranks != list(range(len(infos))) or any(i.tp_size != len(infos) for i in infos):
@@ -243,6 +254,11 @@ class WorkerGroup:
         not answer within OPEN_TIMEOUT_S."""
         if not self._epoch_base:
             raise WorkerError("open() before connect()")
+        if self.epoch > MAX_SESSION_EPOCH:
+            raise WorkerError(
+                f"this scheduler's next session epoch {self.epoch} is above the protocol's "
+                f"maximum {MAX_SESSION_EPOCH_TEXT}: restart the workers, then this scheduler"
+            )
         self._hung = ""
         opening = pb.StepPlan(session=pb.SessionOpen(session_id=self.session_id, epoch=self.epoch))
         for rank in self.ranks:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -211,3 +212,66 @@ def test_a_new_scheduler_takes_over_and_the_replaced_one_stays_out(tmp_path: Pat
     assert "stale scheduler session" in a_log
     worker_log = (tmp_path / "worker.log").read_text()
     assert "Execute stream refused" in worker_log
+
+
+def test_a_strangers_epoch_at_the_top_of_the_range_does_not_brick_the_worker(tmp_path: Path):
+    """One SessionOpen(epoch = 2**64 - 1) was accepted, and every scheduler
+    started afterwards failed in its core (ValueError: Value out of range:
+    18446744073709551616), every call INTERNAL, until the worker restarted."""
+    wport = free_port()
+    waddress = f"127.0.0.1:{wport}"
+    answers = {}
+    sched = [str(BIN / "radixserve-scheduler"), "--worker", f"grpc://{waddress}"]
+    with worker_on_port(tmp_path, wport, _sim_worker(), "worker"):
+        with grpc.insecure_channel(waddress) as ch:
+            execute = ch.stream_stream(EXECUTE)
+            for epoch in (2**64 - 1, 2**63, 2**63 - 1):
+                try:
+                    got = list(execute(iter([_opening(epoch)]), timeout=5))
+                    answers[epoch] = f"accepted: {got}"
+                except grpc.RpcError as e:
+                    answers[epoch] = e.code()
+        with process(tmp_path, "scheduler", sched) as sport:
+            request = pb.GenerateRequest(
+                request_id="after",
+                tokenized=pb.TokenizedInput(input_ids=[7, 5, 3]),
+                sampling_params=greedy(5, ignore_eos=True),
+            )
+            (done,) = list(stub(f"127.0.0.1:{sport}").Generate(request, timeout=60))
+            assert len(done.complete.output_ids) == 5
+    assert set(answers.values()) == {grpc.StatusCode.INVALID_ARGUMENT}, answers
+
+
+class _WorkerAtTheTop(worker_pb2_grpc.WorkerServicer):
+    def GetInfo(self, request, context):
+        return wpb.WorkerInfo(
+            protocol_version=3,
+            page_size=16,
+            num_pages=64,
+            tp_size=1,
+            model=wpb.ModelInfo(name="top", vocab_size=512),
+            session_epoch=2**64 - 1,
+        )
+
+
+def test_a_scheduler_stops_at_start_on_a_worker_it_cannot_open_above(tmp_path: Path):
+    """A worker (of any make) that reports an epoch no session can go above
+    is refused by name, not turned into a core that fails every call."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_WorkerAtTheTop(), server)
+    wport = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sched = [str(BIN / "radixserve-scheduler"), "--worker", f"grpc://127.0.0.1:{wport}"]
+    try:
+        with (
+            pytest.raises(RuntimeError, match="exited") as info,
+            process(tmp_path, "scheduler", sched, timeout_s=60),
+        ):
+            pass
+    finally:
+        server.stop(None)
+    assert (
+        f"worker 127.0.0.1:{wport} reports session epoch 18446744073709551615, at or above the "
+        "protocol's maximum 9223372036854775807 (2**63 - 1), so no session can open above it: "
+        "restart that worker"
+    ) in str(info.value)

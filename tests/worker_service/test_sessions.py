@@ -3,6 +3,8 @@ behaviour is in tests/e2e/test_worker_sessions.py)."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 
@@ -72,3 +74,46 @@ def test_the_token_is_checked_from_metadata(tmp_path):
     path.write_text("two words\n")
     with pytest.raises(TokenFileError, match="one word"):
         read_token(str(path))
+
+
+NOW = 1_800_000_000 * 10**9  # the worker's clock in these tests (ns)
+LEAD = 1 << 40
+
+
+def _negative_epoch_opening() -> bytes:
+    """An opening whose epoch is int64 -1 on the wire: Python's protobuf cannot
+    set a negative uint64, so the varint is written by hand (ten bytes)."""
+    session_open = b"\x0a\x01x" + b"\x10" + b"\xff" * 9 + b"\x01"  # session_id "x", epoch -1
+    field = pb.StepPlan.DESCRIPTOR.fields_by_name["session"].number
+    return bytes([field << 3 | 2, len(session_open)]) + session_open
+
+
+def test_epochs_out_of_range_or_too_far_ahead_are_refused_and_change_nothing():
+    fence = SessionFence(clock=lambda: NOW)
+    fence.take(_opening("a", NOW - 5), "p")
+    negative = parse_plan(_negative_epoch_opening())
+    assert negative.session.epoch == 2**64 - 1  # what a negative int64 arrives as
+    top = "above the protocol's maximum 9223372036854775807 (2**63 - 1)"
+    ahead = "more than 2**40 ns (18.3 min) ahead of"
+    for msg, says in (
+        (_opening("x", 2**64 - 1), top),
+        (negative, top),
+        (_opening("x", 2**63), top),
+        (_opening("x", 2**63 - 1), ahead),  # in range, but it would fence out every scheduler
+        (_opening("x", NOW + LEAD + 1), ahead),
+        (_opening("x", 0), "must be > 0"),
+    ):
+        with pytest.raises(SessionRefused, match=re.escape(says)) as info:
+            fence.take(msg, "peer")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fence.owner.session_id == "a" and fence.highest_epoch == NOW - 5
+
+
+def test_the_epoch_lead_is_measured_from_the_clock_or_the_highest_epoch():
+    fence = SessionFence(clock=lambda: NOW)
+    assert fence.take(_opening("a", NOW + LEAD), "p").epoch == NOW + LEAD  # at the bound
+    # A scheduler restarted after a stranger's far opening goes just above it.
+    assert fence.take(_opening("b", NOW + LEAD + 1), "p").epoch == NOW + LEAD + 1
+    assert fence.take(_opening("c", NOW + 2 * LEAD + 1), "p").session_id == "c"
+    with pytest.raises(SessionRefused, match="ahead of"):
+        fence.take(_opening("d", NOW + 3 * LEAD + 2), "p")

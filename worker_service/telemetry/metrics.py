@@ -1,8 +1,11 @@
 """The worker's Prometheus metrics: per-step time and batch size, busy and
-idle time, the scheduler's stream state (see docs/observability.md)."""
+idle time, the scheduler's stream state, refused calls (see
+docs/observability.md)."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -48,6 +51,9 @@ class WorkerMetrics(Collector):
         self.streams = 0
         self._active = active_requests
         self._kv_pages = kv_pages
+        # (method, status code name) -> calls refused; written on gRPC threads
+        self._refused: Counter[tuple[str, str]] = Counter()
+        self._refused_lock = threading.Lock()
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self.histograms)
@@ -66,7 +72,24 @@ class WorkerMetrics(Collector):
                 sum(len(e.input_ids) for e in plan.extends) + len(plan.decode_slots)
             )
 
+    def refused(self, method: str, code: str) -> None:
+        """A Worker call refused by the worker's guards (call_guard.py) or an
+        Execute stream refused its session."""
+        with self._refused_lock:
+            self._refused[(method, code)] += 1
+
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        refused = CounterMetricFamily(
+            "radixserve_worker_request_errors",
+            "Worker calls refused: undecodable request bytes, a missing token, a full budget, "
+            "a refused session.",
+            labels=["method", "code"],
+        )
+        with self._refused_lock:
+            counts = sorted(self._refused.items())
+        for (method, code), n in counts:
+            refused.add_metric([method, code], n)
+        yield refused
         yield CounterMetricFamily(
             "radixserve_worker_busy_seconds", "Time inside steps.", value=self.busy_s
         )
