@@ -84,7 +84,7 @@ class CoreSupervisor:
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> ipc.Ready:
         """Spawn the first core and wait until it has reached the workers;
         CoreUnavailable if it cannot (a startup error: no restart)."""
-        ready = await self._launch(timeout_s)
+        _, ready = await self._launch(timeout_s)
         self.client.up(ready)
         return ready
 
@@ -105,7 +105,7 @@ class CoreSupervisor:
 
         return CoreProcess(core_main, (self.config,), on_message, on_exit)
 
-    async def _launch(self, timeout_s: float) -> ipc.Ready:
+    async def _launch(self, timeout_s: float) -> tuple[CoreProcess, ipc.Ready]:
         """Spawn a core and wait for its Ready; CoreUnavailable (and the core
         gone) if it fails first or takes longer than ``timeout_s``."""
         loop = asyncio.get_running_loop()
@@ -115,7 +115,7 @@ class CoreSupervisor:
         core.start(loop)  # from the loop's thread: it lives as long as the core should
         self.client.attach(core)
         try:
-            return await asyncio.wait_for(asyncio.shield(starting), timeout_s)
+            return core, await asyncio.wait_for(asyncio.shield(starting), timeout_s)
         except TimeoutError:
             self._abandon(core)
             await core.gone(0.0)
@@ -202,10 +202,11 @@ class CoreSupervisor:
             attempts += 1
             core = None
             try:
-                ready = await self._launch(START_TIMEOUT_S)
-                core = self._core
+                core, ready = await self._launch(START_TIMEOUT_S)
                 self._check_model(ready)
                 adapters = await self._restore_adapters(known, ready)
+                if self._core is not core:  # its Failed or exit came right after its Ready
+                    raise CoreUnavailable("the new core process stopped before it served")
             except Exception as e:  # a supervisor that gives up is a permanent outage
                 expected = isinstance(e, (CoreUnavailable, OSError))
                 log = logger.error if expected else logger.exception

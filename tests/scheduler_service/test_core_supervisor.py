@@ -181,6 +181,23 @@ def test_a_successor_that_fails_is_followed_by_another_and_the_message_says_so()
     asyncio.run(run())
 
 
+def test_a_successor_that_dies_right_after_its_ready_does_not_count_as_up():
+    async def run() -> None:
+        h = Harness()
+        await h.start()
+        h.cores[0].die()
+        successor = await h.successor(1)
+        successor.say(_ready())
+        successor.die()  # before the restart goes on past the Ready
+        third = await h.successor(2)
+        assert "the new core process stopped before it served" in h.client.failed
+        await h.serves(third)
+        h.client.submit([_req("a")])
+        assert [type(m) for m in third.sent] == [ipc.Submit]
+
+    asyncio.run(run())
+
+
 def test_adapters_loaded_through_the_api_come_back_before_work_is_taken():
     async def run() -> None:
         pre = ipc.AdapterInfo("pre", "pre", "/a/pre", False)
