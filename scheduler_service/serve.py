@@ -2,8 +2,10 @@
 
 ``radixserve serve`` starts a worker group (one ``radixserve-worker`` process
 per tensor-parallel rank) and the scheduler in front of it, and shuts the
-children down cleanly on Ctrl-C / SIGTERM. ``radixserve export-tokenizer DIR``
-writes the model's tokenizer files (for the SMG gateway's --model-path).
+children down cleanly on Ctrl-C / SIGTERM. Every child dies with it however
+it dies (common/lifeline.py), and its temporary directory goes on every exit
+it controls. ``radixserve export-tokenizer DIR`` writes the model's tokenizer
+files (for the SMG gateway's --model-path).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import structlog
 
+from common.lifeline import child_env
+from common.restart_backoff import RestartBackoff
 from common.settings import add_flags, build
 from observability.logging_setup import configure_logging
 from scheduler_service.api.server import STARTUP_ERRORS
@@ -44,11 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-RESTART_FIRST_S = 1.0  # first restart of a dead worker group after this
-RESTART_MAX_S = 30.0  # backoff cap for a group that keeps dying
-STABLE_S = 60.0  # a group up this long is healthy again: the backoff starts over
 
 
 # The worker settings `radixserve serve` takes (declared in WorkerConfig) and
@@ -100,7 +100,13 @@ class WorkerProcesses:
     Each rank keeps the port chosen for it at start, so the scheduler finds
     the restarted group where it lost it (it reconnects by itself). With
     tensor parallelism the whole group restarts: its ranks are joined by
-    torch.distributed, which cannot take one member back.
+    torch.distributed, which cannot take one member back (backoff:
+    common/restart_backoff.py).
+
+    Every worker dies with this process (``child_env``: the worker arms
+    PR_SET_PDEATHSIG and a parent watch). The kernel's signal follows the
+    *thread* that started the child, so the watcher thread, which starts
+    the restarted groups, lives until stop() has stopped them.
     """
 
     def __init__(self, worker: WorkerConfig, service: ServiceConfig, workdir: Path) -> None:
@@ -110,8 +116,10 @@ class WorkerProcesses:
         self.port_files = [workdir / f"worker{r}.port" for r in range(worker.tp_size)]
         self.ports = [_free_port() for _ in range(worker.tp_size)]
         self.restarts = 0
+        self.backoff = RestartBackoff()
         self._lock = threading.Lock()  # no restart may race stop()
         self._stopping = threading.Event()
+        self._stopped = threading.Event()  # stop() has stopped the processes
         self._watcher: threading.Thread | None = None
         self._start_group()
 
@@ -121,7 +129,7 @@ class WorkerProcesses:
         for rank, (pf, port) in enumerate(zip(self.port_files, self.ports, strict=True)):
             pf.unlink(missing_ok=True)
             cmd = _worker_args(self.worker, self.service, rank, pf, dist, port)
-            self.procs.append(subprocess.Popen(cmd))
+            self.procs.append(subprocess.Popen(cmd, env=child_env()))
         self._started_at = time.monotonic()
 
     def watch(self) -> None:
@@ -130,18 +138,24 @@ class WorkerProcesses:
         self._watcher.start()
 
     def _watch(self) -> None:
-        delay = RESTART_FIRST_S
+        try:
+            self._restart_dead()
+        finally:
+            # The workers this thread started get SIGKILL when it ends: let
+            # stop() end them first (a SIGTERM, their drain).
+            self._stopped.wait()
+
+    def _restart_dead(self) -> None:
         while not self._stopping.wait(0.5):
             dead = {r: p.returncode for r, p in enumerate(self.procs) if p.poll() is not None}
+            if not dead:
+                continue
             # A worker stops with status 0 only when told to (Ctrl-C reaches
             # the whole process group before stop() runs): that is shutdown.
-            if dead and all(code == 0 for code in dead.values()):
+            if all(code == 0 for code in dead.values()):
                 logger.warning("worker process stopped; not restarting it", ranks=sorted(dead))
                 return
-            if not dead:
-                if time.monotonic() - self._started_at > STABLE_S:
-                    delay = RESTART_FIRST_S
-                continue
+            delay = self.backoff.delay(time.monotonic() - self._started_at)
             logger.error(
                 "worker process died; restarting the worker group",
                 exit_codes=dead,
@@ -159,7 +173,6 @@ class WorkerProcesses:
                     return
                 self._start_group()
                 self.restarts += 1
-            delay = min(delay * 2, RESTART_MAX_S)
 
     def addresses(self, timeout_s: float = 900.0) -> list[str]:
         deadline = time.monotonic() + timeout_s
@@ -178,6 +191,7 @@ class WorkerProcesses:
         self._stopping.set()
         with self._lock:
             self._terminate()
+        self._stopped.set()
 
     def _terminate(self) -> None:
         for proc in self.procs:
@@ -191,20 +205,43 @@ class WorkerProcesses:
                 proc.wait()
 
 
+class Stopped(BaseException):
+    """SIGTERM outside the scheduler's own handling (while the workers start,
+    or while they stop): unwind, so the ``finally:`` clauses run."""
+
+
+def _stop_by_exception(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def _serve(args: argparse.Namespace) -> int:
     service = service_config(args, ())
     configure_logging(service.log_level, service.log_format)
+    # Until the scheduler serves (its drain takes SIGTERM over) and again
+    # after it: the default action would end this process without cleaning up.
+    signal.signal(signal.SIGTERM, _stop_by_exception)
+    # The workers' port files; the scheduler keeps its own directory.
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-serve-"))
-    workers = WorkerProcesses(build(WorkerConfig, args), service, workdir)
     try:
-        addresses = workers.addresses()
-        workers.watch()
-        asyncio.run(serve_scheduler(dataclasses.replace(service, workers=tuple(addresses))))
+        workers = WorkerProcesses(build(WorkerConfig, args), service, workdir)
+        try:
+            addresses = workers.addresses()
+            workers.watch()
+            config = dataclasses.replace(service, workers=tuple(addresses))
+            try:
+                asyncio.run(serve_scheduler(config))
+            finally:
+                signal.signal(signal.SIGTERM, _stop_by_exception)  # asyncio reset it
+        finally:
+            workers.stop()
     except STARTUP_ERRORS as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except (Stopped, KeyboardInterrupt) as e:
+        logger.warning("stopped by a signal while starting or stopping", signal=str(e) or "SIGINT")
+        return 0
     finally:
-        workers.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -4,7 +4,7 @@ statement, those inside functions and under TYPE_CHECKING included):
 - no import circle among the project's modules;
 - the API process (scheduler_service/api/) and the core process
   (scheduler_service/engine/) meet only where the API process spawns the core
-  (core_client -> engine.main); the engine imports nothing of the API;
+  (core_supervisor -> engine.main); the engine imports nothing of the API;
 - the client library (clients/, but the benchmark, whose transformers
   baseline opens models the worker's way) imports neither service;
 - the shared package (common/) imports neither service;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("scheduler_service", "worker_service", "clients", "common", "observability")
-SPAWN = ("scheduler_service.api.core_client", "scheduler_service.engine.main")
+SPAWN = ("scheduler_service.api.core_supervisor", "scheduler_service.engine.main")
 
 
 def _module_name(path: Path) -> str:

@@ -10,16 +10,22 @@ from collections.abc import Sequence
 
 import structlog
 
+from common import lifeline
 from observability import tracing
 from observability.logging_setup import configure_logging
 from worker_service.config import load_config
-from worker_service.server import serve
-from worker_service.worker import build_worker
 
 logger = structlog.get_logger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Started by `radixserve serve`: die with it, however it dies (its
+    # scheduler, whose streams this worker serves, goes with it, so there is
+    # nothing to drain). Armed before torch is imported, which takes seconds.
+    lifeline.die_with_launcher()
+    from worker_service.server import serve
+    from worker_service.worker import build_worker
+
     cfg = load_config(argv)
     configure_logging(cfg.log_level, cfg.log_format)
     if tracing.configured():  # step spans are made in a process of their own

@@ -3,25 +3,26 @@
 Routes the core's per-step outputs to the coroutines serving each Generate
 call (one asyncio queue per call, shared by its n samples), keeps the latest
 load snapshot, answers flushes, and fans KV events out to subscribers. It
-runs on the API process's event loop; reading the pipe never blocks it (the
-loop is told when the pipe is readable).
+runs on the API process's event loop, fed by the CoreSupervisor
+(core_supervisor.py), which spawns the core, restarts it when it dies and
+tells this object when it goes down (the calls in flight end) and comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
-import multiprocessing
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from typing import Protocol
 
 import structlog
 
 from scheduler_service import ipc
 from scheduler_service.config import ServiceConfig
+from scheduler_service.core.kv_events import AllBlocksCleared
 from scheduler_service.core.request import Request
 
 logger = structlog.get_logger(__name__)
@@ -61,6 +62,17 @@ class DrainEnded(CoreUnavailable):
     """The server shut down (its drain timed out) before the call finished."""
 
 
+class CoreRestarting(CoreUnavailable):
+    """The core process died and a successor is on its way. The message names
+    the core (never "no worker"): the workers are fine."""
+
+
+class Pipe(Protocol):
+    """The API process's end of the current core's pipe."""
+
+    def send(self, msg: object) -> None: ...
+
+
 class QueueFull(RuntimeError):
     """Too many samples wait for their first token (--max-queued-requests)."""
 
@@ -70,7 +82,13 @@ class CoreClient:
         self.config = config
         self.ready: ipc.Ready | None = None
         self.load: ipc.Load | None = None
+        # Why no work can be taken now (None: it can): the core failed, or
+        # died and is being restarted; new work meets error().
         self.failed: str | None = None
+        self._failure: type[CoreUnavailable] = CoreUnavailable
+        # Why this process cannot serve again by itself (liveness).
+        self.stuck: str | None = None
+        self.restarts = 0  # successors that came up
         self._calls: dict[str, Call] = {}  # internal sample rid -> its call
         self._public: dict[str, Call] = {}  # public sample rid -> its live call
         self._call_numbers = itertools.count(1)
@@ -78,7 +96,6 @@ class CoreClient:
         # rejection) yet. Counted here, on the event loop that also submits,
         # so the bound is exact: no snapshot from the core can lag behind it.
         self.queued = 0
-        self.failed_code = "UNAVAILABLE"
         self._flushes: dict[int, asyncio.Future] = {}
         self._adapter_ops: dict[int, asyncio.Future] = {}
         # The LoRA adapters loaded, as of the core's last word (Ready, then
@@ -87,70 +104,78 @@ class CoreClient:
         self._tokens = itertools.count(1)
         self._event_listeners: list[Callable[[list, ipc.Load], None]] = []
         self._load_listeners: list[Callable[[ipc.Load], None]] = []
-        self._proc: multiprocessing.Process | None = None
-        self._conn: Connection | None = None
-        self._ready = asyncio.Event()
-        self._stopping = False
+        self._change_listeners: list[Callable[[], None]] = []
+        self._pipe: Pipe | None = None
 
-    # ------------------------------------------------------------ process
-    async def start(self, timeout_s: float = 900.0) -> ipc.Ready:
-        """Spawn the core process and wait until it has reached the workers."""
-        from scheduler_service.engine.main import core_main
+    # ------------------------------------------------------------ up, down
+    def attach(self, pipe: Pipe | None) -> None:
+        """The pipe to the current core (None: there is none)."""
+        self._pipe = pipe
 
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=core_main, args=(theirs, self.config), name="core")
-        self._proc.start()
-        theirs.close()
-        self._conn = ours
-        loop = asyncio.get_running_loop()
-        reader = threading.Thread(target=self._read_pipe, args=(loop,), daemon=True, name="pipe")
-        reader.start()
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except TimeoutError:
-            raise CoreUnavailable("the core process did not reach its workers in time") from None
-        if self.ready is None:
-            raise CoreUnavailable(self.failed or "the core process failed")
-        return self.ready
+    def up(self, ready: ipc.Ready, adapters: list[ipc.AdapterInfo] | None = None) -> None:
+        """A core is ready (the first, or a successor with ``adapters`` loaded
+        since its Ready): work is taken again."""
+        self.ready = ready
+        self.adapters = ready.adapters if adapters is None else adapters
+        self.failed, self.stuck = None, None
+        self._changed()
 
-    def stop(self) -> None:
-        self._stopping = True
-        if self._conn is not None and not self.failed:
-            with contextlib.suppress(OSError):
-                self._conn.send(ipc.Shutdown())
-        if self._proc is not None:
-            self._proc.join(5)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
+    def down(self, message: str, failure: type[CoreUnavailable] = CoreUnavailable) -> None:
+        """The core stopped: the calls in flight and pending operations end
+        with ``failure(message)``, as does new work until ``up``."""
+        self.failed, self._failure = message, failure
+        error = self.error()
+        self.fail_pending(error)
+        for call in {id(c): c for c in self._calls.values()}.values():
+            call.queue.put_nowait(error)
+        self._cache_gone()
+        self._changed()
+
+    def still_down(
+        self, message: str, failure: type[CoreUnavailable], stuck: str | None = None
+    ) -> None:
+        """What new work meets from now on (nothing is in flight); ``stuck``:
+        why only a restart of this process would help (liveness)."""
+        self.failed, self._failure, self.stuck = message, failure, stuck
+        self._changed()
+
+    def fail_pending(self, error: CoreUnavailable) -> None:
+        for fut in [*self._flushes.values(), *self._adapter_ops.values()]:
+            if not fut.done():
+                fut.set_exception(error)
+        self._flushes.clear()
+        self._adapter_ops.clear()
+
+    def _cache_gone(self) -> None:
+        """The core's radix cache went with it: KV event subscribers (a
+        cache-aware router) hear so, and no stale load is reported."""
+        last, self.load = self.load, None
+        if last is None:
+            return
+        idle = dataclasses.replace(last, running=0, waiting=0, used_tokens=0, tracked=0)
+        for listener in self._event_listeners:
+            listener([AllBlocksCleared()], idle)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """``listener()`` whenever the core goes down or comes back up."""
+        self._change_listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._change_listeners:
+            listener()
 
     def error(self) -> CoreUnavailable:
-        """What a call meets once the core has failed."""
-        kind = CoreBroken if self.failed_code == "INTERNAL" else CoreUnavailable
-        return kind(self.failed or "the core process failed")
+        """What a call meets while the core cannot take work."""
+        return self._failure(self.failed or "the core process failed")
 
     def _send(self, msg: object) -> None:
         if self.failed:
             raise self.error()
-        self._conn.send(msg)
+        self._pipe.send(msg)
 
     # ------------------------------------------------------------- inbox
-    def _read_pipe(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Drain the pipe on a thread of its own: however busy the event loop
-        is with client streams, the core process never finds the pipe full."""
-        conn = self._conn
-        try:
-            while True:
-                msg = conn.recv()
-                loop.call_soon_threadsafe(self._dispatch, msg)
-                if isinstance(msg, ipc.Failed):
-                    return
-        except (EOFError, OSError):
-            if not loop.is_closed() and not self._stopping:
-                loop.call_soon_threadsafe(self._fail, "the core process exited")
-
-    def _dispatch(self, msg: object) -> None:
+    def dispatch(self, msg: object) -> None:
+        """One message of the current core (the supervisor handles Ready and Failed)."""
         if isinstance(msg, ipc.Outputs):
             calls = self._calls
             for d in msg.items():
@@ -178,18 +203,12 @@ class CoreClient:
             fut = self._adapter_ops.pop(msg.token, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, ipc.Ready):
-            self.ready = msg
-            self.adapters = msg.adapters
-            self._ready.set()
-        elif isinstance(msg, ipc.Failed):
-            self._fail(msg.message, msg.code)
         elif isinstance(msg, ipc.Unavailable):
             self._unavailable(msg)
 
     def _unavailable(self, msg: ipc.Unavailable) -> None:
         """The worker group stayed lost too long: these calls end with
-        UNAVAILABLE, the service itself lives on (unlike _fail)."""
+        UNAVAILABLE, the service itself lives on (unlike down)."""
         ended: set[int] = set()
         for rid in msg.rids:
             call = self._calls.get(rid)
@@ -199,20 +218,6 @@ class CoreClient:
             if id(call) not in ended:
                 ended.add(id(call))
                 call.queue.put_nowait(CoreUnavailable(msg.message))
-
-    def _fail(self, message: str, code: str = "UNAVAILABLE") -> None:
-        if self.failed:
-            return
-        logger.error("core process failed", error=message, code=code)
-        self.failed, self.failed_code = message, code
-        self._ready.set()
-        for fut in [*self._flushes.values(), *self._adapter_ops.values()]:
-            if not fut.done():
-                fut.set_exception(self.error())
-        self._flushes.clear()
-        self._adapter_ops.clear()
-        for call in {id(c): c for c in self._calls.values()}.values():
-            call.queue.put_nowait(self.error())
 
     # ------------------------------------------------------------ requests
     def submit(self, requests: list[Request], bounded: bool = True) -> Call:
@@ -315,14 +320,19 @@ class CoreClient:
         self._send(ipc.FlushCache(token))
         return await fut
 
-    async def adapter_op(self, make: Callable[[int], object]) -> ipc.AdapterReply:
+    async def adapter_op(
+        self, make: Callable[[int], object], while_down: bool = False
+    ) -> ipc.AdapterReply:
         """Send a LoadAdapter or UnloadAdapter (``make(token)``) and wait for
-        the core's answer."""
+        the core's answer. ``while_down``: a successor core being made ready
+        (the supervisor restores the adapters before work is taken)."""
+        if self._pipe is None or (self.failed and not while_down):
+            raise self.error()
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._adapter_ops[token] = fut
         try:
-            self._send(make(token))
+            self._pipe.send(make(token))
         except Exception:
             self._adapter_ops.pop(token, None)
             raise

@@ -165,6 +165,12 @@ class SchedulerMetrics(Collector):
             yield c
         for name, doc, attr in API_COUNTERS:
             yield CounterMetricFamily(name, doc, getattr(self, attr))
+        yield CounterMetricFamily(
+            "radixserve_core_restarts",
+            "Times a dead core process was replaced by one that serves (the core's own "
+            "counters start over with it).",
+            self.core.restarts,
+        )
         load = self.core.load
         ready = self.core.ready
 

@@ -3,16 +3,21 @@
 Readiness (service ``""`` and ``sglang.grpc.scheduler.SglangScheduler``):
 SERVING only while new work can be served here: NOT_SERVING while the worker
 group is lost (requests would only wait for it), while draining for shutdown,
-and once the core process has failed. Kubernetes' readiness probe and the
-gateway then send new work to other units.
+and while the core process is down (it died and is being restarted:
+core_supervisor.py). Kubernetes' readiness probe and the gateway then send
+new work to other units.
 
 Liveness (service ``liveness``): SERVING while the process can still serve
-again by itself, so a worker outage, which recovery repairs, keeps it
-SERVING (a restart would only lose the requests waiting for the workers);
-NOT_SERVING once the core process has failed, which only a restart repairs.
+again by itself, so a worker outage, which recovery repairs, and a dead
+core, which the supervisor restarts, keep it SERVING (a restart of the pod
+would only lose the requests waiting); NOT_SERVING only while the workers
+serve another model than the one this process announced, which only a
+restart of this process repairs. An API process whose event loop is stuck
+does not answer the probe at all, which the probe counts as a failure.
 
 Both are recomputed whenever the core's load snapshot arrives (it carries
-``worker_connected``) and at least every ``REFRESH_S``.
+``worker_connected``), whenever the core goes down or comes back, and at
+least every ``REFRESH_S``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Readiness:
         self._task: asyncio.Task | None = None
         self._connected = True  # as of the last load snapshot
         self._unsubscribe = core.on_load(self._on_load)
+        core.on_change(self._wake.set)
 
     def _on_load(self, load) -> None:
         """Every step's snapshot comes here: wake the updater only on a change."""
@@ -59,7 +65,7 @@ class Readiness:
         """Why new work should go elsewhere now; None when ready."""
         core = self.core
         if core.failed:
-            return f"the core process failed: {core.failed}"
+            return core.failed
         if self.draining:
             return "draining for shutdown"
         if core.load is not None and not core.load.worker_connected:
@@ -93,7 +99,7 @@ class Readiness:
 
     async def _update(self) -> None:
         reason = self.not_ready_reason()
-        state = (reason is None, not self.core.failed)
+        state = (reason is None, not self.core.stuck)
         if state == self._reported:
             return
         self._reported = state
@@ -104,4 +110,6 @@ class Readiness:
         if ready:
             logger.info("ready: readiness SERVING")
         else:
-            logger.warning("not ready: readiness NOT_SERVING", reason=reason, live=live)
+            logger.warning(
+                "not ready: readiness NOT_SERVING", reason=reason, live=live, stuck=self.core.stuck
+            )

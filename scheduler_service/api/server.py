@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from observability import health_port, tracing
 from scheduler_service.api.auth import ApiKeyFileError, ApiKeyInterceptor, load_api_keys
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
+from scheduler_service.api.core_supervisor import CoreSupervisor
 from scheduler_service.api.decode_guard import DecodeGuard
 from scheduler_service.api.drain import drain
 from scheduler_service.api.grammar_check import GrammarChecker
@@ -62,10 +63,11 @@ async def serve(
         logger.info("API keys required on the public API", keys=len(digests))
     tracing.setup_tracing(TRACING_SERVICE_NAME)
     core = CoreClient(config)
+    supervisor = CoreSupervisor(core, config)
     grammars = None
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     try:
-        ready = await core.start()
+        ready = await supervisor.start()
         model = ModelContext.build(ready, config, workdir)
         metrics = SchedulerMetrics(core) if api.metrics_port is not None else None
         grammars = GrammarChecker(config, ready.sampling_worker) if ready.sampling_worker else None
@@ -130,7 +132,7 @@ async def serve(
     finally:
         if grammars is not None:
             await grammars.close()
-        core.stop()  # the core process flushes its spans as it exits
+        supervisor.stop()  # the core process flushes its spans as it exits
         tracing.shutdown_tracing()
         shutil.rmtree(workdir, ignore_errors=True)
 

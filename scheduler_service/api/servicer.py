@@ -32,6 +32,7 @@ from scheduler_service.api.convert.responses import (
 from scheduler_service.api.core_client import (
     Call,
     CoreClient,
+    CoreRestarting,
     CoreUnavailable,
     DrainEnded,
     QueueFull,
@@ -68,7 +69,7 @@ def _status_of(e: BaseException) -> str:
 
 def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
     """(status name, message) for a call that met a failed core."""
-    if isinstance(e, DrainEnded):
+    if isinstance(e, (DrainEnded, CoreRestarting)):
         return "UNAVAILABLE", str(e)
     if e.code == "INTERNAL":
         return "INTERNAL", f"internal error, the scheduler stopped: {e}"

@@ -16,6 +16,8 @@ class Throughput:
 
     def observe(self, load: ipc.Load) -> None:
         now = time.monotonic()
+        if self._samples and load.gen_tokens < self._samples[-1][1]:
+            self._samples.clear()  # a restarted core counts from 0 again
         self._samples.append((now, load.gen_tokens))
         while self._samples and now - self._samples[0][0] > WINDOW_S:
             self._samples.popleft()

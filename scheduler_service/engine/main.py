@@ -15,7 +15,7 @@ import structlog
 from google.protobuf.json_format import MessageToDict
 from tokenizers import Tokenizer
 
-from common import tokenizer_archive
+from common import lifeline, tokenizer_archive
 from observability import tracing
 from observability.logging_setup import configure_logging
 from scheduler_service import ipc
@@ -44,8 +44,11 @@ def load_tokenizer(archive: bytes) -> Tokenizer | None:
     return Tokenizer.from_str(files[tokenizer_archive.TOKENIZER_JSON].decode())
 
 
-def core_main(conn: Connection, config: ServiceConfig) -> None:
-    """Entry point of the core process (spawned by the API process)."""
+def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
+    """Entry point of the core process (spawned by the API process ``parent_pid``)."""
+    # Without its API process nobody reads this one's outputs: die with it
+    # (SIGKILL: there is nothing left to drain), also if it is already gone.
+    lifeline.die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the API process decides when
     # this one stops (it sends Shutdown), so an interrupt must not kill it mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -48,11 +48,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def process(
+def started(
     tmp: Path, name: str, args: list[str], timeout_s: float = 300, env: dict | None = None
-) -> Iterator[int]:
-    """Start a radixserve command with --port 0; yield the port it serves on.
-    ``env`` adds to (or, with None values, removes from) the environment."""
+) -> Iterator[tuple[subprocess.Popen, int]]:
+    """Start a radixserve command with --port 0; yield the process and the
+    port it serves on. ``env`` adds to (or, with None values, removes from)
+    the environment."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for key, value in (env or {}).items():
         if value is None:
@@ -68,9 +69,18 @@ def process(
             env=full_env,
         )
         try:
-            yield _wait_port(proc, port_file, log, timeout_s)
+            yield proc, _wait_port(proc, port_file, log, timeout_s)
         finally:
             _stop(proc)
+
+
+@contextmanager
+def process(
+    tmp: Path, name: str, args: list[str], timeout_s: float = 300, env: dict | None = None
+) -> Iterator[int]:
+    """Start a radixserve command with --port 0; yield the port it serves on."""
+    with started(tmp, name, args, timeout_s, env) as (_, port):
+        yield port
 
 
 @contextmanager
@@ -78,6 +88,16 @@ def serve(tmp: Path, *args: str) -> Iterator[str]:
     """`radixserve serve ...` (scheduler + worker group); yields HOST:PORT."""
     with process(tmp, "serve", [str(BIN / "radixserve"), "serve", *args]) as port:
         yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def serve_process(
+    tmp: Path, *args: str, env: dict | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`radixserve serve ...`; yields its process (to signal) and HOST:PORT.
+    Its output goes to ``tmp / "serve.log"``."""
+    with started(tmp, "serve", [str(BIN / "radixserve"), "serve", *args], env=env) as (p, port):
+        yield p, f"127.0.0.1:{port}"
 
 
 @contextmanager

@@ -1,12 +1,13 @@
 """The API process's bound on queued samples (CoreClient) and the core's integrity
-switch (Engine), without processes: fake pipe ends stand in for the other side."""
+switch (Engine), without processes: fake pipe ends stand in for the other side.
+What calls meet when the core stops on an internal error: test_core_supervisor.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from scheduler_service import ipc
-from scheduler_service.api.core_client import CoreBroken, CoreClient, QueueFull
+from scheduler_service.api.core_client import CoreClient, QueueFull
 from scheduler_service.config import LimitsConfig, ServiceConfig, load_config
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
@@ -32,7 +33,7 @@ def _req(rid: str) -> Request:
 
 def _core(limit: int) -> CoreClient:
     core = CoreClient(ServiceConfig(limits=LimitsConfig(max_queued_requests=limit)))
-    core._conn = FakeConn()
+    core.attach(FakeConn())
     return core
 
 
@@ -48,12 +49,12 @@ def test_samples_count_until_their_first_output_or_until_forgotten():
     with pytest.raises(QueueFull, match=r"the limit \(--max-queued-requests\) is 3"):
         core.submit([_req("c")])
     assert core.find("c") is None  # refused before anything was recorded
-    core._dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [5])], _load()))
-    core._dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [6])], _load()))  # counted once
+    core.dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [5])], _load()))
+    core.dispatch(ipc.Outputs([ipc.DeltaOut(a.rids[0], [6])], _load()))  # counted once
     assert core.queued == 2
     core.submit([_req("c")])
     core.forget(a)  # a-1 never started: the call ended (e.g. client cancel)
-    core._dispatch(ipc.Rejected(b.rids[0], "bad"))
+    core.dispatch(ipc.Rejected(b.rids[0], "bad"))
     assert core.queued == 1
     # health probes are never refused
     core.submit([_req("p1"), _req("p2"), _req("p3")], bounded=False)
@@ -68,12 +69,10 @@ def test_a_reused_request_id_never_gets_the_old_calls_outputs():
     new = core.submit([_req("x")])
     assert old.rids != new.rids and core.find("x") is new
     # the old call's late finish and clean-up stay with it
-    core._dispatch(
-        ipc.Outputs([ipc.DeltaOut(old.rids[0], [], finish=ipc.Finish("abort"))], _load())
-    )
+    core.dispatch(ipc.Outputs([ipc.DeltaOut(old.rids[0], [], finish=ipc.Finish("abort"))], _load()))
     core.forget(old)
     assert new.queue.empty() and core.find("x") is new
-    core._dispatch(ipc.Outputs([ipc.DeltaOut(new.rids[0], [7])], _load()))
+    core.dispatch(ipc.Outputs([ipc.DeltaOut(new.rids[0], [7])], _load()))
     assert new.queue.get_nowait().token_ids == [7]
 
 
@@ -83,16 +82,6 @@ def test_zero_or_negative_means_unbounded(limit):
     for i in range(100):
         core.submit([_req(f"r{i}")])
     assert core.queued == 100
-
-
-def test_an_internal_failure_reaches_calls_and_new_submits_as_internal():
-    core = _core(0)
-    call = core.submit([_req("a")])
-    core._dispatch(ipc.Failed("scheduler integrity check failed after a step: x", "INTERNAL"))
-    err = call.queue.get_nowait()
-    assert isinstance(err, CoreBroken) and err.code == "INTERNAL"
-    with pytest.raises(CoreBroken, match="integrity"):
-        core.submit([_req("b")])
 
 
 def test_flags_and_environment(monkeypatch):

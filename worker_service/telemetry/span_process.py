@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from common import lifeline
 from observability import tracing
 from observability.logging_setup import configure_logging
 from protos import worker_pb2 as pb
@@ -87,6 +88,10 @@ def _fast_path(rank: int, env) -> tuple[StepSpanEncoder, SpanBatcher] | None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its worker decides when it stops
+    # A worker that ends closes this one's input (a flush, then exit), but
+    # another process may hold the pipe's end too (a child forked from the
+    # worker): die with the worker whatever else holds it.
+    lifeline.die_with_parent()
     configure_logging("warning")
     rank = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     fast = _fast_path(rank, os.environ)

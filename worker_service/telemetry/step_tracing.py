@@ -27,6 +27,7 @@ from collections import deque
 
 import structlog
 
+from common.lifeline import child_env
 from observability import tracing
 from protos import worker_pb2 as pb
 
@@ -46,6 +47,7 @@ class StepTracer:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "worker_service.telemetry.span_process", str(rank)],
             stdin=subprocess.PIPE,
+            env=child_env(),  # it dies with this worker (lifeline.py)
         )
         self._thread = threading.Thread(target=self._pipe, daemon=True, name="step-spans")
         self._thread.start()
