@@ -56,7 +56,8 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         except TokenFileError as e:
             raise SystemExit(str(e)) from e
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
+        # CompileGrammar calls wait on their own threads, at most the queue's bound.
+        futures.ThreadPoolExecutor(max_workers=8 + cfg.grammar_compile_queue),
         interceptors=[WorkerCallGuard(SERVICE_NAME, token)],
         options=[
             ("grpc.max_receive_message_length", limit),
