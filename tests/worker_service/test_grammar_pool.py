@@ -89,6 +89,13 @@ def test_a_compile_past_its_deadline_is_killed_at_once(pool):
         assert outcome is not None and outcome.timed_out and not outcome.error
         gone = wait_gone(pid, 1.0)
         assert gone is not None, f"compile process {pid} outlived its deadline: {state(pid)}"
+        # Asked again before the first caller let go: a new compile, not the timeout.
+        again = pool.submit("json_schema", nested_schema(SLOW, "d_"), later(30))
+        try:
+            assert again.job is not ticket.job
+            running_pid(again)
+        finally:
+            pool.release(again)
     finally:
         pool.release(ticket)
 
@@ -167,3 +174,17 @@ def test_compiled_grammars_come_back_usable_into_a_cache_bounded_by_bytes():
         assert grammars.compile_in_pool("json_schema", big.replace("m_", "m2_"), 1) == 0.0
     finally:
         grammars.close()
+
+
+def test_compile_processes_that_cannot_start_fail_the_waiting_jobs():
+    broken = CompilePool(lambda: "not tokenizer info", processes=1, max_waiting=2)
+    try:
+        ticket = broken.submit("regex", "x", later(120))
+        try:
+            outcome = ticket.wait(120)
+        finally:
+            broken.release(ticket)
+        assert outcome is not None and "did not start" in outcome.failure
+        assert not outcome.timed_out
+    finally:
+        broken.close()

@@ -140,3 +140,34 @@ def test_past_the_compile_queue_calls_are_refused_at_once(worker):
     # Refused is no verdict: with room again the same grammar compiles.
     reply = stub.CompileGrammar(request("regex", "[a-z]+!"), timeout=30)
     assert not reply.error and reply.compile_ms > 0
+
+
+def test_the_compile_processes_die_with_the_worker(tmp_path):
+    args = ("--model", "simulated", "--simulated-vocab", "1024", "--grammar-compile-processes", "1")
+    proc = WorkerProc(tmp_path, args, "doomed")
+    try:
+        channel = grpc.insecure_channel(proc.address())
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        assert not stub.CompileGrammar(request("regex", "warm"), timeout=120).error
+        pid = proc.proc.pid
+        slow = [request("json_schema", nested_schema(SLOW, f"x{i}_")) for i in range(2)]
+        calls = [stub.CompileGrammar.future(r, timeout=60) for r in slow]
+        # One process: the first turns slow and pauses for the second, which then runs.
+        wait_for(
+            lambda: sorted(state(p) for p in busy(pid)) == ["R", "T"], 10, "one running, one paused"
+        )
+        processes = descendants(pid)  # the zygote and its children, idle ones too
+        assert len(processes) >= 3
+        proc.proc.kill()  # SIGKILL: no cleanup runs in the worker
+        proc.proc.wait()
+        # Dead is gone or a zombie: reparented away from the worker, nobody may reap them.
+        deadline = time.monotonic() + 2.0
+        while any(state(p) not in (None, "Z") for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {p: state(p) for p in processes if state(p) not in (None, "Z")}
+        assert not left, f"compile processes outlived the worker: {left}"
+        for call in calls:
+            call.cancel()
+        channel.close()
+    finally:
+        proc.stop()

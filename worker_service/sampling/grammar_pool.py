@@ -129,6 +129,8 @@ class CompilePool:
                     "(--grammar-compile-queue); retry later"
                 )
             job = self._jobs.get(key)
+            if job is not None and job.outcome is not None and job.outcome.failure:
+                job = None  # ended without a verdict: try again
             if job is None:
                 self._seq += 1
                 job = _Job(key, LaneJob(self._seq, len(text.encode())), deadline)
@@ -137,7 +139,7 @@ class CompilePool:
             job.waiters += 1
             job.deadline = max(job.deadline, deadline)
             self._tickets += 1
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="grammar-pool", daemon=True)
                 self._thread.start()
         self._wake()
@@ -174,8 +176,12 @@ class CompilePool:
         self._wake()
         if thread is not None:
             thread.join(10)
-        else:
-            self._shutdown()
+            if thread.is_alive():
+                return  # stuck (a daemon thread): it stops its processes when it returns
+        self._stop_processes()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # already awake (the pipe is full), or closed
@@ -190,9 +196,9 @@ class CompilePool:
                         return
                 self._step()
         except Exception:
-            logger.exception("grammar compile pool failed")
+            logger.exception("grammar compile pool failed; it restarts with the next compile")
         finally:
-            self._shutdown()
+            self._stop_processes()
 
     def _step(self) -> None:
         now = time.monotonic()
@@ -219,11 +225,14 @@ class CompilePool:
             self._zygote = Zygote(self._info)
         except Exception as e:
             logger.exception("cannot start the grammar compile processes")
-            with self._lock:
-                for job in list(self._active):
-                    self._end(job, Outcome(failure=f"cannot start compile processes: {e}"), "")
+            self._fail_all(f"cannot start the grammar compile processes: {e}")
             return
         logger.info("grammar compile processes starting", zygote=self._zygote.proc.pid)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            for job in list(self._active):
+                self._end(job, Outcome(failure=why), "")
 
     def _drop_zygote(self, why: str) -> None:
         """The zygote is gone: so are its children (lifelines); their jobs fail."""
@@ -327,7 +336,11 @@ class CompilePool:
             elif ready is self._zygote:
                 self._zygote.readable()
                 if self._zygote.dead:
+                    started = self._zygote.ready
                     self._drop_zygote("the grammar compile processes stopped")
+                    if not started:  # not again and again: the next compile tries
+                        logger.error("the grammar compile processes did not start")
+                        self._fail_all("the grammar compile processes did not start")
             else:
                 self._answer(next(c for c in children if c.conn is ready))
 
@@ -354,15 +367,6 @@ class CompilePool:
             if worn or idle > self.processes:
                 self._kill(child)
 
-    def _shutdown(self) -> None:
-        with self._lock:
-            for child in list(self._children):
-                self._kill(child)
-            for job in list(self._active):
-                self._end(job, Outcome(failure="the grammar compile pool closed"), "")
-        zygote, self._zygote = self._zygote, None
-        if zygote is not None:
-            zygote.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def _stop_processes(self) -> None:
+        self._drop_zygote("the grammar compile pool stopped")
+        self._fail_all("the grammar compile pool stopped")
