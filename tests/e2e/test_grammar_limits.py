@@ -7,7 +7,9 @@ bound on compiles waiting, and the worker's compile queue its own."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from tests.e2e.system import BIN, process
-from tests.worker_service.grammar_load import TINY_SCHEMA, nested_schema
+from tests.worker_service.grammar_load import TINY_SCHEMA, descendants, nested_schema, state
 
 TIMEOUT_S = 3  # --grammar-compile-timeout
 KEYS = ("alice-key", "bob-key")
@@ -31,6 +33,9 @@ def system(tmp_path_factory):
     worker = [str(BIN / "radixserve-worker"), *WORKER, "--grammar-compile-queue", "3"]
     with process(tmp, "worker", worker) as wport:
         waddr = f"127.0.0.1:{wport}"
+        (worker_pid,) = [
+            p for p in descendants(os.getpid()) if str(tmp / "worker.port") in cmdline(p)
+        ]
         # Start the compile processes before the short timeout applies.
         warm = compile_on_worker(waddr, "regex", "warm")
         assert not warm.error
@@ -41,7 +46,20 @@ def system(tmp_path_factory):
             *("--grammar-compiles-per-client", "2", "--api-key-file", str(keys)),
         ]
         with process(tmp, "scheduler", sched) as port:
-            yield f"127.0.0.1:{port}", waddr
+            yield f"127.0.0.1:{port}", waddr, worker_pid
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def compiling(worker_pid: int) -> list[int]:
+    """Compile children at work (below the zygote, running or paused)."""
+    zygotes = {p for p in descendants(worker_pid) if "grammar_zygote" in cmdline(p)}
+    return [p for z in zygotes for p in descendants(z) if state(p) in ("R", "T")]
 
 
 def compile_on_worker(address: str, kind: str, text: str) -> worker_pb2.CompileGrammarResponse:
@@ -78,7 +96,7 @@ async def generate(address: str, key: str, req: pb.GenerateRequest) -> tuple[str
 
 
 def test_a_grammar_that_timed_out_compiles_when_asked_again(system):
-    address, worker = system
+    address, worker, _ = system
     hard = nested_schema(300, "late_")  # 6 s and more to compile and serialize
     code, details = asyncio.run(generate(address, KEYS[0], constrained("t1", hard)))
     assert code == "RESOURCE_EXHAUSTED", details
@@ -115,7 +133,7 @@ async def _flood(address: str) -> dict[str, tuple[str, str]]:
 
 
 def test_each_client_and_the_worker_bound_the_compiles_waiting(system):
-    address, _ = system
+    address, _, _ = system
     out = asyncio.run(_flood(address))
     code, details = out["alice-tiny"]  # alice has two compiles waiting already
     assert code == "RESOURCE_EXHAUSTED", details
@@ -131,3 +149,25 @@ def test_each_client_and_the_worker_bound_the_compiles_waiting(system):
     for rid in ("alice-tiny-again", "bob-tiny-again"):
         code, text = out[rid]
         assert code == "OK" and '"t4242"' in text, out[rid]
+
+
+async def _cancel_after(address: str, seconds: float, worker_pid: int) -> list[int]:
+    task = asyncio.ensure_future(
+        generate(address, KEYS[0], constrained("gone", nested_schema(400, "gone_")))
+    )
+    await asyncio.sleep(seconds)
+    at_work = compiling(worker_pid)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return at_work
+
+
+def test_a_client_that_leaves_stops_its_compile(system):
+    address, _, worker_pid = system
+    at_work = asyncio.run(_cancel_after(address, 1.0, worker_pid))
+    assert len(at_work) == 1
+    t0 = time.monotonic()
+    while compiling(worker_pid) and time.monotonic() - t0 < 1.0:
+        time.sleep(0.02)
+    assert not compiling(worker_pid), "the compile outlived its only request"
+    assert time.monotonic() - t0 < 1.0  # long before --grammar-compile-timeout
