@@ -34,9 +34,9 @@ class _OutOfRange(argparse.ArgumentTypeError, ValueError):
     """Shown as is by argparse (a flag) and by the settings' env reader."""
 
 
-def _at_least(floor: float) -> object:
+def _at_least(floor: float, kind: type = float) -> object:
     def parse(text: str) -> float:
-        value = float(text)
+        value = kind(text)
         if value < floor:
             raise _OutOfRange(f"{text} is below the least allowed, {floor:g}")
         return value
@@ -97,9 +97,16 @@ class LimitsConfig:
     )
     grammar_compile_timeout_s: float = setting(
         30.0,
-        "a grammar that takes longer to compile is refused (INVALID_ARGUMENT)",
+        "a grammar not compiled by then is refused with RESOURCE_EXHAUSTED (retry later: "
+        "the verdict is not remembered)",
         flag="--grammar-compile-timeout",
         metavar="SECONDS",
+    )
+    grammar_compiles_per_client: int = setting(
+        8,
+        "distinct grammars one client (its API key, else its IP address) may have waiting "
+        "to compile at a time; past it RESOURCE_EXHAUSTED",
+        parse=_at_least(1, int),
     )
 
 

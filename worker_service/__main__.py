@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if force.is_set():
             server.stop(grace=None).wait()
             break
+    if worker.runner.grammars is not None:
+        worker.runner.grammars.close()  # its compile processes
     if getattr(server, "health_server", None) is not None:
         server.health_server.stop(grace=None)
     tracing.shutdown_tracing()  # after the last step: the span process flushes it too

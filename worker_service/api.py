@@ -33,7 +33,8 @@ from worker_service.lora.peft_config import AdapterError
 from worker_service.model_runner import StartedStep
 from worker_service.plan import Result
 from worker_service.request_decoding import Undecodable
-from worker_service.sampling.grammar import GrammarError
+from worker_service.sampling.grammar import CompileFailed, CompileTimeout, GrammarError
+from worker_service.sampling.grammar_pool import PoolFull
 from worker_service.session import Session, SessionFence, SessionRefused
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
@@ -256,8 +257,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def CompileGrammar(
         self, request: pb.CompileGrammarRequest, context: grpc.ServicerContext
     ) -> pb.CompileGrammarResponse:
-        """Runs on a gRPC thread, not the executing one: xgrammar releases the
-        GIL while it compiles, so the steps go on."""
+        """Compiled in the compile pool's processes (grammar_pool.py); this gRPC
+        thread only waits, within the call's deadline, and loads the result.
+        Past the deadline, or when the caller cancels, the compile is killed."""
         grammars = self.worker.runner.grammars
         if grammars is None:
             context.abort(
@@ -266,9 +268,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         try:
             kind, text = grammar_from_proto(request.grammar)
-            _, ms = grammars.compile(kind, text)
+            ms = grammars.compile_in_pool(
+                kind, text, context.time_remaining(), on_cancel=_on_end(context)
+            )
         except (GrammarError, ValueError) as e:
             return pb.CompileGrammarResponse(error=str(e))
+        except PoolFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except CompileTimeout as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except CompileFailed as e:
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
         return pb.CompileGrammarResponse(compile_ms=ms)
 
     def LoadAdapter(
@@ -373,6 +383,18 @@ class _StepClock:
         busy, idle = now - self._mark, self._idle
         self._mark, self._idle = now, 0.0
         return busy, idle
+
+
+def _on_end(context: grpc.ServicerContext) -> Callable[[Callable[[], None]], object]:
+    """Registers a callback for the end of the call (a cancelled one included);
+    one that ended already runs it at once."""
+
+    def register(callback: Callable[[], None]) -> object:
+        if not context.add_callback(callback):
+            callback()
+        return None
+
+    return register
 
 
 def _exit_now(status: int) -> None:

@@ -29,15 +29,23 @@ EVICTED = object()  # put on an evicted stream's plan queue in place of a plan
 REPLACED_GRACE_S = 1.0
 TOKENIZER_STREAMS = 2  # GetTokenizer: a caller that stops reading holds its thread
 ADAPTER_LOADS = 4  # LoadAdapter: reads files, which can be slow or never end (a FIFO)
-# CompileGrammar's share; its bound is kept where the grammar calls are served.
-GRAMMAR_COMPILES = 4
 QUICK_CALLS = 8  # the rest: GetInfo, UnloadAdapter, refusals of every kind
 
-# Each unopened stream may pin one replaced stream for REPLACED_GRACE_S, and
-# one session is active.
-WORKER_THREADS = (
-    2 * UNOPENED_STREAMS + 1 + TOKENIZER_STREAMS + ADAPTER_LOADS + GRAMMAR_COMPILES + QUICK_CALLS
-)
+
+def worker_threads(grammar_compiles: int) -> int:
+    """gRPC's pool: every bounded kind of call at its bound, plus the quick
+    calls. ``grammar_compiles``: the CompileGrammar calls that may wait
+    (--grammar-compile-queue; the grammar pool refuses the next one). Each
+    unopened stream may pin one replaced stream for REPLACED_GRACE_S, and one
+    session is active."""
+    return (
+        2 * UNOPENED_STREAMS
+        + 1
+        + TOKENIZER_STREAMS
+        + ADAPTER_LOADS
+        + grammar_compiles
+        + QUICK_CALLS
+    )
 
 
 class CallSlots:

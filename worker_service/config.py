@@ -20,6 +20,17 @@ ENV_PREFIX = "RADIXSERVE_WORKER_"
 LOG_FORMATS = ("auto", "json", "console")
 
 
+class _OutOfRange(argparse.ArgumentTypeError, ValueError):
+    """Shown as is by argparse (a flag) and by the settings' env reader."""
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise _OutOfRange(f"{text} is below the least allowed, 1")
+    return value
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = setting(
@@ -99,6 +110,18 @@ class WorkerConfig:
         "queue step N+1 before waiting for step N's tokens (auto: on CUDA; on the CPU it "
         "only delays each result by a step)",
         choices=("auto", "on", "off"),
+    )
+    grammar_compile_processes: int = setting(
+        2,
+        "grammars compiled at a time, each in a process of its own at lower CPU priority; "
+        "while small grammars wait, slow compiles hold at most this many minus one",
+        parse=_at_least_one,
+    )
+    grammar_compile_queue: int = setting(
+        16,
+        "grammar compiles waiting, running or paused at a time; past it CompileGrammar "
+        "answers RESOURCE_EXHAUSTED (each holds a gRPC thread while it waits)",
+        parse=_at_least_one,
     )
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting(

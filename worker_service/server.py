@@ -15,7 +15,7 @@ from observability import health_port, tracing
 from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
 from worker_service.api import WorkerServicer
-from worker_service.call_budget import WORKER_THREADS
+from worker_service.call_budget import worker_threads
 from worker_service.call_guard import WorkerCallGuard
 from worker_service.config import WorkerConfig
 from worker_service.telemetry.metrics import WorkerMetrics
@@ -57,7 +57,7 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
         except TokenFileError as e:
             raise SystemExit(str(e)) from e
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=WORKER_THREADS),
+        futures.ThreadPoolExecutor(max_workers=worker_threads(cfg.grammar_compile_queue)),
         interceptors=[WorkerCallGuard(SERVICE_NAME, token, metrics)],
         options=[
             ("grpc.max_receive_message_length", limit),

@@ -74,7 +74,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         vocab = cfg.simulated_vocab
         grammars = None
         if tp.rank == 0 and vocab > SIMULATED_EOS:
-            grammars = GrammarCompiler(lambda: simulated_tokenizer_info(vocab))
+            grammars = GrammarCompiler(
+                lambda: simulated_tokenizer_info(vocab),
+                processes=cfg.grammar_compile_processes,
+                max_waiting=cfg.grammar_compile_queue,
+            )
         runner = ModelRunner(compute, num_pages, cfg.page_size, vocab, grammars=grammars)
         return Worker(
             cfg,
@@ -139,7 +143,9 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         grammars = GrammarCompiler(
             lambda: huggingface_tokenizer_info(
                 source.tokenizer_files(), mcfg.vocab_size, mcfg.eos_token_ids
-            )
+            ),
+            processes=cfg.grammar_compile_processes,
+            max_waiting=cfg.grammar_compile_queue,
         )
     runner = ModelRunner(
         compute,

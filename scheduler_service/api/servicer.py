@@ -38,7 +38,12 @@ from scheduler_service.api.core_client import (
     QueueFull,
 )
 from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
-from scheduler_service.api.grammar_check import GrammarChecker, GrammarUnavailable
+from scheduler_service.api.grammar_check import (
+    GrammarBusy,
+    GrammarChecker,
+    GrammarUnavailable,
+    client_of,
+)
 from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
 from scheduler_service.api.model_info import ModelContext
@@ -92,7 +97,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.lora = LoraRpcs(core)
         self.shutting_down = False
 
-    async def _check_grammar(self, g: GenerateCall) -> None:
+    async def _check_grammar(self, g: GenerateCall, context: grpc.aio.ServicerContext) -> None:
         """A constrained call reaches the core only once its grammar compiled
         (the samples of a call share one grammar)."""
         grammar = g.requests[0].sampling.grammar
@@ -100,7 +105,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             return
         if self.grammars is None:
             raise InvalidRequestError("structured generation is not available on this server")
-        verdict = await self.grammars.check(*grammar)
+        verdict = await self.grammars.check(*grammar, client_of(context))
         if verdict:
             raise InvalidRequestError(verdict)
 
@@ -135,13 +140,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     self.core.adapter_ids(),
                 )
                 obs.accepted(g)
-                await self._check_grammar(g)
+                await self._check_grammar(g, context)
                 await self.core.wait_free([r.rid for r in g.requests], RID_REUSE_GRACE_S)
                 call = self.core.submit(g.requests)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            except QueueFull as e:
+            except (QueueFull, GrammarBusy) as e:
                 code, message = "RESOURCE_EXHAUSTED", str(e)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             except CoreUnavailable as e:

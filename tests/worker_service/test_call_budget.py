@@ -20,7 +20,7 @@ from worker_service.call_budget import (
     ADAPTER_LOADS,
     EVICTED,
     TOKENIZER_STREAMS,
-    WORKER_THREADS,
+    worker_threads,
     UnopenedStreams,
 )
 from worker_service.call_guard import WorkerCallGuard
@@ -67,7 +67,7 @@ def slow_worker():
     servicer = _Slow()
     metrics = WorkerMetrics(lambda: 0, 8)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=WORKER_THREADS),
+        futures.ThreadPoolExecutor(max_workers=worker_threads(16)),
         interceptors=[WorkerCallGuard(SERVICE_NAME, None, metrics)],
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

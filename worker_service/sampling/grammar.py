@@ -10,16 +10,18 @@ A request that re-joins (retracted, or re-prefilled on a worker that replaced
 a lost one) rebuilds its matcher by replaying the tokens it already has, so
 its output continues exactly as an undisturbed run's would.
 
-Compilation is cached (kind and text, bounded, for this model's vocabulary)
-and happens off the step loop: the scheduler's API process asks for it
-(``CompileGrammar``, a gRPC thread) before the request reaches the scheduler,
-and xgrammar releases the GIL while it compiles. A grammar missing from the
-cache at join (evicted, or a worker restarted) is compiled there, once.
+Compiled grammars are cached (kind and text, bounded by count and by bytes,
+for this model's vocabulary). The scheduler's API process asks for each
+constrained request's grammar (``CompileGrammar``) before the request reaches
+the scheduler: a miss is compiled in the compile pool's child processes
+(grammar_pool.py), bounded, at lower CPU priority, killed when nobody waits
+for it any more, and the result loaded into the cache. A grammar missing from
+the cache at join (evicted since, or a worker restarted) is compiled there,
+in this process, once.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -28,16 +30,25 @@ from typing import Any
 
 import torch
 
-KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
+from worker_service.sampling.grammar_compile import KINDS, GrammarError, compile_grammar
+from worker_service.sampling.grammar_pool import CompilePool
+
 CACHE_GRAMMARS = 256  # compiled grammars kept per worker
+# ... and their memory (xgrammar's memory_size_bytes; a JSON schema nested 300
+# deep takes 1.9 MB): a flood of big grammars does not pin memory.
+CACHE_BYTES = 512 << 20
+# A CompileGrammar call without a deadline waits at most this long.
+MAX_COMPILE_S = 300.0
 # The simulated model's tokenizer: token t < 256 is the byte t, 256 is its end.
 SIMULATED_EOS = 256
 
-_XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
+
+class CompileTimeout(RuntimeError):
+    """The grammar did not compile before its deadline (no verdict)."""
 
 
-class GrammarError(ValueError):
-    """The grammar does not compile; the message is xgrammar's."""
+class CompileFailed(RuntimeError):
+    """The compile ended without a verdict (its process died, the pool closed)."""
 
 
 def _xgr() -> Any:
@@ -46,67 +57,162 @@ def _xgr() -> Any:
     return xgrammar
 
 
-def _clean(error: Exception) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return _XGR_LOCATION.sub("", text)
-
-
 class GrammarCompiler:
     """Compiles grammars for one model's vocabulary and caches them (LRU)."""
 
-    def __init__(self, tokenizer_info: Callable[[], Any], capacity: int = CACHE_GRAMMARS) -> None:
+    def __init__(
+        self,
+        tokenizer_info: Callable[[], Any],
+        capacity: int = CACHE_GRAMMARS,
+        capacity_bytes: int = CACHE_BYTES,
+        processes: int = 2,
+        max_waiting: int = 16,
+    ) -> None:
         self._make_info = tokenizer_info
+        self._info: Any = None
+        self._info_lock = threading.Lock()  # building the info takes seconds
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cache_bytes = 0
         self._capacity = capacity
-        self._lock = threading.Lock()  # the cache and the compiler's creation
+        self._capacity_bytes = capacity_bytes
+        self._loading: dict[tuple[str, str], threading.Lock] = {}
+        self._lock = threading.Lock()  # the cache, _loading, the pool's creation
+        self._pool_size = (processes, max_waiting)
+        self._pool: CompilePool | None = None
         self.vocab_size = 0
 
+    def _tokenizer_info(self) -> Any:
+        with self._info_lock:
+            if self._info is None:
+                self._info = self._make_info()
+                self.vocab_size = self._info.vocab_size
+            return self._info
+
     def _get_compiler(self) -> Any:
+        info = self._tokenizer_info()
         with self._lock:
             if self._compiler is None:
-                xgr = _xgr()
-                info = self._make_info()
-                self.vocab_size = info.vocab_size
-                # Each compile may use a few threads; compiles run on gRPC threads.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                # Only the join fallback compiles here (pool children compile the rest).
+                self._compiler = _xgr().GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
+
+    def _get_pool(self) -> CompilePool:
+        with self._lock:
+            if self._pool is None:
+                processes, max_waiting = self._pool_size
+                self._pool = CompilePool(
+                    lambda: self._tokenizer_info().serialize_json(), processes, max_waiting
+                )
+            return self._pool
+
+    def _hit(self, key: tuple[str, str]) -> Any:  # under the lock
+        hit = self._cache.get(key)
+        if hit is None:
+            return None
+        self._cache.move_to_end(key)
+        return hit[0]
+
+    def _store(self, key: tuple[str, str], compiled: Any) -> None:  # under the lock
+        if key in self._cache:
+            return
+        size = int(compiled.memory_size_bytes)
+        self._cache[key] = (compiled, size)
+        self._cache_bytes += size
+        while len(self._cache) > 1 and (
+            len(self._cache) > self._capacity or self._cache_bytes > self._capacity_bytes
+        ):
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted
 
     def cached(self, kind: str, text: str) -> bool:
         with self._lock:
             return (kind, text) in self._cache
 
     def compile(self, kind: str, text: str) -> tuple[Any, float]:
-        """(compiled grammar, milliseconds spent compiling: 0 if cached)."""
+        """(compiled grammar, milliseconds spent compiling: 0 if cached), compiled
+        in this process: the join fallback."""
         key = (kind, text)
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit, 0.0
+            hit = self._hit(key)
+        if hit is not None:
+            return hit, 0.0
         compiler = self._get_compiler()
         t0 = time.perf_counter()
-        try:
-            if kind == "regex":
-                compiled = compiler.compile_regex(text)
-            elif kind == "json_schema":
-                compiled = compiler.compile_json_schema(text)
-            elif kind == "ebnf":
-                compiled = compiler.compile_grammar(text)
-            elif kind == "structural_tag":
-                compiled = compiler.compile_structural_tag(text)
-            else:
-                raise GrammarError(f"unknown grammar kind {kind!r}; one of {KINDS}")
-        except GrammarError:
-            raise
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own
-            raise GrammarError(f"{kind}: {_clean(e)}") from None
+        compiled = compile_grammar(compiler, kind, text)
         ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+            self._store(key, compiled)
         return compiled, ms
+
+    def compile_in_pool(
+        self,
+        kind: str,
+        text: str,
+        timeout_s: float | None,
+        on_cancel: Callable[[Callable[[], None]], object] | None = None,
+    ) -> float:
+        """Have ``(kind, text)`` compiled in the compile pool and cached here,
+        waiting at most ``timeout_s``; the milliseconds it took in the compile
+        process (0 if cached). GrammarError: it does not compile; PoolFull,
+        CompileTimeout, CompileFailed: no verdict. ``on_cancel`` registers a
+        callback for the caller's cancellation (gRPC's ``add_callback``)."""
+        key = (kind, text)
+        with self._lock:
+            if self._hit(key) is not None:
+                return 0.0
+        if kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; one of {KINDS}")
+        timeout_s = MAX_COMPILE_S if timeout_s is None else min(timeout_s, MAX_COMPILE_S)
+        deadline = time.monotonic() + timeout_s
+        pool = self._get_pool()
+        ticket = pool.submit(kind, text, deadline)
+        try:
+            if on_cancel is not None:
+                on_cancel(lambda: pool.release(ticket))
+            outcome = ticket.wait(deadline - time.monotonic())
+            if outcome is None or outcome.timed_out:
+                raise CompileTimeout(f"{kind}: not compiled within {timeout_s:g} s")
+            if outcome.error:
+                raise GrammarError(outcome.error)
+            if outcome.failure:
+                raise CompileFailed(f"{kind}: {outcome.failure}")
+            self._load(key, outcome.payload)
+            return outcome.ms
+        finally:
+            pool.release(ticket)
+
+    def _load(self, key: tuple[str, str], payload: bytes) -> None:
+        """A compiled grammar from the pool into the cache, deserialized once
+        however many callers got it."""
+        with self._lock:
+            if self._hit(key) is not None:
+                return
+            lock = self._loading.setdefault(key, threading.Lock())
+        with lock:
+            try:
+                with self._lock:
+                    if self._hit(key) is not None:
+                        return
+                info = self._tokenizer_info()
+                compiled = _xgr().CompiledGrammar.deserialize_json(payload.decode(), info)
+                with self._lock:
+                    self._store(key, compiled)
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+
+    def pool_process_ids(self) -> tuple[int | None, list[int]]:
+        """The compile pool's processes (zygote, children): for tests."""
+        with self._lock:
+            pool = self._pool
+        return (None, []) if pool is None else pool.process_ids()
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def matcher(self, kind: str, text: str, accepted: Sequence[int]) -> GrammarState:
         """A request's matcher, advanced over the tokens it already generated."""
