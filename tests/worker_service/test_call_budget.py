@@ -20,8 +20,8 @@ from worker_service.call_budget import (
     ADAPTER_LOADS,
     EVICTED,
     TOKENIZER_STREAMS,
-    worker_threads,
     UnopenedStreams,
+    worker_threads,
 )
 from worker_service.call_guard import WorkerCallGuard
 from worker_service.server import SERVICE_NAME
