@@ -14,12 +14,12 @@ import time
 import tracemalloc
 
 from clients.workloads import TraceRequest
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.gc_tuning import tune_gc
 
 try:  # packed keys and page tables (radix_node.id_array)
-    from scheduler_service.core.radix_node import id_array
+    from scheduler_service.core.ids import id_array
 
     PACKED = True
 except ImportError:  # an older checkout (A/B base) whose cache takes lists of ints

@@ -57,8 +57,8 @@ from scheduler_service.core import (
     Scheduler,
     SchedulerConfig,
 )
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 
 VOCAB = 128256

@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.core.batch import RunningBatch
-from scheduler_service.core.drafts import NgramDrafter
-from scheduler_service.core.kv_manager import KvManager
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.spec_plan import DraftWatch
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.kv.manager import KvManager
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
+from scheduler_service.core.spec.drafts import NgramDrafter
+from scheduler_service.core.spec.rows import DraftWatch
+from scheduler_service.core.spec.state import SpecState
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 
 VOCAB = 32000

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler_service.core.kv_events import KvEvent
+from scheduler_service.core.kv.events import KvEvent
 from scheduler_service.core.plan import TokenLogprobs
 from scheduler_service.core.request import Request
 

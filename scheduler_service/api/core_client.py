@@ -22,7 +22,7 @@ import structlog
 
 from scheduler_service import ipc
 from scheduler_service.config import ServiceConfig
-from scheduler_service.core.kv_events import AllBlocksCleared
+from scheduler_service.core.kv.events import AllBlocksCleared
 from scheduler_service.core.request import Request
 
 logger = structlog.get_logger(__name__)

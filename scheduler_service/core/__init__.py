@@ -8,9 +8,10 @@ simulated worker, lives apart in scheduler_service/testing/.
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.finish import StopStringChecker
-from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
-from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.plan import (
     ForwardMode,
     JoinRequest,
@@ -20,7 +21,6 @@ from scheduler_service.core.plan import (
     StepResult,
     TokenLogprobs,
 )
-from scheduler_service.core.radix_cache import RadixCache
 from scheduler_service.core.request import (
     FinishAbort,
     FinishLength,

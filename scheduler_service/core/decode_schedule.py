@@ -12,14 +12,14 @@ import structlog
 
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.drafts import Drafter
 from scheduler_service.core.inflight import InFlight
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.outputs import SchedulerStats
 from scheduler_service.core.plan import ScheduledRequest, StepPlan
 from scheduler_service.core.request import Request, RequestState
-from scheduler_service.core.spec_plan import Drafts, DraftWatch, plan_decode_rows
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.spec.drafts import Drafter
+from scheduler_service.core.spec.rows import Drafts, DraftWatch, plan_decode_rows
+from scheduler_service.core.spec.state import SpecState
 
 logger = structlog.get_logger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.request import Request, RequestState
 from scheduler_service.core.sampling import InvalidRequestError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import structlog
 
-from scheduler_service.core.page_pool import PagePool
+from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.request import FinishAbort, Request
 
 logger = structlog.get_logger(__name__)

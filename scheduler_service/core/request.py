@@ -20,7 +20,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_service.core.radix_node import RadixCacheError, id_array
+from scheduler_service.core.ids import IdRangeError, id_array
 from scheduler_service.core.sampling import (
     NO_LOGPROBS,
     InvalidRequestError,
@@ -286,7 +286,7 @@ class Request:
         self.logprobs.validate(len(self.prompt_ids))
         try:
             self.token_array()  # packed once, at submission
-        except RadixCacheError as e:
+        except IdRangeError as e:
             raise InvalidRequestError(f"request {self.rid}: {e}") from None
 
 

@@ -13,7 +13,7 @@ from scheduler_service.core.inflight import InFlight, ProtocolError
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.plan import RequestOutput, StepResult
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.core.spec_results import apply_drafted
+from scheduler_service.core.spec.settle import apply_drafted
 
 
 def apply_result(

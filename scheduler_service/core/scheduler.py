@@ -40,7 +40,9 @@ from collections.abc import Callable
 import structlog
 
 from scheduler_service.core.adapters import AdapterSlots
-from scheduler_service.core.admission import plan_admission
+from scheduler_service.core.admission.decision import plan_admission
+from scheduler_service.core.admission.entries import plan_prefill
+from scheduler_service.core.admission.policy import SchedulePolicy
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.decode_schedule import (
@@ -49,24 +51,21 @@ from scheduler_service.core.decode_schedule import (
     next_new_token_ratio,
     start_decoding,
 )
-from scheduler_service.core.drafts import Drafter, NgramDrafter
 from scheduler_service.core.finish import StopStringChecker
 from scheduler_service.core.inflight import InFlight, ProtocolError, take_answered
 from scheduler_service.core.intake import check_new_request, leader_planned, release_held
 from scheduler_service.core.integrity import check_scheduler_integrity
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.oom_aborts import oom_after_retraction, unfit_head
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
-from scheduler_service.core.page_pool import PagePool
 from scheduler_service.core.plan import (
     ForwardMode,
     ScheduledRequest,
     StepPlan,
     StepResult,
 )
-from scheduler_service.core.policy import SchedulePolicy
-from scheduler_service.core.prefill_entries import plan_prefill
-from scheduler_service.core.radix_cache import RadixCache
 from scheduler_service.core.request import (
     FinishAbort,
     FinishLength,
@@ -75,8 +74,9 @@ from scheduler_service.core.request import (
     RequestState,
 )
 from scheduler_service.core.results import apply_result
-from scheduler_service.core.spec_plan import Drafts, DraftWatch
-from scheduler_service.core.spec_results import settle_drafts
+from scheduler_service.core.spec.drafts import Drafter, NgramDrafter
+from scheduler_service.core.spec.rows import Drafts, DraftWatch
+from scheduler_service.core.spec.settle import settle_drafts
 from scheduler_service.core.worker_loss import (
     forget_cache_reads,
     send_back_to_wait,

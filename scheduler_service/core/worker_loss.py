@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from scheduler_service.core.batch import RunningBatch
+from scheduler_service.core.ids import id_array
 from scheduler_service.core.inflight import InFlight
 from scheduler_service.core.outputs import SchedulerStats
-from scheduler_service.core.radix_node import id_array
 from scheduler_service.core.request import Request, RequestState
 
 

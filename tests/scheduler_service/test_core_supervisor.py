@@ -20,7 +20,7 @@ from scheduler_service.api.core_supervisor import CoreSupervisor
 from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.servicer import _core_failure
 from scheduler_service.config import ServiceConfig
-from scheduler_service.core.kv_events import AllBlocksCleared
+from scheduler_service.core.kv.events import AllBlocksCleared
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
 

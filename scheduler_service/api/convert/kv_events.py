@@ -5,7 +5,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from scheduler_service import ipc
-from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:

@@ -13,7 +13,7 @@ import random
 from common.simulated_model import absorb, initial_state, token_of
 from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.request import Request
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.spec.state import SpecState
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 
 

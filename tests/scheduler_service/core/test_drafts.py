@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 import sys
 
-from scheduler_service.core.drafts import NgramDrafter, PromptLookup
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.radix_node import id_array
+from scheduler_service.core.ids import id_array
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.spec.drafts import NgramDrafter, PromptLookup
+from scheduler_service.core.spec.state import SpecState
 
 
 def _scan(tokens: list[int], k: int) -> list[int]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.page_pool import PagePool, PagePoolError
+from scheduler_service.core.kv.page_pool import PagePool, PagePoolError
 
 
 def test_alloc_release_and_ref_counts():

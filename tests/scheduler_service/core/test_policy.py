@@ -1,9 +1,9 @@
 from __future__ import annotations
 
+from scheduler_service.core.admission.policy import SchedulePolicy
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.policy import SchedulePolicy
-from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
 

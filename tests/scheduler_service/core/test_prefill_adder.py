@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_service.core.admission.adder import AddResult, PrefillAdder
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.kv_manager import KvManager
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
-from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.kv.manager import KvManager
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request, RequestState
 from scheduler_service.core.sampling import SamplingParams
 

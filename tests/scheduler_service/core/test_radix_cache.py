@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache, RadixCacheError
+from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache, RadixCacheError
 
 
 def make(num_pages=64, page_size=1, events=False):

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core.id_runs import differing_pages
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache, RadixCacheError
-from scheduler_service.core.radix_node import id_array
+from scheduler_service.core.ids import IdRangeError, id_array
+from scheduler_service.core.kv.id_runs import differing_pages
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import InvalidRequestError
 
@@ -122,9 +122,9 @@ def test_insert_reports_the_same_duplicates_as_the_per_page_loop(page_size):
 def test_ids_beyond_32_bits_are_refused_cleanly():
     pool = PagePool(64, 1)
     cache = RadixCache(1, pool)
-    with pytest.raises(RadixCacheError, match="32-bit"):
+    with pytest.raises(IdRangeError, match="32-bit"):
         cache.insert([2**31], [0])
-    with pytest.raises(RadixCacheError, match="32-bit"):
+    with pytest.raises(IdRangeError, match="32-bit"):
         cache.match([-(2**31) - 1])
     check(pool, cache)
     assert pool.num_free == 64

@@ -21,7 +21,7 @@ from scheduler_service.core import (
     StepResult,
 )
 from scheduler_service.core.batch import RunningBatch
-from scheduler_service.core.kv_events import BlockStored
+from scheduler_service.core.kv.events import BlockStored
 from scheduler_service.testing.simulated_worker import expected_output
 from tests.scheduler_service.core.sim_driver import (
     check_drained,

@@ -18,7 +18,7 @@ from scheduler_service.core import (
     Scheduler,
     SchedulerConfig,
 )
-from scheduler_service.core.kv_events import AllBlocksCleared
+from scheduler_service.core.kv.events import AllBlocksCleared
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.sim_driver import (
     DriveLog,

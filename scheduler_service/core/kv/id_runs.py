@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_service.core.radix_node import ID_TYPE
+from scheduler_service.core.ids import ID_TYPE
 
 _lane_masks_cache: dict[int, tuple[int, int]] = {}
 

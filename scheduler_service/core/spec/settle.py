@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from scheduler_service.core.finish import StopStringChecker, check_finish
 from scheduler_service.core.inflight import ProtocolError
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.plan import RequestOutput
 from scheduler_service.core.request import FinishReason, Request

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_service.core.kv_events import (
+from scheduler_service.core.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -19,7 +19,7 @@ from scheduler_service.core.kv_events import (
     chain_page_hashes,
     namespace_seed,
 )
-from scheduler_service.core.radix_node import HASH_TYPE, RadixCacheError, RadixNode
+from scheduler_service.core.kv.radix_node import HASH_TYPE, RadixCacheError, RadixNode
 
 
 def log_stored(events: EventLog, parent: RadixNode, leaf: RadixNode, page_size: int) -> None:

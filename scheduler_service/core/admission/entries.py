@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler_service.core.admission.policy import request_tokens
 from scheduler_service.core.inflight import InFlight
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.outputs import SchedulerStats
 from scheduler_service.core.plan import JoinRequest, ScheduledRequest, StepPlan
-from scheduler_service.core.policy import request_tokens
 from scheduler_service.core.request import Request, RequestState
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 
 from scheduler_service.core.config import CLIP_MAX_NEW_TOKENS, SchedulerConfig
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.request import Request
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_service.core.adapters import AdapterSlots
+from scheduler_service.core.admission.adder import AddResult, PrefillAdder
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.kv_manager import KvManager
-from scheduler_service.core.prefill_adder import AddResult, PrefillAdder
-from scheduler_service.core.radix_cache import RadixCache
-from scheduler_service.core.radix_node import zero_pages
+from scheduler_service.core.ids import zero_pages
+from scheduler_service.core.kv.manager import KvManager
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-PAGE_ID_TYPE = "i"  # 32-bit page ids (radix_node.ID_TYPE)
+from scheduler_service.core.ids import ID_TYPE
+
+PAGE_ID_TYPE = ID_TYPE  # 32-bit page ids
 
 
 def _descending(num_pages: int) -> array:

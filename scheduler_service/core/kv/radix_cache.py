@@ -31,24 +31,23 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler_service.core.id_runs import common_len, differing_pages
-from scheduler_service.core.kv_events import EventLog
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_continuation import continuation
-from scheduler_service.core.radix_events import (
+from scheduler_service.core.ids import as_id_array, id_array
+from scheduler_service.core.kv.events import EventLog
+from scheduler_service.core.kv.id_runs import common_len, differing_pages
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_continuation import continuation
+from scheduler_service.core.kv.radix_events import (
     check_hashes,
     log_cleared,
     log_removed,
     log_stored,
     split_hashes,
 )
-from scheduler_service.core.radix_node import (
+from scheduler_service.core.kv.radix_node import (
     InsertResult,
     MatchResult,
     RadixCacheError,
     RadixNode,
-    as_id_array,
-    id_array,
 )
 
 

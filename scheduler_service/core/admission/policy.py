@@ -30,8 +30,8 @@ from scheduler_service.core.config import (
     LPM_FALLBACK_QUEUE_LEN,
     SchedulerConfig,
 )
-from scheduler_service.core.radix_cache import RadixCache, RadixNode
-from scheduler_service.core.radix_node import zero_pages
+from scheduler_service.core.ids import zero_pages
+from scheduler_service.core.kv.radix_cache import RadixCache, RadixNode
 from scheduler_service.core.request import Request
 
 

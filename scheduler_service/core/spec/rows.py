@@ -13,12 +13,12 @@ from __future__ import annotations
 import heapq
 
 from scheduler_service.core.batch import RunningBatch
-from scheduler_service.core.drafts import Drafter
-from scheduler_service.core.kv_manager import KvManager
+from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.plan import ScheduledRequest
 from scheduler_service.core.request import Request
-from scheduler_service.core.spec_results import Drafts
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.spec.drafts import Drafter
+from scheduler_service.core.spec.settle import Drafts
+from scheduler_service.core.spec.state import SpecState
 
 
 def draft_limit(req: Request, state: SpecState, context_len: int | None) -> int:

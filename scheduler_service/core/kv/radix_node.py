@@ -13,48 +13,15 @@ so the cache compares edges and copies page runs with C ``memcmp``/``memcpy``
 
 from __future__ import annotations
 
-import struct
 from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-ID_TYPE = "i"  # 32-bit signed: token ids and page ids
 HASH_TYPE = "q"  # 64-bit signed: block hashes (Python's hash() range)
 
 
 class RadixCacheError(RuntimeError):
     pass
-
-
-def id_array(ids: Iterable[int] = ()) -> array:
-    """Token or page ids as a packed 32-bit array (a copy when given an array).
-
-    A list goes through ``struct`` (about 8 ns an id here, half of what
-    ``array(list)`` takes with its per-item argument parsing)."""
-    try:
-        if type(ids) is list:
-            packed = array(ID_TYPE)
-            packed.frombytes(struct.pack(f"{len(ids)}{ID_TYPE}", *ids))
-            return packed
-        return array(ID_TYPE, ids)
-    except (OverflowError, TypeError, struct.error) as e:
-        raise RadixCacheError(f"token and page ids must be 32-bit integers ({e})") from None
-
-
-def as_id_array(ids: Iterable[int]) -> array:
-    """``ids`` itself when it already is a packed id array, else a packed copy."""
-    if type(ids) is array and ids.typecode == ID_TYPE:  # type: ignore[attr-defined]
-        return ids  # type: ignore[return-value]
-    return id_array(ids)
-
-
-def zero_pages(n: int) -> array:
-    """``n`` page ids of 0 (for trees that only answer prefix lengths)."""
-    return array(ID_TYPE, bytes(n * _ID_SIZE))
-
-
-_ID_SIZE = array(ID_TYPE).itemsize
 
 
 class RadixNode:

@@ -30,9 +30,9 @@ from itertools import repeat
 from operator import lshift, or_
 from typing import Protocol
 
-from scheduler_service.core.radix_cache import RadixCache
+from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.request import Request
-from scheduler_service.core.spec_state import SpecState
+from scheduler_service.core.spec.state import SpecState
 
 # The longest continuation copied from the cache per walk (later steps
 # advance through it without walking again).

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_service.core.id_runs import differing_pages
-from scheduler_service.core.page_pool import PagePool
-from scheduler_service.core.radix_cache import RadixCache, RadixNode
-from scheduler_service.core.radix_node import id_array
+from scheduler_service.core.ids import id_array
+from scheduler_service.core.kv.id_runs import differing_pages
+from scheduler_service.core.kv.page_pool import PagePool
+from scheduler_service.core.kv.radix_cache import RadixCache, RadixNode
 from scheduler_service.core.request import Request
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_service.core.id_runs import common_len
-from scheduler_service.core.radix_node import RadixNode
+from scheduler_service.core.kv.id_runs import common_len
+from scheduler_service.core.kv.radix_node import RadixNode
 
 
 def _last_access(node: RadixNode) -> int:
