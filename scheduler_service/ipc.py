@@ -11,19 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import KvEvent
 from scheduler_service.core.plan import TokenLogprobs
-from scheduler_service.core.request import Request
 
 
 # ----------------------------------------------------------- API -> core
 @dataclass
 class Submit:
-    """One Generate call's samples. Each carries what the core needs beyond its
-    tokens: its trace context (``Request.trace_context``) and, for n > 1, the
-    sample whose prefill it waits for (``Request.waits_for``)."""
+    """One Generate call's samples, as plain submission records (the core
+    builds its own requests from them): each carries its trace context and,
+    for n > 1, the sample whose prefill it waits for (``waits_for``)."""
 
-    requests: list[Request]
+    submissions: list[Submission]
 
 
 @dataclass

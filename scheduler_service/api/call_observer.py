@@ -94,9 +94,10 @@ class CallObserver:
         self.log = logger.bind(request_id=request_id, trace_id=self.trace_id)
 
     # --------------------------------------------------------------- start
-    def accepted(self, g: GenerateCall) -> None:
-        """The call passed validation: its samples carry the Generate span's
-        context to the core (``Request.trace_context``) when it is recorded."""
+    def accepted(self, g: GenerateCall) -> tuple[str, str] | None:
+        """The call passed validation; returns the Generate span's context
+        when it is recorded, for the samples to carry to the core
+        (``Submission.trace_context``)."""
         self.g = g
         self.request_id = g.rid
         self.log = logger.bind(request_id=g.rid, trace_id=self.trace_id)
@@ -106,18 +107,18 @@ class CallObserver:
         if g.lora_id is not None:
             self.log = self.log.bind(lora_id=g.lora_id)
             if self.metrics is not None:
-                self.metrics.lora_request(g.lora_id, len(g.requests))
+                self.metrics.lora_request(g.lora_id, len(g.samples))
         span = self.span
         if span is None or not span.is_recording():
-            return
-        sp = g.requests[0].sampling
+            return None
+        sp = g.samples[0].sampling
         span.set_attributes(
             {
                 "gen_ai.request.max_tokens": sp.max_new_tokens,
                 "gen_ai.request.temperature": sp.temperature,
                 "gen_ai.request.top_p": sp.top_p,
                 "gen_ai.request.top_k": sp.top_k,
-                "gen_ai.request.choice.count": len(g.requests),
+                "gen_ai.request.choice.count": len(g.samples),
                 "gen_ai.response.id": g.rid,
                 "radixserve.request_id": g.rid,
                 "radixserve.stream": g.stream,
@@ -125,9 +126,7 @@ class CallObserver:
         )
         if g.lora_id is not None:
             span.set_attribute("radixserve.lora_id", g.lora_id)
-        context = tracing.traceparent_of(span)
-        for r in g.requests:
-            r.trace_context = context
+        return tracing.traceparent_of(span)
 
     # -------------------------------------------------------------- deltas
     def delta(self, d: ipc.DeltaOut, now: float) -> None:

@@ -22,8 +22,8 @@ import structlog
 
 from scheduler_service import ipc
 from scheduler_service.config import ServiceConfig
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import AllBlocksCleared
-from scheduler_service.core.request import Request
 
 logger = structlog.get_logger(__name__)
 
@@ -220,26 +220,31 @@ class CoreClient:
                 call.queue.put_nowait(CoreUnavailable(msg.message))
 
     # ------------------------------------------------------------ requests
-    def submit(self, requests: list[Request], bounded: bool = True) -> Call:
-        """``bounded=False`` (health probes) skips --max-queued-requests: a
-        busy server must not look dead to its probes."""
-        public = [r.rid for r in requests]
+    def submit(self, samples: list[Submission], *, bounded: bool = True) -> Call:
+        """Send one call's samples to the core, each under an internal rid
+        (``Call``); ``bounded=False`` (health probes) skips
+        --max-queued-requests: a busy server must not look dead to its probes."""
+        public = [s.rid for s in samples]
         for rid in public:
             if rid in self._public:
                 raise ValueError(f"request id {rid!r} is already in use")
         limit = self.config.limits.max_queued_requests
-        if bounded and limit > 0 and self.queued + len(requests) > limit:
+        if bounded and limit > 0 and self.queued + len(samples) > limit:
             raise QueueFull(
                 f"the server is overloaded: {self.queued} requests are queued, the limit "
                 f"(--max-queued-requests) is {limit}; retry later"
             )
         number = next(self._call_numbers)
         internal = {rid: f"{rid}#{number}" for rid in public}
-        for r in requests:
-            r.rid = internal[r.rid]
-            if r.waits_for is not None:
-                r.waits_for = internal.get(r.waits_for, r.waits_for)
-        call = Call([r.rid for r in requests], public)
+        sent = [
+            dataclasses.replace(
+                s,
+                rid=internal[s.rid],
+                waits_for=None if s.waits_for is None else internal.get(s.waits_for, s.waits_for),
+            )
+            for s in samples
+        ]
+        call = Call([s.rid for s in sent], public)
         for rid in public:
             self._public[rid] = call
         for rid in call.rids:
@@ -247,7 +252,7 @@ class CoreClient:
         call.unstarted.update(call.rids)
         self.queued += len(call.rids)
         try:
-            self._send(ipc.Submit(requests))
+            self._send(ipc.Submit(sent))
         except Exception:
             self.forget(call)
             raise

@@ -100,7 +100,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def _check_grammar(self, g: GenerateCall, context: grpc.aio.ServicerContext) -> None:
         """A constrained call reaches the core only once its grammar compiled
         (the samples of a call share one grammar)."""
-        grammar = g.requests[0].sampling.grammar
+        grammar = g.samples[0].sampling.grammar
         if grammar is None:
             return
         if self.grammars is None:
@@ -139,10 +139,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     self.model.has_tokenizer,
                     self.core.adapter_ids(),
                 )
-                obs.accepted(g)
+                g = g.traced(obs.accepted(g))
                 await self._check_grammar(g, context)
-                await self.core.wait_free([r.rid for r in g.requests], RID_REUSE_GRACE_S)
-                call = self.core.submit(g.requests)
+                await self.core.wait_free([s.rid for s in g.samples], RID_REUSE_GRACE_S)
+                call = self.core.submit(g.samples)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -182,14 +182,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         obs: CallObserver,
     ) -> AsyncIterator[pb.GenerateResponse]:
         start = g.logprobs.logprob_start_len if g.logprobs.return_logprob else -1
-        first = SampleState(g.requests[0].rid, 0, g.requests[0].prompt_ids, start)
+        prompt = g.samples[0].prompt_ids
+        first = SampleState(call.rids[0], 0, prompt, start)
         samples = {first.rid: first}
-        for i, r in enumerate(g.requests[1:], 1):
+        for i, rid in enumerate(call.rids[1:], 1):
             # Siblings share the first sample's prompt logprobs (only it
             # computes them: generate_call).
-            samples[r.rid] = SampleState(
-                r.rid, i, r.prompt_ids, start, prompt_logprobs=first.prompt_logprobs
-            )
+            samples[rid] = SampleState(rid, i, prompt, start, prompt_logprobs=first.prompt_logprobs)
         open_samples = set(samples)
         # Siblings whose answer waits for the first sample's prompt logprobs
         # (its prefill result normally arrives before any sibling's token; a
@@ -269,7 +268,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         )
         try:
             g = generate_call(probe, self.model.limits, self.model.encode, False)
-            call = self.core.submit(g.requests, bounded=False)
+            call = self.core.submit(g.samples, bounded=False)
         except (CoreUnavailable, ValueError) as e:
             return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")
         try:

@@ -1,22 +1,24 @@
 """The scheduler's brain as a pure-Python library (no torch, no grpc).
 
-Queues, the radix prefix cache, KV-page metadata, scheduling policies,
-admission, the running batch, and the step/update loop body that turns
-requests into transport-neutral step plans. Its test oracle, the in-process
-simulated worker, lives apart in scheduler_service/testing/.
+The request table and its places, the radix prefix cache and KV-page
+metadata (kv/), scheduling policies and admission (admission/), speculative
+decoding (spec/), and the Scheduler, which turns requests into
+transport-neutral step plans and applies their results. Its test oracle, the
+in-process simulated worker, lives apart in scheduler_service/testing/.
 """
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.finish import StopStringChecker
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
 from scheduler_service.core.plan import (
     ForwardMode,
-    JoinRequest,
+    Join,
+    PlanEntry,
+    ProtocolError,
     RequestOutput,
-    ScheduledRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -26,13 +28,15 @@ from scheduler_service.core.request import (
     FinishLength,
     FinishReason,
     FinishStop,
+    Place,
     Request,
-    RequestState,
 )
+from scheduler_service.core.results import StopStringChecker
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
-from scheduler_service.core.scheduler import ProtocolError, Scheduler
+from scheduler_service.core.scheduler import ENGINE_INTERFACE, Scheduler
 
 __all__ = [
+    "ENGINE_INTERFACE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -42,23 +46,24 @@ __all__ = [
     "FinishStop",
     "ForwardMode",
     "InvalidRequestError",
-    "JoinRequest",
+    "Join",
     "KvEvent",
     "LogprobOptions",
     "PagePool",
+    "Place",
+    "PlanEntry",
     "ProtocolError",
     "RadixCache",
     "Request",
     "RequestDelta",
     "RequestOutput",
-    "RequestState",
     "SamplingParams",
-    "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
     "StepPlan",
     "StepResult",
     "StopStringChecker",
+    "Submission",
     "TokenLogprobs",
 ]

@@ -1,16 +1,66 @@
-"""New requests: the checks a request passes before it is queued, and the
-n > 1 siblings held until the request whose prompt they share (their
-leader, ``waits_for``) is planned and so cached."""
+"""New requests: what a caller submits, the checks a request passes before it
+is queued, and the rule that holds an n > 1 sibling until the request whose
+prompt it shares (its leader, ``waits_for``) is planned and so cached.
+
+A ``Submission`` is the plain record a caller hands the core (the API
+process sends them across its pipe, like vLLM's EngineCoreRequest or
+SGLang's TokenizedGenerateReqInput): ids, sampling, limits and trace
+context, nothing of the scheduler's own. The core builds its ``Request``
+from it; KV holdings, epochs and speculative scratch never leave the core.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv.page_pool import PagePool
-from scheduler_service.core.request import Request, RequestState
-from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.core.request import Place, Request
+from scheduler_service.core.sampling import (
+    NO_LOGPROBS,
+    InvalidRequestError,
+    LogprobOptions,
+    SamplingParams,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    logprobs: LogprobOptions = NO_LOGPROBS
+    priority: int = 0
+    extra_key: str | None = None  # cache namespace (requests with other keys share nothing)
+    adapter: str | None = None  # the LoRA adapter's lora_id; None: the base model
+    routing_key: str | None = None
+    # W3C (traceparent, tracestate) of the traced Generate call.
+    trace_context: tuple[str, str] | None = None
+    # n > 1: the rid of the sample that prefills the shared prompt.
+    waits_for: str | None = None
+    speculative: bool = True  # False: this request never drafts
+
+    def validate(self, vocab_size: int | None, context_len: int | None) -> None:
+        """InvalidRequestError if the core would refuse it (the API process
+        checks before anything crosses the pipe; the core checks again)."""
+        self.to_request().validate(vocab_size, context_len)
+
+    def to_request(self) -> Request:
+        return Request(
+            self.rid,
+            list(self.prompt_ids),
+            self.sampling,
+            self.logprobs,
+            priority=self.priority,
+            extra_key=self.extra_key,
+            adapter=self.adapter,
+            routing_key=self.routing_key,
+            trace_context=self.trace_context,
+            waits_for=self.waits_for,
+            speculative=self.speculative,
+        )
 
 
 def check_new_request(
@@ -24,7 +74,7 @@ def check_new_request(
     LoRA adapter gets the adapter's cache namespace (``extra_key``)."""
     if req.rid in requests:
         raise InvalidRequestError(f"request id {req.rid!r} is already in use")
-    if req.state is not RequestState.WAITING or req.output_ids or req.pages:
+    if req.place is not Place.NEW or req.output_ids or req.pages:
         raise InvalidRequestError(f"request {req.rid!r} is not a fresh request")
     req.validate(config.vocab_size, config.context_len)
     if req.adapter is not None:
@@ -45,24 +95,5 @@ def leader_planned(req: Request, requests: Mapping[str, Request]) -> bool:
     """Whether the sibling ``req`` waits for is gone or has its prompt planned."""
     leader = requests.get(req.waits_for)
     return leader is None or (
-        leader.state is not RequestState.WAITING and leader.kv_len >= len(leader.prompt_ids)
+        leader.place is not Place.WAITING and leader.kv_len >= len(leader.prompt_ids)
     )
-
-
-def release_held(
-    held: list[Request],
-    requests: Mapping[str, Request],
-    waiting: list[Request],
-    clock: Callable[[], float],
-) -> list[Request]:
-    """Move the held siblings whose leader is planned to ``waiting``; return
-    those still held."""
-    still = []
-    for req in held:
-        if leader_planned(req, requests):
-            req.waits_for = None
-            req.times.queue_entry = clock()
-            waiting.append(req)
-        else:
-            still.append(req)
-    return still

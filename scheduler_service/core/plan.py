@@ -1,20 +1,30 @@
-"""Transport-neutral step plans and results (the shape of the worker protocol).
+"""Step plans and results: what the scheduler sends the worker each step
+and what comes back (the shape of the worker protocol, transport-neutral).
 
 The worker keeps per-request state between steps (page table, sampling
-params, sequence so far, last sampled token), so a plan carries deltas only:
+params, sequence so far, last sampled token), so a plan carries deltas only;
+its parts have the worker protocol's names:
 
+- ``leaves``: requests whose state the worker drops (finished, aborted,
+  retracted), applied first;
 - ``joins``: requests the worker does not hold yet, with their parameters
   and the tokens before their first scheduled position (served from the
   prefix cache, so never sent as inputs);
-- ``departures``: requests whose state the worker must drop (finished,
-  aborted, retracted), applied before the joins;
-- ``entries``: for each scheduled request, the tokens to compute from
-  ``start_pos`` (``input_ids is None`` means "my last sampled token", which
-  lets the scheduler send plan N+1 before result N arrives) and the page ids
-  appended to its table.
+- ``extends`` then ``decodes``: for each scheduled request, the tokens to
+  compute from ``start_pos`` and the page ids appended to its table. An
+  extend carries its tokens (a prefill chunk, or a drafted row: the last
+  sampled token and drafts); a decode computes "my last sampled token", which
+  lets the scheduler send plan N+1 before result N arrives. The worker
+  computes extends before decodes: the plan keeps them in two lists, so that
+  order needs no sorting.
 
 Every position p the plan computes is written at slot p % page_size of page
-table[p // page_size]. Prefill entries come before decode entries.
+table[p // page_size].
+
+A plan is also the scheduler's record of itself until its result comes
+back (``Scheduler.in_flight()``): each ``PlanEntry`` names its request and the
+request's epoch when planned, so a result for a request that moved on since
+(retracted, preempted, finished) is recognised and dropped.
 """
 
 from __future__ import annotations
@@ -23,18 +33,23 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 
 
+class ProtocolError(RuntimeError):
+    """A step result that does not fit the plan it answers."""
+
+
 class ForwardMode(enum.Enum):
-    PREFILL = "prefill"  # prefill (extend) entries only
-    DECODE = "decode"  # one token per entry, all "last sampled"
-    MIXED = "mixed"  # prefill chunk(s) and the decode batch in one forward
-    IDLE = "idle"  # no forward: only joins/leaves to apply
+    PREFILL = "prefill"  # extends only
+    DECODE = "decode"  # decodes only
+    MIXED = "mixed"  # extends and decodes in one forward
+    IDLE = "idle"  # no forward: only joins / leaves to apply
 
 
 @dataclass(frozen=True, slots=True)
-class JoinRequest:
+class Join:
     rid: str
     sampling: SamplingParams
     logprobs: LogprobOptions
@@ -52,11 +67,14 @@ class JoinRequest:
     adapter_slot: int = 0
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    rid: str
+@dataclass(slots=True, eq=False)
+class PlanEntry:
+    """One request's part of a step (an extend or a decode)."""
+
+    req: Request
+    epoch: int  # the request's epoch when planned
     start_pos: int
-    input_ids: list[int] | None  # None: the last token the worker sampled for it
+    input_ids: list[int] | None  # None (a decode): the last token the worker sampled for it
     # Page ids appended to the request's table: a list, or a slice of the
     # request's packed page table (array('i')) for a prefill.
     new_pages: Sequence[int]
@@ -64,30 +82,59 @@ class ScheduledRequest:
     # The prompt token right after a chunk that stops inside the prompt, sent
     # when prompt logprobs are wanted so the chunk's last logits can score it.
     next_token: int | None = None
-    # Speculative decoding: the last draft_len input_ids are drafted tokens
-    # (input_ids[0] is the last sampled token); the worker verifies them and
-    # answers 1..draft_len + 1 tokens (RequestOutput.more_tokens).
-    draft_len: int = 0
+    # Speculative decoding: the drafted tokens after input_ids[0] (the last
+    # sampled token); the worker verifies them and answers 1..len + 1 tokens
+    # (RequestOutput.more_tokens).
+    drafts: list[int] | None = None
+    # The transport's name for the request in this plan (the worker
+    # protocol's slot), set when the plan is encoded.
+    slot: int = -1
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def draft_len(self) -> int:
+        return len(self.drafts) if self.drafts is not None else 0
 
     @property
     def num_tokens(self) -> int:
         return 1 if self.input_ids is None else len(self.input_ids)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class StepPlan:
     step_id: int
     mode: ForwardMode
-    entries: list[ScheduledRequest] = field(default_factory=list)
-    joins: list[JoinRequest] = field(default_factory=list)
-    departures: list[str] = field(default_factory=list)
-    # (slot, lora_id) adapter slot assignments, applied after the departures
-    # and before the joins.
+    extends: list[PlanEntry] = field(default_factory=list)
+    decodes: list[PlanEntry] = field(default_factory=list)
+    joins: list[Join] = field(default_factory=list)
+    leaves: list[str] = field(default_factory=list)
+    # (slot, lora_id) adapter slot assignments, applied after the leaves and
+    # before the joins.
     adapter_slots: list[tuple[int, str]] = field(default_factory=list)
+    # When the plan was sent (ns since the epoch; set by the engine): the
+    # start of its requests' prefill spans.
+    sent_ns: int = 0
+
+    @property
+    def entries(self) -> list[PlanEntry]:
+        """Extends, then decodes: the worker's order, and its results'."""
+        return self.extends + self.decodes if self.decodes else self.extends
 
     @property
     def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
+        return sum(e.num_tokens for e in self.extends) + len(self.decodes)
+
+    @property
+    def sampling_entries(self) -> int:
+        """Entries that sample (each answers one token, a drafted one 1..k+1)."""
+        return sum(e.sample for e in self.extends) + len(self.decodes)
+
+    @property
+    def drafted(self) -> bool:
+        return any(e.drafts is not None for e in self.extends)
 
 
 @dataclass(slots=True)

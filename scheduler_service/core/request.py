@@ -1,16 +1,19 @@
-"""A generation request as the scheduler sees it: tokens, state, and KV holdings.
+"""A generation request as the scheduler sees it: tokens, its place, and KV holdings.
 
-State machine (every transition goes through ``Request.move_to``)::
+Places (``Request.place``; only the request table, request_table.py, moves a
+request, and every move checks where it is)::
 
-    WAITING --admit--> PREFILLING --last chunk--> DECODING --token check--> FINISHED
-       ^                  |  ^ (next chunk)          |
-       |                  v  |                      v
-       +------------ RETRACTED <--- retract / preempt
+    NEW --add--> HELD --leader planned--> WAITING --admit--> CHUNKED --last chunk--> RUNNING
+                                             ^                  |  ^ (next chunk)      |
+                                             |                  v  |                   |
+                                             +---- retract / preempt / worker loss ----+
+                                             |
+                         SCORING (max_new_tokens 0, prefill in flight) --result--> FINISHED
 
-    and any state --abort--> FINISHED
+    and any live place --abort / finish--> FINISHED
 
-A retracted request keeps ``output_ids``; it re-prefills prompt + output
-(mostly from the prefix cache) and its output continues unchanged.
+A request back in WAITING keeps ``output_ids``; it re-prefills prompt +
+output (mostly from the prefix cache) and its output continues unchanged.
 """
 
 from __future__ import annotations
@@ -29,27 +32,23 @@ from scheduler_service.core.sampling import (
 )
 
 
-class RequestState(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    RETRACTED = "retracted"
+class Place(enum.Enum):
+    NEW = "new"  # not in the table yet
+    HELD = "held"  # an n > 1 sibling: waits until its leader's prompt is planned
+    WAITING = "waiting"  # in the queue (new, or back after retraction, preemption, loss)
+    CHUNKED = "chunked"  # its prefill continues next step
+    RUNNING = "running"  # in the decode batch
+    SCORING = "scoring"  # max_new_tokens 0: its last prefill chunk is in flight
     FINISHED = "finished"
 
 
-_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
-    RequestState.PREFILLING: frozenset(
-        {RequestState.DECODING, RequestState.RETRACTED, RequestState.FINISHED}
-    ),
-    RequestState.DECODING: frozenset({RequestState.RETRACTED, RequestState.FINISHED}),
-    RequestState.RETRACTED: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
-    RequestState.FINISHED: frozenset(),
-}
+# Where the worker holds the request's state (a join put it there; leaving
+# one of these places tells the worker to drop it, unless the worker is lost).
+ON_WORKER = frozenset({Place.CHUNKED, Place.RUNNING, Place.SCORING})
 
 
-class IllegalTransitionError(RuntimeError):
-    pass
+class IllegalMoveError(RuntimeError):
+    """A request was moved from a place it is not in (a scheduler bug)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +112,7 @@ class Request:
     speculative: bool = True
 
     output_ids: list[int] = field(default_factory=list)
-    state: RequestState = RequestState.WAITING
+    place: Place = Place.NEW
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
@@ -135,8 +134,6 @@ class Request:
     # Bumped whenever in-flight results for this request become meaningless
     # (retraction, preemption, finish); results carry the epoch they were for.
     epoch: int = 0
-    # Whether the worker currently holds state for this request.
-    on_worker: bool = False
     # The worker's adapter slot this request holds while on the worker (0: none).
     adapter_slot: int = 0
     # Whether prompt logprobs still have to be computed (cleared after the
@@ -177,26 +174,25 @@ class Request:
         self.prompt_logprobs_sent = max(self.logprobs.logprob_start_len, 0)
 
     # ---------------------------------------------------------------- state
-    def move_to(self, new: RequestState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise IllegalTransitionError(f"request {self.rid}: {self.state.value} -> {new.value}")
-        self.state = new
+    @property
+    def on_worker(self) -> bool:
+        """Whether the worker holds state for this request."""
+        return self.place in ON_WORKER
 
     @property
     def finished(self) -> bool:
-        return self.state is RequestState.FINISHED
+        return self.place is Place.FINISHED
 
     def finish(self, reason: FinishReason, now: float) -> None:
-        self.move_to(RequestState.FINISHED)
+        """Record why it finished (the request table has taken it out)."""
         self.finish_reason = reason
         self.times.finished = now
         self.epoch += 1
         self.pending = 0
 
     def back_to_wait(self, now: float) -> None:
-        """Waiting again, its KV released or lost (retraction, preemption,
-        worker loss): what plans already sent bring for it is stale."""
-        self.move_to(RequestState.RETRACTED)
+        """Its KV released or lost (retraction, preemption, worker loss): what
+        plans already sent bring for it is stale (the table moves it)."""
         self.epoch += 1
         self.pending = 0
         if self.spec is not None:
@@ -291,12 +287,13 @@ class Request:
 
 
 __all__ = [
+    "ON_WORKER",
     "FinishAbort",
     "FinishLength",
     "FinishReason",
     "FinishStop",
-    "IllegalTransitionError",
+    "IllegalMoveError",
+    "Place",
     "Request",
-    "RequestState",
     "RequestTimes",
 ]

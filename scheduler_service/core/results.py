@@ -1,127 +1,217 @@
-"""What a step's result means for its requests: tokens appended, logprobs
+"""What a step's result means for its requests: tokens received, logprobs
 delivered (prompt positions once each), finish conditions checked.
+
+Receiving a token is written once (``receive_token``): a decode's token, the
+token after a prompt's last chunk and each token of a drafted row (the
+accepted drafts and the sample after them) all go through it, with the
+finish check after each; tokens after a finish are dropped.
 
 ``apply_result`` changes the requests' own token state and queues their
 deltas; it moves no request anywhere: it returns the ones that finished,
-with why, for the scheduler to finish (release, depart, forget).
+with why, for the scheduler to finish (release, leave the worker, forget).
+
+Finish order, for the token just appended (SGLang's update_finish_state
+order): the end of its grammar (structured generation), stop string, then
+EOS / stop token id, then length. Stop conditions only count once more than
+``min_new_tokens`` tokens exist: the worker masks EOS and stop ids while
+fewer than ``min_new_tokens`` have been generated, and the scheduler
+enforces the same rule for stop strings and for workers that do not mask
+(the simulated one).
 """
 
 from __future__ import annotations
 
-from scheduler_service.core.finish import StopStringChecker, check_finish
-from scheduler_service.core.inflight import InFlight, ProtocolError
+from dataclasses import dataclass
+from typing import Protocol
+
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
-from scheduler_service.core.plan import RequestOutput, StepResult
-from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.core.spec.settle import apply_drafted
+from scheduler_service.core.plan import (
+    PlanEntry,
+    ProtocolError,
+    RequestOutput,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from scheduler_service.core.request import FinishLength, FinishReason, FinishStop, Request
+
+
+class StopStringChecker(Protocol):
+    """Detokenizes and looks for the request's stop strings in its new text.
+
+    Called after each token appended to a request that has stop strings;
+    returns the stop string that matched, or None. The service implements it
+    with its incremental detokenizer.
+    """
+
+    def __call__(self, req: Request) -> str | None: ...
+
+
+@dataclass(slots=True)
+class Receipt:
+    """What receiving tokens needs besides the tokens: one per result."""
+
+    now: float
+    stats: SchedulerStats
+    outbox: list[RequestDelta]
+    eos_ids: frozenset[int]
+    stop_strings: StopStringChecker | None
+
+
+def check_finish(
+    req: Request,
+    token: int,
+    eos_token_ids: frozenset[int],
+    stop_strings: StopStringChecker | None,
+    grammar_ended: bool = False,
+) -> FinishReason | None:
+    """Why ``req`` finished with ``token`` (just appended), or None."""
+    sp = req.sampling
+    n = len(req.output_ids)
+    if grammar_ended:
+        # The grammar admits nothing after this token (it is usually EOS, which
+        # the grammar allows only where it can end): done, whatever
+        # ignore_eos or min_new_tokens say, unless the length ran out with it.
+        return FinishLength(sp.max_new_tokens) if n >= sp.max_new_tokens else FinishStop(token)
+    if n > sp.min_new_tokens:
+        if sp.stop_strs and stop_strings is not None:
+            matched = stop_strings(req)
+            if matched is not None:
+                return FinishStop(matched)
+        if not sp.ignore_eos and (token in sp.stop_token_ids or token in eos_token_ids):
+            return FinishStop(token)
+    if n >= sp.max_new_tokens:
+        return FinishLength(sp.max_new_tokens)
+    return None
+
+
+def receive_token(
+    req: Request,
+    token: int,
+    lp: TokenLogprobs | None,
+    delta: RequestDelta,
+    r: Receipt,
+    grammar_ended: bool,
+) -> FinishReason | None:
+    """Append one sampled token to ``req`` and ``delta``; why it finished, if
+    it did (``delta`` then says so). check_finish runs only when one of its
+    conditions can hold: most tokens end nothing."""
+    output_ids = req.output_ids
+    output_ids.append(token)
+    delta.new_token_ids.append(token)
+    delta.logprobs.append(lp)
+    r.stats.generated_tokens += 1
+    sp = req.sampling
+    n = len(output_ids)
+    if (
+        n >= sp.max_new_tokens
+        or grammar_ended
+        or (
+            n > sp.min_new_tokens
+            and (
+                (sp.stop_strs and r.stop_strings is not None)
+                or (not sp.ignore_eos and (token in sp.stop_token_ids or token in r.eos_ids))
+            )
+        )
+    ):
+        reason = check_finish(req, token, r.eos_ids, r.stop_strings, grammar_ended)
+        if reason is not None:
+            delta.finished = True
+            return reason
+    return None
 
 
 def apply_result(
-    record: InFlight,
-    result: StepResult,
-    now: float,
-    stats: SchedulerStats,
-    outbox: list[RequestDelta],
-    eos_ids: frozenset[int],
-    stop_strings: StopStringChecker | None,
+    plan: StepPlan, result: StepResult, r: Receipt
 ) -> list[tuple[Request, FinishReason]]:
-    """Apply ``result`` (the answer to the plan ``record`` remembers); return
-    the requests it finished, in order, their finish delta already queued."""
+    """Apply ``result`` (the answer to ``plan``); return the requests it
+    finished, in order, their finish delta already queued."""
+    step = plan.step_id
     tokens = sum(1 for out in result.outputs if out.token_id is not None)
-    if tokens != record.expected_tokens:
+    if tokens != plan.sampling_entries:
         raise ProtocolError(
-            f"step {record.step_id}: {tokens} sampled tokens for "
-            f"{record.expected_tokens} sampling entries"
+            f"step {step}: {tokens} sampled tokens for {plan.sampling_entries} sampling entries"
         )
+    entries = {e.req.rid: e for e in plan.extends}
+    for e in plan.decodes:
+        entries[e.req.rid] = e
     finished: list[tuple[Request, FinishReason]] = []
-    entries = record.entries
-    drafts = record.drafts
-    checks_strings = stop_strings is not None
     for out in result.outputs:
-        item = entries.pop(out.rid, None)  # a second output for one entry is refused too
-        if item is None:
-            raise ProtocolError(f"step {record.step_id} has no entry for {out.rid!r}")
-        req, epoch, samples = item
-        token = out.token_id
-        if samples != (token is not None):
-            raise ProtocolError(f"step {record.step_id}: {out.rid} sampled {samples=}")
-        if req.epoch != epoch:
-            if samples:
-                stats.discarded_tokens += 1 + len(out.more_tokens or ())
-            continue
-        drafted = drafts.get(out.rid) if drafts else None
-        if drafted is not None:
-            if out.prompt_logprobs:
-                raise ProtocolError(f"step {record.step_id}: prompt logprobs for drafted {out.rid}")
-            reason = apply_drafted(
-                req, out, drafted[2], drafted[3], now, stats, outbox, eos_ids, stop_strings
-            )
-            if reason is not None:
-                finished.append((req, reason))
-            continue
-        if out.more_tokens:
-            raise ProtocolError(f"step {record.step_id}: {out.rid} has more tokens but no drafts")
-        if token is None or out.prompt_logprobs or out.grammar_ended:
-            reason = _apply_output(req, out, now, stats, outbox, eos_ids, stop_strings)
-            if reason is not None:
-                finished.append((req, reason))
-            continue
-        # A plain sampled token (the decode case): _apply_output inlined,
-        # check_finish only called when one of its conditions can hold.
-        delta = RequestDelta(req, [token], [out.logprobs])
-        req.pending -= 1
-        output_ids = req.output_ids
-        output_ids.append(token)
-        stats.generated_tokens += 1
-        times = req.times
-        if times.first_token is None:
-            times.first_token = now
-        outbox.append(delta)
-        sp = req.sampling
-        n = len(output_ids)
-        if n >= sp.max_new_tokens or (
-            n > sp.min_new_tokens
-            and (
-                (checks_strings and sp.stop_strs)
-                or (not sp.ignore_eos and (token in sp.stop_token_ids or token in eos_ids))
-            )
-        ):
-            reason = check_finish(req, token, eos_ids, stop_strings)
-            if reason is not None:
-                delta.finished = True
-                finished.append((req, reason))
+        entry = entries.pop(out.rid, None)  # a second output for one entry is refused too
+        if entry is None:
+            raise ProtocolError(f"step {step} has no entry for {out.rid!r}")
+        reason = _receive(entry, out, r, step)
+        if reason is not None:
+            finished.append((entry.req, reason))
     return finished
 
 
-def _apply_output(
-    req: Request,
-    out: RequestOutput,
-    now: float,
-    stats: SchedulerStats,
-    outbox: list[RequestDelta],
-    eos_ids: frozenset[int],
-    stop_strings: StopStringChecker | None,
-) -> FinishReason | None:
+def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> FinishReason | None:
+    """One entry's output: its prompt logprobs, then its tokens."""
+    req = entry.req
     token = out.token_id
+    if entry.sample != (token is not None):
+        raise ProtocolError(f"step {step}: {out.rid} sampled {entry.sample=}")
+    drafts = entry.drafts
+    if out.more_tokens and drafts is None:
+        raise ProtocolError(f"step {step}: {out.rid} has more tokens but no drafts")
+    if drafts is not None and out.prompt_logprobs:
+        raise ProtocolError(f"step {step}: prompt logprobs for drafted {out.rid}")
+    if req.epoch != entry.epoch:  # it moved on since: what it sampled is stale
+        if token is not None:
+            r.stats.discarded_tokens += 1 + len(out.more_tokens or ())
+        return None
     if token is None:  # a prefill chunk: only prompt logprobs can come back
         delta = RequestDelta(req, [], [])
         take_prompt_logprobs(req, out, delta)
         if delta.prompt_logprobs:
-            outbox.append(delta)
+            r.outbox.append(delta)
         return None
-    delta = RequestDelta(req, [token], [out.logprobs])
+    delta = RequestDelta(req, [], [])
     if out.prompt_logprobs:
         take_prompt_logprobs(req, out, delta)
     req.pending -= 1
-    req.output_ids.append(token)
-    stats.generated_tokens += 1
     if req.times.first_token is None:
-        req.times.first_token = now
-    outbox.append(delta)
-    reason = check_finish(req, token, eos_ids, stop_strings, out.grammar_ended)
-    if reason is not None:
-        delta.finished = True
-    return reason
+        req.times.first_token = r.now
+    r.outbox.append(delta)
+    if drafts is None:
+        return receive_token(req, token, out.logprobs, delta, r, out.grammar_ended)
+    return _receive_drafted(entry, out, delta, r)
+
+
+def _receive_drafted(
+    entry: PlanEntry, out: RequestOutput, delta: RequestDelta, r: Receipt
+) -> FinishReason | None:
+    """A drafted row's tokens: the accepted drafts and the sample after them.
+    Its kv_len becomes what the worker kept (start_pos + accepted + 1; the
+    scheduler frees the pages past it when the plan settles)."""
+    req, drafts = entry.req, entry.drafts or []
+    more = out.more_tokens or []
+    tokens = [out.token_id, *more]
+    accepted = len(more)
+    if accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
+        raise ProtocolError(
+            f"{out.rid}: the worker answered {tokens} for the drafts {drafts}: "
+            "accepted tokens must be a prefix of the drafts"
+        )
+    more_lp = out.more_logprobs
+    if more_lp is not None and len(more_lp) != accepted:
+        raise ProtocolError(f"{out.rid}: {len(more_lp)} logprobs for {accepted} more tokens")
+    logprobs = [out.logprobs, *(more_lp if more_lp is not None else [None] * accepted)]
+    req.kv_len = entry.start_pos + accepted + 1
+    req.spec_draft_tokens += len(drafts)
+    req.spec_accepted_tokens += accepted
+    stats = r.stats
+    stats.spec_draft_tokens += len(drafts)
+    stats.spec_accepted_tokens += accepted
+    last = len(tokens) - 1
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        ended = out.grammar_ended and i == last  # it is about the entry's last token
+        reason = receive_token(req, token, lp, delta, r, ended)
+        if reason is not None:
+            stats.discarded_tokens += last - i
+            return reason
+    return None
 
 
 def take_prompt_logprobs(req: Request, out: RequestOutput, delta: RequestDelta) -> None:

@@ -1,17 +1,14 @@
 """The Scheduler: ``step() -> StepPlan`` and ``update(StepResult)``.
 
-It owns every request's place (the request table; the waiting queue; n > 1
-siblings held until their shared prompt is planned; the running batch; the
-request whose prefill is chunked; the plans in flight) and makes every move
-between them. Its collaborators decide and report: intake.py checks new
-requests and releases held siblings, admission (admission.py) says which
-waiting requests run and which running ones are preempted, the running batch
-(batch.py) says which requests must give up their KV for a decode to fit,
-decode_schedule.py makes the decode rows and moves the new-token ratio,
-oom_aborts.py says which request cannot fit at all, prefill_entries.py turns
-admissions into plan entries, results.py says what a result means for each
-request and which finished, worker_loss.py what a lost worker group means
-for each; the KV manager (kv_manager.py) owns pages.
+It plans; it does not keep requests itself. Where each request is belongs to
+the request table (request_table.py), the only code that moves one. Each
+step the scheduler asks its deciders and applies their answers through the
+table: admission (admission/) says which waiting requests run and which
+running ones are preempted, decode.py which running requests give up their
+KV for a decode to fit and which cannot fit at all, results.py what a result
+means for each request and which finished, worker_loss.py what a lost worker
+group means; the KV manager (kv/) owns pages, AdapterSlots the worker's
+adapter slots.
 
 Each step is a prefill (admit waiting requests, continue a chunked one),
 optionally mixed with the decode batch, or else a decode of the running
@@ -19,16 +16,21 @@ batch (retracting requests when pages run out), as in SGLang.
 
 Overlap: ``step()`` for N+1 may run before ``update()`` for N. Decode entries
 then name "the last sampled token", in-flight tokens are counted in
-``Request.pending``, and results are matched to the request *epoch* they were
-planned for: a request retracted, preempted or finished since has its late
-token discarded (a finished one's extra step only wrote a page that is freed).
+``Request.pending``, and each plan entry remembers the request *epoch* it
+was planned for: a request retracted, preempted or finished since has its
+late token discarded (a finished one's extra step only wrote a page that is
+freed). The plans in flight are kept here, once, oldest first: the engine,
+the worker codec and the tracer read them (``in_flight``).
 
-Speculative decoding (spec_plan.py, spec_state.py, drafts.py): a running
-request that drafts gets an extend entry of its last token plus the drafts.
-Drafting needs that last token, so when a request wants drafts while plans
-are in flight, ``step()`` returns None until they are answered (the pipeline
-drains); while a drafted plan is in flight, nothing else is planned.
-Requests that do not draft keep the overlap.
+Speculative decoding (spec/): a running request that drafts gets an extend
+entry of its last token plus the drafts. Drafting needs that last token, so
+when a request wants drafts while plans are in flight, ``step()`` returns
+None until they are answered (the pipeline drains); while a drafted plan is
+in flight, nothing else is planned. Requests that do not draft keep the
+overlap.
+
+``ENGINE_INTERFACE`` names what the engine (scheduler_service/engine/) may
+use; tests/test_architecture.py holds it to that.
 """
 
 from __future__ import annotations
@@ -39,51 +41,74 @@ from collections.abc import Callable
 
 import structlog
 
-from scheduler_service.core.adapters import AdapterSlots
-from scheduler_service.core.admission.decision import plan_admission
-from scheduler_service.core.admission.entries import plan_prefill
+from scheduler_service.core.adapters import Adapter, AdapterSlots
+from scheduler_service.core.admission.decision import plan_admission, unfit_head
+from scheduler_service.core.admission.entries import prefill_part
 from scheduler_service.core.admission.policy import SchedulePolicy
-from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.decode_schedule import (
+from scheduler_service.core.decode import (
+    decode_candidates,
     decode_rows,
-    expect_decodes,
+    make_room,
     next_new_token_ratio,
+    oom_after_retraction,
+    pages_needed,
     start_decoding,
 )
-from scheduler_service.core.finish import StopStringChecker
-from scheduler_service.core.inflight import InFlight, ProtocolError, take_answered
-from scheduler_service.core.intake import check_new_request, leader_planned, release_held
+from scheduler_service.core.intake import Submission, check_new_request, leader_planned
 from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
-from scheduler_service.core.oom_aborts import oom_after_retraction, unfit_head
 from scheduler_service.core.outputs import RequestDelta, SchedulerStats
-from scheduler_service.core.plan import (
-    ForwardMode,
-    ScheduledRequest,
-    StepPlan,
-    StepResult,
-)
+from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
     FinishAbort,
     FinishLength,
     FinishReason,
+    Place,
     Request,
-    RequestState,
 )
-from scheduler_service.core.results import apply_result
+from scheduler_service.core.request_table import RequestTable
+from scheduler_service.core.results import Receipt, StopStringChecker, apply_result
 from scheduler_service.core.spec.drafts import Drafter, NgramDrafter
-from scheduler_service.core.spec.rows import Drafts, DraftWatch
+from scheduler_service.core.spec.rows import DraftWatch
 from scheduler_service.core.spec.settle import settle_drafts
-from scheduler_service.core.worker_loss import (
-    forget_cache_reads,
-    send_back_to_wait,
-    take_kv_holders,
-)
+from scheduler_service.core.worker_loss import forget_cache_reads, forget_worker_state
 
 logger = structlog.get_logger(__name__)
+
+# What the engine may use of a Scheduler (tests/test_architecture.py).
+ENGINE_INTERFACE = frozenset(
+    {
+        "config",
+        "stats",
+        "submit",
+        "abort",
+        "abort_adapter_requests",
+        "drain",
+        "step",
+        "update",
+        "in_flight",
+        "rids_in_plan",
+        "is_idle",
+        "live_rids",
+        "find",
+        "requests_of_adapter",
+        "loaded_adapters",
+        "check_adapter",
+        "register_adapter",
+        "unregister_adapter",
+        "kv_snapshot",
+        "take_kv_events",
+        "flush_cache",
+        "reset_after_worker_loss",
+        "resize_pool",
+        "check_integrity",
+        "on_requeue",
+        "table_sizes",
+    }
+)
 
 
 class Scheduler:
@@ -91,31 +116,26 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         num_pages: int,
+        *,
         stop_strings: StopStringChecker | None = None,
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
     ) -> None:
         """``drafter``: the draft source when ``config.speculative_ngram`` is on
-        (default: the n-gram sources of drafts.py; tests inject their own)."""
+        (default: the n-gram sources of spec/drafts.py; tests inject their own)."""
         self.config = config
         self.pool = PagePool(num_pages, config.page_size)
         self.cache = RadixCache(config.page_size, self.pool, enable_events=config.enable_kv_events)
         self.kv = KvManager(self.pool, self.cache)
         self.policy = SchedulePolicy(config, self.cache)
         self.adapters = AdapterSlots(config.max_loaded_loras, config.max_loras_per_batch)
-        # Where each live request is: exactly one of these (check_integrity).
-        self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.held: list[Request] = []  # n > 1 siblings, until their leader is planned
-        self.running = RunningBatch(self.kv)
-        self.chunked: Request | None = None
-        self._inflight: deque[InFlight] = deque()  # plans sent, oldest first
+        self.table = RequestTable(self.adapters)
+        self._inflight: deque[StepPlan] = deque()  # plans sent, oldest first
         self.new_token_ratio = config.start_new_token_ratio
         self.stats = SchedulerStats()
         self._stop_strings = stop_strings
         self._clock = clock
         self._step_id = 0
-        self._departures: list[str] = []  # rids whose worker state the next plan drops
         self._outbox: list[RequestDelta] = []
         self._admission_stuck = False
         self._drafter: Drafter | None = None
@@ -129,101 +149,170 @@ class Scheduler:
         self.on_requeue: Callable[[Request, str], None] | None = None
 
     # ============================================================ requests
+    def submit(self, sub: Submission) -> Request:
+        """Build and queue the request a caller submitted; InvalidRequestError
+        if it can never run."""
+        req = sub.to_request()
+        self.add_request(req)
+        return req
+
     def add_request(self, req: Request) -> None:
-        """Queue a request; raise InvalidRequestError if it can never run.
+        """Queue a new request; raise InvalidRequestError if it can never run.
         A request that ``waits_for`` a live sibling is held until that
         sibling's prompt is planned (and so cached)."""
-        check_new_request(req, self.requests, self.config, self.adapters, self.pool)
+        table = self.table
+        check_new_request(req, table.by_rid, self.config, self.adapters, self.pool)
         now = self._clock()
         req.times.arrival = req.times.queue_entry = now
-        self.requests[req.rid] = req
-        if req.waits_for is not None and not leader_planned(req, self.requests):
-            self.held.append(req)
-        else:
+        held = req.waits_for is not None and not leader_planned(req, table.by_rid)
+        if not held:
             req.waits_for = None
-            self.waiting.append(req)
+        table.add(req, held=held)
 
-    def abort(self, rid: str, message: str = "aborted by the client", emit: bool = True) -> bool:
-        """Finish a live request at once, freeing its pages; False if unknown.
-        ``emit=False``: the caller tells the client itself (no finish delta)."""
-        req = self.requests.get(rid)
+    def abort(
+        self, rid: str, message: str = "aborted by the client", *, emit: bool = True
+    ) -> Request | None:
+        """Finish a live request at once, freeing its pages; the request, or
+        None if unknown. ``emit=False``: the caller tells the client itself
+        (no finish delta)."""
+        req = self.table.get(rid)
         if req is None:
-            return False
+            return None
         self._finish(req, FinishAbort(message), emit=emit)
-        return True
+        return req
+
+    def abort_adapter_requests(self, lora_id: str, message: str) -> int:
+        """Abort every live request of adapter ``lora_id``; how many."""
+        reqs = [r for r in self.table if r.adapter == lora_id]
+        for req in reqs:
+            self._finish(req, FinishAbort(message))
+        return len(reqs)
 
     def drain(self) -> list[RequestDelta]:
         """Token deltas and finishes since the last call, in order."""
         out, self._outbox = self._outbox, []
         return out
 
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
+    # ================================================= what others may read
+    def in_flight(self) -> deque[StepPlan]:
+        """The plans sent and not answered, oldest first (the engine, the
+        worker codec and the tracer read them; nobody else changes them)."""
+        return self._inflight
+
+    def rids_in_plan(self, step_id: int) -> set[str]:
+        """The requests a plan in flight computes (a step the worker failed)."""
+        for plan in self._inflight:
+            if plan.step_id == step_id:
+                return {e.req.rid for e in plan.entries}
+        return set()
 
     def is_idle(self) -> bool:
-        return not (self.requests or self._inflight or self._departures)
+        return not (len(self.table) or self._inflight or self.table.leaves)
+
+    def live_rids(self) -> list[str]:
+        return list(self.table.by_rid)
+
+    def find(self, rid: str) -> Request | None:
+        """The live request ``rid`` names, if any."""
+        return self.table.get(rid)
+
+    def table_sizes(self) -> tuple[int, int, int]:
+        """(running incl. a chunked prefill, waiting incl. held siblings, live)."""
+        t = self.table
+        return len(t.running) + (t.chunked is not None), len(t.waiting) + len(t.held), len(t)
+
+    # -------------------------------------------------------- LoRA adapters
+    def loaded_adapters(self) -> list[Adapter]:
+        """The registered adapters, in load order."""
+        return list(self.adapters.loaded.values())
+
+    def check_adapter(self, adapter: Adapter, *, loading: int = 0) -> None:
+        """AdapterError if ``adapter`` could not be registered (``loading``:
+        adapters being loaded that will count too)."""
+        self.adapters.check_register(adapter, loading=loading)
+
+    def register_adapter(self, adapter: Adapter) -> None:
+        """Requests may name it from now on (every rank has loaded it)."""
+        self.adapters.register(adapter)
+
+    def unregister_adapter(self, lora_id: str) -> None:
+        self.adapters.unregister(lora_id)
+
+    def requests_of_adapter(self, lora_id: str) -> int:
+        """Live requests (waiting or running) that use adapter ``lora_id``."""
+        return sum(r.adapter == lora_id for r in self.table)
+
+    def kv_snapshot(self) -> tuple[int, int, int]:
+        """(pages in use by requests, evictable cached pages, pages in all)."""
+        pool = self.pool
+        return pool.num_used, self.cache.evictable_pages, pool.num_pages
+
+    def take_kv_events(self) -> list:
+        return self.cache.take_events()
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """Drop every unlocked cached page, only while idle."""
+        if len(self.table) or self._inflight:
+            return False, "requests are in flight; flush when idle"
+        freed = self.cache.evict_all_unlocked()
+        return True, f"freed {freed} cached pages"
 
     # ================================================================ step
     def step(self) -> StepPlan | None:
         """Plan the next forward; None when there is nothing to send (or when
         plans in flight must be answered first: speculative decoding)."""
+        table = self.table
         inflight = self._inflight
-        if inflight and inflight[-1].drafts:
+        if inflight and inflight[-1].drafted:
             return None  # a drafted plan: its result decides what comes next
         self._drafting = False
         limit = self.config.speculative_disable_by_batch_size
         if (
             self._watch is not None
-            and (not limit or len(self.running) <= limit)
-            and self._watch.wants(self.running, self._step_id)
+            and (not limit or len(table.running) <= limit)
+            and self._watch.wants(table.running, self._step_id)
         ):
             if inflight:
                 self.stats.spec_drains += 1
                 return None  # drain: drafts need the last sampled tokens
             self._drafting = True
-        if self.held:
-            self.held = release_held(self.held, self.requests, self.waiting, self._clock)
-        mixed = self.config.enable_mixed_chunk and len(self.running) > 0
-        decode_reqs = self.running.decode_candidates() if mixed else []
-        prefill = self._schedule_prefill(len(decode_reqs))
-        drafts: Drafts = {}
-        if not prefill:
-            decode_entries, drafts = self._schedule_decode()
-            if not decode_entries:
+        if table.held:
+            self._release_held()
+        mixed = self.config.enable_mixed_chunk and len(table.running) > 0
+        decode_reqs = decode_candidates(table.running.values()) if mixed else []
+        admitted = self._admit(len(decode_reqs))
+        if not admitted:
+            drafted, decodes = self._schedule_decode()
+            if not decodes and not drafted:
                 return self._idle_plan()
             mode = ForwardMode.DECODE
-            if drafts:
-                mode = (
-                    ForwardMode.MIXED if len(drafts) < len(decode_entries) else ForwardMode.PREFILL
-                )
-            plan = StepPlan(self._next_step_id(), mode, departures=self._depart_now())
-            record = InFlight(plan.step_id, {}, 0)
+            if drafted:
+                mode = ForwardMode.MIXED if decodes else ForwardMode.PREFILL
+            plan = StepPlan(self._next_step_id(), mode, drafted, decodes)
             self.stats.decode_steps += 1
         else:
-            plan = StepPlan(
-                self._next_step_id(), ForwardMode.PREFILL, departures=self._depart_now()
-            )
-            record = InFlight(plan.step_id, {}, 0)
-            for req in plan_prefill(prefill, plan, record, self.kv, self._clock(), self.stats):
-                start_decoding(
-                    req, self.running, self._drafter, self._watch, self.config.speculative_max_draft
-                )
+            plan = StepPlan(self._next_step_id(), ForwardMode.PREFILL)
+            self._plan_prefill(admitted, plan)
             # Decode the batch in the same forward if its pages fit after the
             # prefill's (requests preempted for the prefill are gone).
-            decode_reqs = [r for r in decode_reqs if r.state is RequestState.DECODING]
-            decode_entries = []
-            if decode_reqs and self.running.pages_needed(decode_reqs) <= self.kv.available_pages():
-                decode_entries, drafts = self._decode_rows(decode_reqs)
+            decode_reqs = [r for r in decode_reqs if r.place is Place.RUNNING]
+            if decode_reqs and pages_needed(decode_reqs, self.pool.page_size) <= (
+                self.kv.available_pages()
+            ):
+                drafted, decodes = self._decode_rows(decode_reqs)
+                plan.extends += drafted
+                plan.decodes = decodes
                 plan.mode = ForwardMode.MIXED
                 self.stats.mixed_steps += 1
             else:
                 self.stats.prefill_steps += 1
-        plan.entries.extend(decode_entries)
+        plan.leaves = table.take_leaves()
         if self.adapters.changed:
             plan.adapter_slots = self.adapters.take_changes()
-        expect_decodes(record, plan, decode_entries, drafts, self.requests, self.stats)
-        self._inflight.append(record)
+        if plan.drafted:
+            self.stats.spec_steps += 1
+            self.stats.spec_rows += sum(e.drafts is not None for e in plan.extends)
+        inflight.append(plan)
         self.stats.steps += 1
         return plan
 
@@ -231,159 +320,165 @@ class Scheduler:
         self._step_id += 1
         return self._step_id
 
-    def _depart_now(self) -> list[str]:
-        departures, self._departures = self._departures, []
-        return departures
-
     def _idle_plan(self) -> StepPlan | None:
-        if not self.running and not self.waiting and self.chunked is None:
+        table = self.table
+        if not table.running and not table.waiting and table.chunked is None:
             self.new_token_ratio = self.config.start_new_token_ratio
         self._abort_unschedulable()
-        if not self._departures:
+        if not table.leaves:
             return None
-        plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, departures=self._depart_now())
-        self._inflight.append(InFlight(plan.step_id, {}, 0))
+        plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
+        self._inflight.append(plan)
         return plan
 
+    def _release_held(self) -> None:
+        table = self.table
+        for req in [r for r in table.held if leader_planned(r, table.by_rid)]:
+            req.waits_for = None
+            req.times.queue_entry = self._clock()
+            table.release(req)
+
     # ------------------------------------------------------------- prefill
-    def _schedule_prefill(self, mixed_tokens: int) -> list[tuple[Request, int]]:
-        """Admit what the budgets allow and apply the decision."""
+    def _admit(self, mixed_tokens: int) -> list[tuple[Request, int]]:
+        """Ask admission what runs this step and apply its preemptions;
+        returns the admitted requests with the end of what each computes."""
         cfg = self.config
+        table = self.table
         self._admission_stuck = False
-        if not self.waiting and self.chunked is None:
+        if not table.waiting and table.chunked is None:
             return []
-        full = len(self.running) >= cfg.max_running_requests and self.chunked is None
+        full = len(table.running) >= cfg.max_running_requests and table.chunked is None
         if full and not cfg.enable_priority_scheduling:
             return []
-        if self.waiting:
-            self.policy.order(self.waiting, self.running, self._clock())
+        running = list(table.running.values())
+        if table.waiting:
+            self.policy.order(table.waiting, running, self._clock())
         decision = plan_admission(
             cfg,
             self.kv,
-            self.waiting,
-            self.running.reqs(),
-            self.chunked,
-            self.new_token_ratio,
-            mixed_tokens,
-            self.adapters,
+            table.waiting,
+            running,
+            chunked=table.chunked,
+            new_token_ratio=self.new_token_ratio,
+            mixed_tokens=mixed_tokens,
+            adapters=self.adapters,
         )
         self._admission_stuck = decision.stuck
-        if decision.admitted:
-            taken = {id(r) for r, _ in decision.admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in taken]
         for req in decision.preempted:
-            self.running.remove(req)
             self._requeue(req, "preemption")
             req.preemptions += 1
             self.stats.preemptions += 1
-            self.waiting.append(req)
-        self.chunked = decision.chunked
         return decision.admitted
+
+    def _plan_prefill(self, admitted: list[tuple[Request, int]], plan: StepPlan) -> None:
+        part = prefill_part(admitted, self.kv, self._clock())
+        plan.extends = part.extends
+        plan.joins = part.joins
+        self.stats.prompt_tokens += part.prompt_tokens
+        self.stats.cached_tokens += part.cached_tokens
+        self.table.admit(part.moves)
+        cfg = self.config
+        for req, to in part.moves:
+            if to is Place.RUNNING:
+                start_decoding(
+                    req,
+                    drafter=self._drafter,
+                    watch=self._watch,
+                    max_draft=cfg.speculative_max_draft,
+                )
 
     def _abort_unschedulable(self) -> None:
         """Abort the request first in line if it cannot fit even in an empty
-        pool (oom_aborts.unfit_head): only when nothing runs, nothing is in
-        flight and admission was stuck."""
-        if self.running or self._inflight or not self._admission_stuck:
+        pool (admission/decision.unfit_head): only when nothing runs,
+        nothing is in flight and admission was stuck."""
+        table = self.table
+        if table.running or self._inflight or not self._admission_stuck:
             return
-        unfit = unfit_head(self.chunked, self.waiting, self.pool)
+        unfit = unfit_head(table.chunked, table.waiting, self.pool)
         if unfit is not None:
             self._finish(*unfit)
             self.stats.oom_aborts += 1
 
     # -------------------------------------------------------------- decode
-    def _decode_rows(self, reqs: list[Request]) -> tuple[list[ScheduledRequest], Drafts]:
-        drafter = self._drafter if self._drafting else None
+    def _decode_rows(self, reqs: list[Request]) -> tuple[list[PlanEntry], list[PlanEntry]]:
         return decode_rows(
-            self.running, self.kv, reqs, drafter, self._step_id, self.config.context_len
+            self.kv,
+            reqs,
+            drafter=self._drafter if self._drafting else None,
+            step_id=self._step_id,
+            context_len=self.config.context_len,
         )
 
-    def _schedule_decode(self) -> tuple[list[ScheduledRequest], Drafts]:
+    def _schedule_decode(self) -> tuple[list[PlanEntry], list[PlanEntry]]:
         """Decode the running batch, retracting requests when pages run out."""
-        if not self.running:
-            return [], {}
-        candidates = self.running.decode_candidates()
-        room = self.running.make_room_for_decode(candidates, self.chunked, bool(self._inflight))
+        table = self.table
+        if not table.running:
+            return [], []
+        candidates = decode_candidates(table.running.values())
+        room = make_room(
+            self.kv, candidates, chunked=table.chunked, results_pending=bool(self._inflight)
+        )
         for req in room.retracted:
-            self.running.remove(req)
             self._retracted(req)
-            self.waiting.append(req)
         if room.chunked_released:
-            req, self.chunked = self.chunked, None
-            self._retracted(req)
-            self.waiting.insert(0, req)
+            self._retracted(table.chunked, front=True)
         for req in room.out_of_memory:
             self.stats.oom_aborts += 1
             self._finish(req, oom_after_retraction(req))
         self.new_token_ratio = next_new_token_ratio(
-            self.config, self.new_token_ratio, self.running, len(room.retracted)
+            self.config, self.new_token_ratio, list(table.running.values()), len(room.retracted)
         )
         if not room.ready:
-            return [], {}
+            return [], []
         if room.retracted:  # otherwise the batch, and so its candidates, did not change
-            candidates = self.running.decode_candidates()
-        return self._decode_rows(candidates) if candidates else ([], {})
+            candidates = decode_candidates(table.running.values())
+        return self._decode_rows(candidates) if candidates else ([], [])
 
     # ============================================================== update
     def update(self, result: StepResult) -> None:
         """Apply the worker's result for the oldest plan in flight."""
-        record = take_answered(self._inflight, result.step_id)
-        finished = apply_result(
-            record,
-            result,
-            self._clock(),
-            self.stats,
-            self._outbox,
-            self.config.eos_token_ids,
-            self._stop_strings,
+        inflight = self._inflight
+        if not inflight or inflight[0].step_id != result.step_id:
+            expected = inflight[0].step_id if inflight else None
+            raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
+        plan = inflight.popleft()
+        receipt = Receipt(
+            self._clock(), self.stats, self._outbox, self.config.eos_token_ids, self._stop_strings
         )
-        if record.drafts:
-            settle_drafts(record.drafts, self.kv, self._step_id)
+        finished = apply_result(plan, result, receipt)
+        if plan.drafted:
+            settle_drafts(plan, self.kv, self._step_id)
         for req, reason in finished:
             self._finish(req, reason, emit=False)  # its delta says it finished
-        for req, epoch in record.prefill_only:
-            if req.epoch == epoch:
-                self._finish(req, FinishLength(req.sampling.max_new_tokens))
+        if self.table.scoring:  # max_new_tokens 0: done once its last chunk is back
+            for e in plan.extends:
+                req = e.req
+                if (
+                    req.place is Place.SCORING
+                    and req.epoch == e.epoch
+                    and e.start_pos + e.num_tokens == req.num_tokens
+                ):
+                    self._finish(req, FinishLength(req.sampling.max_new_tokens))
 
     # =============================================================== moves
-    def _depart(self, req: Request) -> None:
-        """The next plan tells the worker to drop ``req``'s state."""
-        if req.on_worker:
-            self._departures.append(req.rid)
-            req.on_worker = False
-        if req.adapter_slot:
-            self.adapters.release(req.adapter_slot)
-            req.adapter_slot = 0
-
-    def _requeue(self, req: Request, why: str) -> None:
-        """Turn a request whose KV was released into one waiting again (the
-        caller takes it out of where it was and puts it in the queue)."""
-        self._depart(req)
-        req.back_to_wait(self._clock())
+    def _requeue(self, req: Request, why: str, *, front: bool = False) -> None:
+        """A request whose KV was released waits again."""
+        self.table.requeue(req, self._clock(), front=front)
         if self.on_requeue is not None:
             self.on_requeue(req, why)
 
-    def _retracted(self, req: Request) -> None:
-        self._requeue(req, "retraction")
+    def _retracted(self, req: Request, *, front: bool = False) -> None:
+        self._requeue(req, "retraction", front=front)
         req.retractions += 1
         self.stats.retractions += 1
 
-    def _finish(self, req: Request, reason: FinishReason, emit: bool = True) -> None:
+    def _finish(self, req: Request, reason: FinishReason, *, emit: bool = True) -> None:
         """Finish ``req`` wherever it is, cache its tokens and free its pages."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req is self.chunked:
-            self.chunked = None
-        elif req.waits_for is not None:
-            self.held.remove(req)
-        elif req.state in (RequestState.WAITING, RequestState.RETRACTED):
-            self.waiting.remove(req)
-        self.kv.release(req, cache_tokens=True)
-        self._depart(req)
+        self.table.remove(req)
+        self.kv.release(req)
         if req.spec is not None:  # its n-gram index and cache cursor
             req.spec.lookup = req.spec.radix_cont = None
         req.finish(reason, self._clock())
-        del self.requests[req.rid]
         kinds = self.stats.finished
         kinds[reason.kind] = kinds.get(reason.kind, 0) + 1
         if emit:
@@ -393,37 +488,35 @@ class Scheduler:
     def reset_after_worker_loss(self, num_pages: int | None = None) -> list[Request]:
         """The worker group was lost with its KV pages, but every request's
         tokens are here: drop the radix cache, the page pool's state and the
-        plans in flight, and send every request that holds KV back to wait
-        with the output it has, exactly like a retracted one. Tokens that were
-        in flight are sampled again on the same context, and nothing is
+        plans in flight, and send every request the worker held back to wait
+        with the output it has, exactly like a retracted one. Tokens that
+        were in flight are sampled again on the same context, and nothing is
         delivered twice (deliveries only come from ``update()``).
 
         ``num_pages``: the pool size of the worker group that came back (None:
         unchanged). Safe to call again while nothing ran in between. Returns
         the requests sent back to wait.
         """
-        holders = take_kv_holders(self.running, self.chunked, self._inflight)
-        self.chunked = None
-        send_back_to_wait(holders, self.waiting, self._clock())
-        forget_cache_reads(self.waiting, self.requests, self.stats)
+        lost = self.table.requeue_after_loss(self._clock())
+        forget_worker_state(lost)
+        self.stats.cached_tokens -= forget_cache_reads(self.table)
         self._inflight.clear()
-        self._departures.clear()  # the new worker holds no request state to drop
-        self.adapters.reset()  # and no adapter in its slots
+        self.adapters.reset()  # the new worker has no adapter in its slots
         self._admission_stuck = False
         self.cache.reset()  # emits AllBlocksCleared for the cache-aware router
         self.pool.reset(num_pages)
         self.stats.worker_losses += 1
-        self.stats.worker_loss_requeues += len(holders)
+        self.stats.worker_loss_requeues += len(lost)
         if self.on_requeue is not None:
-            for req in holders:
+            for req in lost:
                 self.on_requeue(req, "worker loss")
         logger.info(
             "worker state dropped",
-            requeued=len(holders),
-            waiting=len(self.waiting),
+            requeued=len(lost),
+            waiting=len(self.table.waiting),
             num_pages=self.pool.num_pages,
         )
-        return holders
+        return lost
 
     def resize_pool(self, num_pages: int) -> None:
         """Take the page count of the worker group that came back; only while
@@ -436,23 +529,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every page is exactly one of free, cached-unlocked, or held (by a
         request's own pages or a locked cache node); every live request is in
-        exactly one place, in a state that fits it."""
-        check_scheduler_integrity(
-            self.kv,
-            self.requests,
-            self.waiting,
-            self.held,
-            self.running,
-            self.chunked,
-            self._inflight,
-        )
-        self.adapters.check_integrity(
-            (r.rid, r.adapter, r.adapter_slot) for r in self.requests.values()
-        )
-
-    def requests_of_adapter(self, lora_id: str) -> int:
-        """Live requests (waiting or running) that use adapter ``lora_id``."""
-        return sum(r.adapter == lora_id for r in self.requests.values())
+        the place its field names, in a state that fits it."""
+        check_scheduler_integrity(self.kv, self.table, self._inflight)
+        self.adapters.check_integrity((r.rid, r.adapter, r.adapter_slot) for r in self.table)
 
 
-__all__ = ["ProtocolError", "Scheduler"]
+__all__ = ["ENGINE_INTERFACE", "ProtocolError", "Scheduler"]

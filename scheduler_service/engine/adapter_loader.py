@@ -59,7 +59,7 @@ class AdapterLoader:
     def snapshot(self) -> list[ipc.AdapterInfo]:
         return [
             ipc.AdapterInfo(a.lora_id, a.name, a.path, a.pinned)
-            for a in self.sched.adapters.loaded.values()
+            for a in self.sched.loaded_adapters()
         ]
 
     def _reply(self, token: int, ok: bool, message: str, code: str = "OK") -> ipc.AdapterReply:
@@ -71,26 +71,25 @@ class AdapterLoader:
         for name, path in entries:
             adapter = Adapter(name, name, path)
             try:
-                self.sched.adapters.check_register(adapter)
+                self.sched.check_adapter(adapter)
             except AdapterError as e:
                 raise WorkerError(f"--lora-paths {name}={path}: {e}") from None
             error = self._load_now(name, path)
             if error:
                 raise WorkerError(f"--lora-paths {name}={path}: {error}")
-            self.sched.adapters.register(adapter)
+            self.sched.register_adapter(adapter)
             logger.info("LoRA adapter loaded", lora_id=name, path=path)
 
     def start_load(self, msg: ipc.LoadAdapter) -> ipc.AdapterReply | None:
         """Begin loading; an answer now if it is refused at once."""
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
-        table = self.sched.adapters
         busy = [w.msg for w in self._loading]
         if any(m.lora_id == msg.lora_id or m.name == adapter.name for m in busy):
             return self._reply(
                 msg.token, False, f"adapter {msg.lora_id!r} is being loaded", "ALREADY_EXISTS"
             )
         try:
-            table.check_register(adapter, loading=len(busy))
+            self.sched.check_adapter(adapter, loading=len(busy))
         except AdapterError as e:
             return self._reply(msg.token, False, str(e), e.code)
         futures = self.group.load_adapter(msg.lora_id, msg.path, self.max_rank, LOAD_TIMEOUT_S)
@@ -119,7 +118,7 @@ class AdapterLoader:
             return self._reply(msg.token, False, error, code)
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
         try:
-            self.sched.adapters.register(adapter)
+            self.sched.register_adapter(adapter)
         except AdapterError as e:  # e.g. a same-named one loaded meanwhile
             self.group.unload_adapter(msg.lora_id)
             return self._reply(msg.token, False, str(e), e.code)
@@ -158,11 +157,11 @@ class AdapterLoader:
 
     # ---------------------------------------------------------------- unload
     def unload(self, msg: ipc.UnloadAdapter) -> ipc.AdapterReply:
-        table = self.sched.adapters
+        loaded = {a.lora_id: a for a in self.sched.loaded_adapters()}
         lora_id = msg.lora_id
         if not lora_id:
-            lora_id = next((a.lora_id for a in table.loaded.values() if a.name == msg.name), "")
-        adapter = table.loaded.get(lora_id)
+            lora_id = next((a.lora_id for a in loaded.values() if a.name == msg.name), "")
+        adapter = loaded.get(lora_id)
         if adapter is None or (msg.name and adapter.name != msg.name):
             which = f"lora_id {msg.lora_id!r}" if msg.lora_id else f"name {msg.name!r}"
             return self._reply(msg.token, False, f"no adapter with {which} is loaded", "NOT_FOUND")
@@ -175,7 +174,7 @@ class AdapterLoader:
                 "unload it once they finish",
                 "FAILED_PRECONDITION",
             )
-        table.unregister(lora_id)
+        self.sched.unregister_adapter(lora_id)
         self.group.unload_adapter(lora_id)
         logger.info("LoRA adapter unloaded", lora_id=lora_id, name=adapter.name)
         return self._reply(msg.token, True, "")
@@ -196,7 +195,7 @@ class AdapterLoader:
         their requests and they are unregistered); WorkerError if a rank is
         unreachable (the reconnect is retried)."""
         failed = []
-        for adapter in list(self.sched.adapters.loaded.values()):
+        for adapter in self.sched.loaded_adapters():
             error = self._load_now(adapter.lora_id, adapter.path)
             if error:
                 logger.error(

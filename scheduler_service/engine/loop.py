@@ -13,7 +13,6 @@ in between steps; one Outputs message per step goes out.
 from __future__ import annotations
 
 import time
-from collections import deque
 from multiprocessing.connection import Connection
 
 import structlog
@@ -21,10 +20,9 @@ import structlog
 from observability import tracing
 from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
+from scheduler_service.core import InvalidRequestError, Scheduler, Submission
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishStop, Request
-from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.recovery import MAX_STEP_FAILURES, WorkerRecovery
 from scheduler_service.engine.request_tracing import RequestTracer
@@ -61,7 +59,6 @@ class Engine:
         # Debug (--check-integrity): check pool and cache after every step and update.
         self.check_integrity = check_integrity
         self.codec = WorkerCodec()
-        self.inflight: deque[int] = deque()  # step ids sent, oldest first
         self.running = True
         self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
         self.recovery = WorkerRecovery(
@@ -118,7 +115,7 @@ class Engine:
             # Like a loss (the worker's state is gone or out of step), and the
             # plan's requests are charged with it (recovery.step_failed).
             self.loss_error = str(e)
-            self._failed_rids = self.codec.plan_rids(e.step_id)
+            self._failed_rids = self.sched.rids_in_plan(e.step_id)
             return False
         except WorkerError as e:
             self.loss_error = str(e)
@@ -128,7 +125,7 @@ class Engine:
     def _loop(self) -> None:
         sched = self.sched
         while self.running:
-            idle = not self.inflight and sched.is_idle()
+            idle = sched.is_idle()
             self._read_inbox(block=idle)
             if idle and (ended := self.group.ended()):
                 raise WorkerError(ended)  # noticed while idle: ready no more (readiness.py)
@@ -140,27 +137,28 @@ class Engine:
                 self._check("a step")
             if plan is not None:
                 self.group.send(self.codec.encode(plan))
-                self.inflight.append(plan.step_id)
                 if self.tracer is not None:
+                    plan.sent_ns = time.time_ns()
                     self.tracer.planned(plan)
             # The last update's outputs go out once the next plan is on its
             # way: publishing is off the path from a result to the next plan.
             self._publish()
-            if self.inflight and (len(self.inflight) > self.lag or plan is None):
+            inflight = sched.in_flight()
+            if inflight and (len(inflight) > self.lag or plan is None):
                 msg = self.group.receive()
-                step_id = self.inflight.popleft()
+                answered = inflight[0]
                 if self.tracer is not None:
-                    self.tracer.result(step_id)
+                    self.tracer.result(answered)
                 self.busy_ms += msg.forward_ms
                 self.idle_ms += msg.idle_ms
                 try:
-                    result = self.codec.decode(msg)
+                    result = self.codec.decode(msg, answered)
                 except WorkerProtocolError as e:
                     raise StepFailed(msg.step_id, f"worker result out of protocol: {e}") from e
                 sched.update(result)
                 if self.check_integrity:
                     self._check("an update")
-            elif plan is None and not self.inflight:
+            elif plan is None and not inflight:
                 # Work exists but none can run yet (held siblings): don't spin.
                 self._read_inbox(block=True, timeout=0.005)
         self._publish()
@@ -169,10 +167,7 @@ class Engine:
         """Survive the loss of the worker group; True once it serves again,
         False if the service is shutting down meanwhile."""
         recovery = self.recovery
-        self.inflight.clear()
         self.codec.forget_worker()
-        if self.tracer is not None:
-            self.tracer.forget_steps()
         recovery.lost(self.loss_error)
         if self._failed_rids:
             self._fail_struck(recovery.step_failed(self._failed_rids))
@@ -197,9 +192,8 @@ class Engine:
         sched = self.sched
         for lora_id in self.adapters.reload_all():
             message = f"LoRA adapter {lora_id!r} could not be loaded again after a worker loss"
-            for req in [r for r in sched.requests.values() if r.adapter == lora_id]:
-                sched.abort(req.rid, message)
-            sched.adapters.unregister(lora_id)
+            sched.abort_adapter_requests(lora_id, message)
+            sched.unregister_adapter(lora_id)
 
     def _fail_struck(self, rids: list[str]) -> None:
         """End the requests whose steps failed too often (UNAVAILABLE with the
@@ -212,9 +206,9 @@ class Engine:
         )
         sched = self.sched
         for rid in rids:
-            req = sched.requests[rid]
-            sched.abort(rid, message, emit=False)
-            self._finished(req)
+            req = sched.abort(rid, message, emit=False)
+            if req is not None:
+                self._finished(req)
         logger.error("requests failed after repeated step failures", rids=rids, error=message)
         self.conn.send(ipc.Unavailable(rids, message))
 
@@ -222,11 +216,11 @@ class Engine:
         """End every request the core holds with UNAVAILABLE (the calls end
         with a status, not a finish)."""
         sched = self.sched
-        rids = list(sched.requests)
+        rids = sched.live_rids()
         for rid in rids:
-            req = sched.requests[rid]
-            sched.abort(rid, message, emit=False)
-            self._finished(req)
+            req = sched.abort(rid, message, emit=False)
+            if req is not None:
+                self._finished(req)
         if rids:
             self.conn.send(ipc.Unavailable(rids, message))
 
@@ -261,40 +255,35 @@ class Engine:
 
     def _submit(self, msg: ipc.Submit) -> None:
         """One call's samples; with n > 1 the later ones wait for the first's
-        prefill (``Request.waits_for``), which the scheduler handles."""
-        if self.tracer is not None:
-            for r in msg.requests:
-                if r.trace_context is not None:
-                    self.tracer.submitted(r)
-        first, *rest = msg.requests
+        prefill (``Submission.waits_for``), which the scheduler handles."""
+        first, *rest = msg.submissions
         if not self._add(first):
-            for r in rest:
-                self.conn.send(ipc.Rejected(r.rid, "the request's first sample was refused"))
+            for sub in rest:
+                self.conn.send(ipc.Rejected(sub.rid, "the request's first sample was refused"))
             return
-        for r in rest:
-            self._add(r)
+        for sub in rest:
+            self._add(sub)
 
-    def _add(self, req: Request) -> bool:
+    def _add(self, sub: Submission) -> bool:
         try:
-            self.sched.add_request(req)
+            req = self.sched.submit(sub)
         except InvalidRequestError as e:
-            self.conn.send(ipc.Rejected(req.rid, str(e)))
+            self.conn.send(ipc.Rejected(sub.rid, str(e)))
             return False
+        if self.tracer is not None and req.trace_context is not None:
+            self.tracer.submitted(req)
         return True
 
     def _flush(self, token: int) -> ipc.Flushed:
-        sched = self.sched
-        if sched.requests or self.inflight:
-            return ipc.Flushed(token, False, "requests are in flight; flush when idle")
-        freed = sched.cache.evict_all_unlocked()
-        return ipc.Flushed(token, True, f"freed {freed} cached pages")
+        success, message = self.sched.flush_cache()
+        return ipc.Flushed(token, success, message)
 
     # -------------------------------------------------------------- outputs
     def _publish(self, force: bool = False) -> None:
         """Send the outputs and events since the last call with the load;
         nothing when there are none, unless ``force`` (the load alone)."""
         deltas = self.sched.drain()
-        events = self.sched.cache.take_events()
+        events = self.sched.take_kv_events()
         if not deltas and not events and not force:
             return
         # Plain tokens go as columns (ipc.Outputs), the rest as DeltaOuts.
@@ -365,20 +354,20 @@ class Engine:
 
     def load(self) -> ipc.Load:
         sched = self.sched
-        pool = sched.pool
-        page = pool.page_size
+        page = sched.config.page_size
+        used_pages, evictable, total_pages = sched.kv_snapshot()
+        running, waiting, live = sched.table_sizes()
         stats = sched.stats
-        used = (pool.num_used - sched.cache.evictable_pages) * page
         queue_time = None
         if self._queue_time_changed:  # only when a request finished since the last snapshot
             self._queue_time_changed = False
             queue_time = self.queue_time.snapshot()
         recovery = self.recovery
         return ipc.Load(
-            running=len(sched.running) + (sched.chunked is not None),
-            waiting=len(sched.waiting) + len(sched.held),
-            used_tokens=used,
-            total_tokens=pool.num_pages * page,
+            running=running,
+            waiting=waiting,
+            used_tokens=(used_pages - evictable) * page,
+            total_tokens=total_pages * page,
             cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
             gen_tokens=stats.generated_tokens,
             steps=stats.steps,
@@ -395,5 +384,5 @@ class Engine:
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
             worker_recoveries=recovery.recoveries,
-            tracked=len(sched.requests),
+            tracked=live,
         )

@@ -93,13 +93,14 @@ class WorkerRecovery:
         self._next_try = now + RETRY_FIRST_S
         self._log_at = now + LOG_EVERY_S
         self.group.drop_streams()
+        running, waiting, _ = sched.table_sizes()
         logger.error(
             "worker group lost: dropping the KV cache, requests wait for it to come back",
             error=error,
             outage_s=round(now - self._lost_at, 2),
             flaps=self._flaps,
-            running=len(sched.running) + (sched.chunked is not None),
-            waiting=len(sched.waiting),
+            running=running,
+            waiting=waiting,
             recovery_timeout_s=self.timeout_s,
         )
         sched.reset_after_worker_loss()
@@ -114,8 +115,8 @@ class WorkerRecovery:
             logger.info(
                 "worker group back: re-prefilling the interrupted requests",
                 outage_s=round(time.monotonic() - self._lost_at, 2),
-                waiting=len(self.sched.waiting),
-                pages=self.sched.pool.num_pages,
+                waiting=self.sched.table_sizes()[1],
+                pages=self.sched.kv_snapshot()[2],
             )
             self.connected = True
             self.recoveries += 1
@@ -130,11 +131,11 @@ class WorkerRecovery:
     def step_failed(self, rids: set[str]) -> list[str]:
         """Charge a failed step to the requests of its plan; returns those
         charged MAX_STEP_FAILURES times (the engine fails them)."""
-        live = self.sched.requests
-        strikes = {rid: (req, n) for rid, (req, n) in self._strikes.items() if live.get(rid) is req}
+        find = self.sched.find
+        strikes = {rid: (req, n) for rid, (req, n) in self._strikes.items() if find(rid) is req}
         doomed = []
         for rid in sorted(rids):
-            req = live.get(rid)
+            req = find(rid)
             if req is None:
                 continue
             held, n = strikes.get(rid, (req, 0))
@@ -154,7 +155,7 @@ class WorkerRecovery:
                 "worker group not back in time: failing its requests with UNAVAILABLE "
                 "(new ones too until it returns)",
                 recovery_timeout_s=self.timeout_s,
-                requests=len(self.sched.requests),
+                requests=self.sched.table_sizes()[2],
             )
         return self._gave_up
 
@@ -186,11 +187,12 @@ class WorkerRecovery:
             )
             self.group.drop_streams()
             return False
-        if info.num_pages != sched.pool.num_pages:
+        num_pages = sched.kv_snapshot()[2]
+        if info.num_pages != num_pages:
             logger.info(
                 "the worker group has a new KV pool size",
                 pages=info.num_pages,
-                was=sched.pool.num_pages,
+                was=num_pages,
             )
             sched.resize_pool(info.num_pages)
         if self.before_open is not None:

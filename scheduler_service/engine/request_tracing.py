@@ -35,10 +35,11 @@ class _Traced:
 
 
 class RequestTracer:
+    """Reads the plans in flight the scheduler keeps (a chunk's span starts
+    at its plan's ``sent_ns``); holds nothing per step itself."""
+
     def __init__(self) -> None:
         self._reqs: dict[str, _Traced] = {}
-        # step id -> (request, start_pos, tokens computed, samples, plan sent at)
-        self._chunks: dict[int, list[tuple[_Traced, int, int, bool, int]]] = {}
 
     def submitted(self, req: Request) -> None:
         """Track ``req`` if its Generate span (``req.trace_context``) is sampled."""
@@ -52,53 +53,47 @@ class RequestTracer:
             self._reqs[req.rid] = _Traced(req, ctx, time.time_ns())
 
     def planned(self, plan: StepPlan) -> None:
+        """``plan`` was sent (at ``plan.sent_ns``): a traced request it
+        prefills leaves the queue."""
+        reqs = self._reqs
+        if not reqs:
+            return
+        for e in plan.extends:
+            t = reqs.get(e.req.rid)
+            if t is not None and e.drafts is None and t.in_queue:
+                self._queue_span(t, plan.sent_ns)
+
+    def result(self, plan: StepPlan) -> None:
+        """``plan``'s result is back: a span for each traced prefill chunk."""
         reqs = self._reqs
         if not reqs:
             return
         now = 0
-        for e in plan.entries:
-            if e.input_ids is None:
-                break  # decode entries come after every prefill entry
-            t = reqs.get(e.rid)
-            if t is None:
+        for e in plan.extends:
+            t = reqs.get(e.req.rid)
+            if t is None or e.drafts is not None or t.req is not e.req:
                 continue
             now = now or time.time_ns()
-            if t.in_queue:
-                self._queue_span(t, now)
-            self._chunks.setdefault(plan.step_id, []).append(
-                (t, e.start_pos, len(e.input_ids), e.sample, now)
-            )
-
-    def result(self, step_id: int) -> None:
-        chunks = self._chunks.pop(step_id, None)
-        if not chunks:
-            return
-        now = time.time_ns()
-        for t, start_pos, computed, samples, sent_ns in chunks:
             req = t.req
             span = tracing.tracer().start_span(
                 "prefill",
                 context=t.parent,
-                start_time=sent_ns,
+                start_time=plan.sent_ns,
                 attributes={
-                    "radixserve.step_id": step_id,
+                    "radixserve.step_id": plan.step_id,
                     "radixserve.chunk_index": t.chunks,
                     "radixserve.prompt_tokens": len(req.prompt_ids),
                     "radixserve.cached_tokens": req.cached_tokens,
-                    "radixserve.computed_tokens": computed,
-                    "radixserve.start_position": start_pos,
-                    "radixserve.last_chunk": samples,
+                    "radixserve.computed_tokens": len(e.input_ids or ()),
+                    "radixserve.start_position": e.start_pos,
+                    "radixserve.last_chunk": e.sample,
                     "radixserve.resumed": bool(req.retractions or req.preemptions),
                 },
             )
             span.end(end_time=now)
             t.chunks += 1
-            if samples and t.decode_ns is None:
+            if e.sample and t.decode_ns is None:
                 t.decode_ns = now
-
-    def forget_steps(self) -> None:
-        """The plans in flight will never have results (the worker group was lost)."""
-        self._chunks.clear()
 
     def requeued(self, req: Request, kind: str) -> None:
         t = self._reqs.get(req.rid)

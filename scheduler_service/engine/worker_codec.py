@@ -2,20 +2,22 @@
 
 Requests are named by small integer slots on the wire. A slot freed by a
 leave can be reused by a join of the same plan (the worker applies leaves
-first), so results are decoded against the plan they answer (by position),
-never against the current slot map.
+first), so results are decoded against the plan they answer (the
+scheduler's record of it, ``Scheduler.in_flight()``: its entries in wire
+order, each with the slot it was sent under), never against the current
+slot map. The codec keeps nothing per plan.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 
 from protos import worker_pb2 as pb
 from scheduler_service.core.plan import (
     ForwardMode,
-    JoinRequest,
+    Join,
+    PlanEntry,
     RequestOutput,
     StepPlan,
     StepResult,
@@ -34,14 +36,6 @@ _MODES = {
 
 class WorkerProtocolError(RuntimeError):
     """A worker answered something that does not fit the plan it was sent."""
-
-
-@dataclass(slots=True)
-class _Sent:
-    step_id: int
-    sampled: list[str]  # rids of the sampling entries, in result order
-    draft_lens: list[int]  # their draft_len (decodes and plain extends: 0)
-    extend_slots: dict[int, str]  # slot -> rid for the plan's extends (prompt logprobs)
 
 
 def sampling_to_proto(sp: SamplingParams, m: pb.SamplingParams) -> None:
@@ -76,17 +70,13 @@ class WorkerCodec:
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
         self._next_slot = 0
-        self._sent: dict[int, _Sent] = {}
-        # rids whose outputs need logprob payloads (chosen, top-k, token ids)
-        self._wants_logprobs: dict[str, LogprobOptions] = {}
 
     def forget_worker(self) -> None:
-        """The worker group was lost: its slots and the plans sent to it are
-        gone (the requests rejoin the new group)."""
+        """The worker group was lost: its slots are gone (the requests rejoin
+        the new group)."""
         self._slots.clear()
         self._free.clear()
         self._next_slot = 0
-        self._sent.clear()
 
     def _take_slot(self, rid: str) -> int:
         slot = heapq.heappop(self._free) if self._free else self._next_slot
@@ -96,48 +86,41 @@ class WorkerCodec:
         return slot
 
     def encode(self, plan: StepPlan) -> pb.StepPlan:
+        """The plan's message; each entry learns the slot it is sent under."""
         msg = pb.StepPlan(step_id=plan.step_id, mode=_MODES[plan.mode])
         slots = self._slots
-        for rid in plan.departures:
+        for rid in plan.leaves:
             slot = slots.pop(rid)
             heapq.heappush(self._free, slot)
             msg.leaves.append(slot)
-            self._wants_logprobs.pop(rid, None)
         for slot, lora_id in plan.adapter_slots:
             msg.adapter_slots.add(slot=slot, name=lora_id)
         for join in plan.joins:
             self._join(join, msg.joins.add())
-        sampled: list[str] = []
-        draft_lens: list[int] = []
-        extend_slots: dict[int, str] = {}
-        for e in plan.entries:
-            if e.input_ids is not None:
-                slot = slots[e.rid]
-                ext = msg.extends.add(
-                    slot=slot,
-                    start_pos=e.start_pos,
-                    input_ids=e.input_ids,
-                    new_pages=e.new_pages,
-                    sample=e.sample,
-                    draft_len=e.draft_len,
-                )
-                if e.next_token is not None:
-                    ext.next_token = e.next_token
-                extend_slots[slot] = e.rid
-                if e.sample:
-                    sampled.append(e.rid)
-                    draft_lens.append(e.draft_len)
-        decodes = [e for e in plan.entries if e.input_ids is None]
+        for e in plan.extends:
+            e.slot = slot = slots[e.req.rid]
+            ext = msg.extends.add(
+                slot=slot,
+                start_pos=e.start_pos,
+                input_ids=e.input_ids,
+                new_pages=e.new_pages,
+                sample=e.sample,
+                draft_len=e.draft_len,
+            )
+            if e.next_token is not None:
+                ext.next_token = e.next_token
+        decodes = plan.decodes
         if decodes:
-            msg.decode_slots.extend([slots[e.rid] for e in decodes])
+            decode_slots = []
+            for e in decodes:
+                e.slot = slot = slots[e.req.rid]
+                decode_slots.append(slot)
+            msg.decode_slots.extend(decode_slots)
             msg.decode_positions.extend([e.start_pos for e in decodes])
             msg.decode_new_pages.extend([e.new_pages[0] + 1 if e.new_pages else 0 for e in decodes])
-            sampled.extend(e.rid for e in decodes)
-            draft_lens.extend([0] * len(decodes))
-        self._sent[plan.step_id] = _Sent(plan.step_id, sampled, draft_lens, extend_slots)
         return msg
 
-    def _join(self, join: JoinRequest, m: pb.Join) -> None:
+    def _join(self, join: Join, m: pb.Join) -> None:
         m.slot = self._take_slot(join.rid)
         m.rid = join.rid
         sampling_to_proto(join.sampling, m.sampling)
@@ -148,84 +131,74 @@ class WorkerCodec:
         m.adapter_slot = join.adapter_slot
         if join.trace_context is not None:
             m.trace.traceparent, m.trace.tracestate = join.trace_context
-        lp = join.logprobs
-        if lp.return_logprob:
-            self._wants_logprobs[join.rid] = lp
-        else:
-            self._wants_logprobs.pop(join.rid, None)
 
-    def plan_rids(self, step_id: int) -> set[str]:
-        """The requests computed by a plan sent and not yet answered."""
-        sent = self._sent.get(step_id)
-        if sent is None:
-            return set()
-        return {*sent.sampled, *sent.extend_slots.values()}
-
-    def decode(self, msg: pb.StepResult) -> StepResult:
-        sent = self._sent.pop(msg.step_id, None)
-        if sent is None:
-            raise WorkerProtocolError(f"result for step {msg.step_id}, which was not sent")
-        try:
-            return self._decode(msg, sent)
-        except WorkerProtocolError:
-            self._sent[msg.step_id] = sent  # plan_rids() can still name its requests
-            raise
-
-    def _decode(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
+    def decode(self, msg: pb.StepResult, plan: StepPlan) -> StepResult:
+        """``msg`` read against ``plan``, the plan it answers."""
+        if msg.step_id != plan.step_id:
+            raise WorkerProtocolError(
+                f"result for step {msg.step_id}, the oldest plan in flight is {plan.step_id}"
+            )
         if msg.error:
             raise WorkerProtocolError(f"the worker refused step {msg.step_id}: {msg.error}")
-        if msg.token_counts or any(sent.draft_lens):
-            return self._decode_counted(msg, sent)
-        if len(msg.token_ids) != len(sent.sampled):
+        sampled = [e for e in plan.extends if e.sample]
+        sampled += plan.decodes
+        if msg.token_counts or plan.drafted:
+            return self._decode_counted(msg, plan, sampled)
+        if len(msg.token_ids) != len(sampled):
             raise WorkerProtocolError(
-                f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sent.sampled)} entries"
+                f"step {msg.step_id}: {len(msg.token_ids)} tokens for {len(sampled)} entries"
             )
-        wants = self._wants_logprobs
         ended = msg.grammar_ended
-        if any(i >= len(sent.sampled) for i in ended):
+        if any(i >= len(sampled) for i in ended):
             raise WorkerProtocolError(f"step {msg.step_id}: grammar_ended past the sampled tokens")
-        if not msg.prompt_logprobs and (not wants or wants.keys().isdisjoint(sent.sampled)):
+        if not msg.prompt_logprobs and not any(e.req.logprobs.return_logprob for e in sampled):
             # No logprob payloads (the common decode step): one output per
             # sampling entry, each rid once, so nothing to merge.
-            outputs = list(map(RequestOutput, sent.sampled, msg.token_ids))
+            rids = [e.req.rid for e in sampled]
+            outputs = list(map(RequestOutput, rids, msg.token_ids))
             for i in ended:
                 outputs[i].grammar_ended = True
             return StepResult(msg.step_id, outputs, msg.forward_ms, msg.idle_ms)
         outputs: list[RequestOutput] = []
         top_at = ids_at = 0
         tops, idss = msg.top_counts, msg.ids_counts
-        for i, (rid, token) in enumerate(zip(sent.sampled, msg.token_ids, strict=True)):
+        for i, (e, token) in enumerate(zip(sampled, msg.token_ids, strict=True)):
             lp = None
             n_top = tops[i] if tops else 0
             n_ids = idss[i] if idss else 0
-            if rid in wants:
+            opts = e.req.logprobs
+            if opts.return_logprob:
                 lp = TokenLogprobs(logprob=msg.logprobs[i])
                 if n_top:
                     lp.top_ids = list(msg.top_ids[top_at : top_at + n_top])
                     lp.top_logprobs = list(msg.top_logprobs[top_at : top_at + n_top])
                 if n_ids:
-                    lp.ids = list(wants[rid].token_ids_logprob)
+                    lp.ids = list(opts.token_ids_logprob)
                     lp.ids_logprobs = list(msg.ids_logprobs[ids_at : ids_at + n_ids])
             top_at += n_top
             ids_at += n_ids
-            outputs.append(RequestOutput(rid, token, lp))
+            outputs.append(RequestOutput(e.req.rid, token, lp))
         for i in ended:
             outputs[i].grammar_ended = True
-        return self._with_prompt_logprobs(msg, sent, outputs)
+        return self._with_prompt_logprobs(msg, plan, outputs)
 
-    def _decode_counted(self, msg: pb.StepResult, sent: _Sent) -> StepResult:
+    def _decode_counted(
+        self, msg: pb.StepResult, plan: StepPlan, sampled: list[PlanEntry]
+    ) -> StepResult:
         """A result with several tokens per entry (drafted extends): token_ids,
         logprobs, top_counts and ids_counts hold one entry per token, and
         token_counts says how many tokens each sampling entry has."""
         step = msg.step_id
-        counts = list(msg.token_counts) or [1] * len(sent.sampled)
-        if len(counts) != len(sent.sampled):
+        counts = list(msg.token_counts) or [1] * len(sampled)
+        if len(counts) != len(sampled):
             raise WorkerProtocolError(
-                f"step {step}: {len(counts)} token counts for {len(sent.sampled)} entries"
+                f"step {step}: {len(counts)} token counts for {len(sampled)} entries"
             )
-        for rid, n, k in zip(sent.sampled, counts, sent.draft_lens, strict=True):
-            if not 1 <= n <= k + 1:
-                raise WorkerProtocolError(f"step {step}: {n} tokens for {rid} with {k} drafts")
+        for e, n in zip(sampled, counts, strict=True):
+            if not 1 <= n <= e.draft_len + 1:
+                raise WorkerProtocolError(
+                    f"step {step}: {n} tokens for {e.req.rid} with {e.draft_len} drafts"
+                )
         total = sum(counts)
         if len(msg.token_ids) != total:
             raise WorkerProtocolError(
@@ -237,14 +210,14 @@ class WorkerCodec:
                 raise WorkerProtocolError(f"step {step}: {len(arr)} {name} for {total} tokens")
         if any(i >= total for i in msg.grammar_ended):
             raise WorkerProtocolError(f"step {step}: grammar_ended past the sampled tokens")
-        wants = self._wants_logprobs
-        if any(rid in wants for rid in sent.sampled) and len(msg.logprobs) != total:
+        wanting = any(e.req.logprobs.return_logprob for e in sampled)
+        if wanting and len(msg.logprobs) != total:
             raise WorkerProtocolError(f"step {step}: {len(msg.logprobs)} logprobs, {total} tokens")
         ended = set(msg.grammar_ended)
         outputs: list[RequestOutput] = []
         at = top_at = ids_at = 0
-        for rid, n in zip(sent.sampled, counts, strict=True):
-            opts = wants.get(rid)
+        for e, n in zip(sampled, counts, strict=True):
+            opts = e.req.logprobs if e.req.logprobs.return_logprob else None
             lps: list[TokenLogprobs | None] = []
             for i in range(at, at + n):
                 n_top = tops[i] if tops else 0
@@ -261,7 +234,7 @@ class WorkerCodec:
                 top_at += n_top
                 ids_at += n_ids
                 lps.append(lp)
-            out = RequestOutput(rid, msg.token_ids[at], lps[0])
+            out = RequestOutput(e.req.rid, msg.token_ids[at], lps[0])
             if n > 1:
                 out.more_tokens = list(msg.token_ids[at + 1 : at + n])
                 if opts is not None:
@@ -269,21 +242,24 @@ class WorkerCodec:
             out.grammar_ended = (at + n - 1) in ended
             outputs.append(out)
             at += n
-        return self._with_prompt_logprobs(msg, sent, outputs)
+        return self._with_prompt_logprobs(msg, plan, outputs)
 
     def _with_prompt_logprobs(
-        self, msg: pb.StepResult, sent: _Sent, outputs: list[RequestOutput]
+        self, msg: pb.StepResult, plan: StepPlan, outputs: list[RequestOutput]
     ) -> StepResult:
         """The result: ``outputs`` plus the extends' prompt logprobs, one output per rid."""
-        for p in msg.prompt_logprobs:
-            rid = sent.extend_slots.get(p.slot)
-            if rid is None:
-                raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
-            outputs.append(self._prompt_output(rid, p))
+        if msg.prompt_logprobs:
+            by_slot = {e.slot: e for e in plan.extends}
+            for p in msg.prompt_logprobs:
+                e = by_slot.get(p.slot)
+                if e is None:
+                    raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
+                outputs.append(self._prompt_output(e, p))
         return StepResult(msg.step_id, _merge_by_rid(outputs), msg.forward_ms, msg.idle_ms)
 
-    def _prompt_output(self, rid: str, p: pb.PromptLogprobs) -> RequestOutput:
-        opts = self._wants_logprobs.get(rid, LogprobOptions())
+    @staticmethod
+    def _prompt_output(e: PlanEntry, p: pb.PromptLogprobs) -> RequestOutput:
+        opts = e.req.logprobs
         n_top, n_ids = opts.top_logprobs_num, len(opts.token_ids_logprob)
         entries: list[TokenLogprobs] = []
         scored = 0  # positions with a logprob (all but position 0)
@@ -291,16 +267,18 @@ class WorkerCodec:
             if math.isnan(value):
                 entries.append(TokenLogprobs())
                 continue
-            e = TokenLogprobs(logprob=value)
+            t = TokenLogprobs(logprob=value)
             if n_top:
-                e.top_ids = list(p.top_ids[scored * n_top : (scored + 1) * n_top])
-                e.top_logprobs = list(p.top_logprobs[scored * n_top : (scored + 1) * n_top])
+                t.top_ids = list(p.top_ids[scored * n_top : (scored + 1) * n_top])
+                t.top_logprobs = list(p.top_logprobs[scored * n_top : (scored + 1) * n_top])
             if n_ids:
-                e.ids = list(opts.token_ids_logprob)
-                e.ids_logprobs = list(p.ids_logprobs[scored * n_ids : (scored + 1) * n_ids])
+                t.ids = list(opts.token_ids_logprob)
+                t.ids_logprobs = list(p.ids_logprobs[scored * n_ids : (scored + 1) * n_ids])
             scored += 1
-            entries.append(e)
-        return RequestOutput(rid, None, prompt_logprobs=entries, prompt_logprobs_start=p.start)
+            entries.append(t)
+        return RequestOutput(
+            e.req.rid, None, prompt_logprobs=entries, prompt_logprobs_start=p.start
+        )
 
 
 def _merge_by_rid(outputs: list[RequestOutput]) -> list[RequestOutput]:

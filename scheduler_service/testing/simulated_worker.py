@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from common.simulated_model import absorb, expected_output, initial_state, token_of
 from scheduler_service.core.plan import (
-    JoinRequest,
+    Join,
+    PlanEntry,
     RequestOutput,
-    ScheduledRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -72,7 +72,7 @@ class SimulatedWorker:
         self.reqs: dict[str, _SimRequest] = {}
         self.steps = 0
 
-    def _join(self, join: JoinRequest) -> None:
+    def _join(self, join: Join) -> None:
         if join.rid in self.reqs:
             raise SimulatedWorkerError(f"join of {join.rid}, which the worker already holds")
         tokens = list(join.prefix_ids)
@@ -114,18 +114,19 @@ class SimulatedWorker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        for rid in plan.departures:
+        for rid in plan.leaves:
             if self.reqs.pop(rid, None) is None:
-                raise SimulatedWorkerError(f"departure of {rid}, which the worker does not hold")
+                raise SimulatedWorkerError(f"leave of {rid}, which the worker does not hold")
         for slot, lora_id in plan.adapter_slots:
             self._assign(slot, lora_id)
         for join in plan.joins:
             self._join(join)
-        adapters = {self.reqs[e.rid].adapter for e in plan.entries if e.rid in self.reqs}
+        entries = plan.entries
+        adapters = {self.reqs[e.rid].adapter for e in entries if e.rid in self.reqs}
         adapters.discard(None)
         self.adapters_seen_in_a_step = max(self.adapters_seen_in_a_step, len(adapters))
         outputs: list[RequestOutput] = []
-        for e in plan.entries:
+        for e in entries:
             r = self.reqs.get(e.rid)
             if r is None:
                 raise SimulatedWorkerError(f"step {plan.step_id} schedules unknown {e.rid}")
@@ -169,7 +170,7 @@ class SimulatedWorker:
                 time.sleep(remaining)
         return StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
 
-    def _verify(self, e: ScheduledRequest, r: _SimRequest) -> RequestOutput:
+    def _verify(self, e: PlanEntry, r: _SimRequest) -> RequestOutput:
         """A drafted extend: input_ids = [last sampled token] + drafts. Sample
         each position as if the drafts before it were accepted; accept the
         drafts that equal the samples, then the sample after them (the

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service.api.convert import custom_params
 from scheduler_service.config import LimitsConfig
-from scheduler_service.core.request import Request
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
 
 
@@ -42,15 +42,23 @@ _GRAMMAR_KIND_OF_FIELD = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateCall:
     rid: str
     stream: bool
-    requests: list[Request]  # one per sample (n > 1: rid-0, rid-1, ...)
+    samples: list[Submission]  # one per sample (n > 1: rid-0, rid-1, ...)
     prompt_len: int
     logprobs: LogprobOptions
     stream_interval: int = 1  # streamed tokens per chunk (the last chunk: what is left)
     lora_id: str | None = None  # the LoRA adapter it runs with (None: the base model)
+
+    def traced(self, context: tuple[str, str] | None) -> GenerateCall:
+        """The call with its Generate span's context on every sample (the
+        core's spans hang under it)."""
+        if context is None:
+            return self
+        samples = [dataclasses.replace(s, trace_context=context) for s in self.samples]
+        return dataclasses.replace(self, samples=samples)
 
 
 def _finite(name: str, value: float) -> float:
@@ -217,10 +225,10 @@ def generate_call(
     priority = custom_params.priority(m.sampling_params.custom_params)
     routing_key = custom_params.routing_key(m.sampling_params.custom_params)
     speculative = custom_params.speculative(m.sampling_params.custom_params)
-    requests = [
-        Request(
+    samples = [
+        Submission(
             r,
-            list(ids),
+            ids,
             sp,
             sibling_lp if i else lp,
             priority=priority,
@@ -231,8 +239,7 @@ def generate_call(
         )
         for i, r in enumerate(rids)
     ]
-    for r in requests:
-        r.validate(limits.vocab_size, limits.context_len)
+    samples[0].validate(limits.vocab_size, limits.context_len)  # the samples differ in rid only
     interval = (
         m.sampling_params.stream_interval if m.sampling_params.HasField("stream_interval") else 1
     )
@@ -240,7 +247,7 @@ def generate_call(
         raise InvalidRequestError(
             f"stream_interval must be at most {limits.max_stream_interval}, got {interval}"
         )
-    return GenerateCall(rid, m.stream, requests, len(ids), lp, max(interval, 1), adapter)
+    return GenerateCall(rid, m.stream, samples, len(ids), lp, max(interval, 1), adapter)
 
 
 def _refuse_unsupported(m: pb.GenerateRequest) -> None:

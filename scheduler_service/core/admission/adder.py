@@ -209,6 +209,6 @@ class PrefillAdder:
             return False
         for r in chosen:
             self.rem_total_offset -= self.running_need(r)
-            self.kv.release(r, cache_tokens=True)
+            self.kv.release(r)
         self.preempted.extend(chosen)
         return True

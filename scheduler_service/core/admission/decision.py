@@ -1,25 +1,35 @@
 """Prefill admission: which waiting requests run this step, and how far.
 
 ``plan_admission`` walks the (already ordered) waiting queue through a
-``PrefillAdder`` and returns a ``PrefillDecision``; it moves no request
-between queues. The scheduler applies the decision. What admission does
-touch is KV bookkeeping: it locks matched prefixes and attaches them to the
-admitted requests' tables, and it releases the KV of the running requests
-it preempts at once, because the pages they free count for the requests
-admitted after them in the same step.
+``PrefillAdder`` and returns a ``PrefillDecision``; it moves no request.
+The scheduler applies the decision through the request table. What
+admission does touch is resource bookkeeping: it locks matched prefixes and
+attaches them to the admitted requests' tables, it releases the KV of the
+running requests it preempts at once (the pages they free count for the
+requests admitted after them in the same step), and an admitted request of
+a LoRA adapter takes its adapter slot at once (later requests of the same
+step see it taken).
+
+``unfit_head`` is the last word when admission is stuck: the request first
+in line that cannot fit even in an empty pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import structlog
+
 from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.admission.adder import AddResult, PrefillAdder
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.ids import zero_pages
 from scheduler_service.core.kv.manager import KvManager
+from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import FinishAbort, Request
+
+logger = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -77,6 +87,7 @@ def plan_admission(
     kv: KvManager,
     waiting: list[Request],
     running: list[Request],
+    *,
     chunked: Request | None,
     new_token_ratio: float,
     mixed_tokens: int,
@@ -132,4 +143,27 @@ def plan_admission(
         # An idle scheduler admits whatever fits; if it admitted nothing, the
         # request first in line can never fit.
         stuck=adder.nothing_running and not adder.admitted,
+    )
+
+
+def unfit_head(
+    chunked: Request | None, waiting: list[Request], pool: PagePool
+) -> tuple[Request, FinishAbort] | None:
+    """When nothing runs and nothing is in flight, yet nothing was admitted:
+    an idle scheduler admits any request that fits, so the one first in line
+    cannot fit even in an empty pool (a retracted request that grew), and
+    waiting longer cannot help. That request and why it is aborted."""
+    head = chunked if chunked is not None else (waiting or [None])[0]
+    if head is None:
+        return None
+    capacity = pool.num_pages * pool.page_size
+    logger.warning(
+        "request does not fit the KV pool",
+        request_id=head.rid,
+        trace_id=head.trace_id,
+        tokens=head.num_tokens,
+    )
+    return head, FinishAbort(
+        f"out of memory: the request needs {head.num_tokens + 1} tokens of KV cache "
+        f"and the pool holds {capacity}"
     )

@@ -107,26 +107,23 @@ class KvManager:
         req.last_node = result.node
         req.tree_pages = n_pages
 
-    def release(self, req: Request, cache_tokens: bool = True) -> None:
-        """Give back everything ``req`` holds.
-
-        With ``cache_tokens`` its valid full pages go into the radix cache
-        (unlocked, so evictable) for later requests with the same prefix;
-        duplicates of pages the cache already has are freed.
+    def release(self, req: Request) -> None:
+        """Give back everything ``req`` holds: its valid full pages go into
+        the radix cache (unlocked, so evictable) for later requests with the
+        same prefix; duplicates of pages the cache already has are freed.
         """
         pool, cache = self.pool, self.cache
         pages = req.pages
         own_from = req.tree_pages
         dups = req.dup_pages
-        if cache_tokens:
-            n_pages = min(req.kv_len, req.num_tokens) // self.page_size
-            if n_pages > req.tree_pages:
-                tokens = req.token_array()
-                result = cache.insert(
-                    tokens[: n_pages * self.page_size], pages[:n_pages], req.extra_key
-                )
-                dups = result.dup_pages  # the old duplicates and the new ones
-                own_from = n_pages
+        n_pages = min(req.kv_len, req.num_tokens) // self.page_size
+        if n_pages > req.tree_pages:
+            tokens = req.token_array()
+            result = cache.insert(
+                tokens[: n_pages * self.page_size], pages[:n_pages], req.extra_key
+            )
+            dups = result.dup_pages  # the old duplicates and the new ones
+            own_from = n_pages
         pool.release(dups)
         pool.release(pages[own_from:])
         if req.last_node is not None:

@@ -3,21 +3,20 @@
 A running request that drafts d[0..k-1] gets an extend entry instead of a
 decode: ``input_ids = [its last sampled token] + d`` from ``start_pos =
 kv_len``, with pages for all k + 1 positions. Drafts only use the pages
-left once the plain decode of every candidate fits (make_room_for_decode
-retracts for those, never for drafts): a request short of pages drafts
-less, or not at all.
+left once the plain decode of every candidate fits (make_room
+in decode.py retracts for those, never for drafts): a request short of
+pages drafts less, or not at all.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 
-from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.kv.manager import KvManager
-from scheduler_service.core.plan import ScheduledRequest
+from scheduler_service.core.plan import PlanEntry
 from scheduler_service.core.request import Request
 from scheduler_service.core.spec.drafts import Drafter
-from scheduler_service.core.spec.settle import Drafts
 from scheduler_service.core.spec.state import SpecState
 
 
@@ -55,9 +54,9 @@ class DraftWatch:
         req.spec.watch = self._seq  # older heap entries of req are void
         heapq.heappush(self._heap, (at, self._seq, req))
 
-    def wants(self, running: RunningBatch, step: int) -> bool:
-        """Whether a running request wants to draft now; wakes the dormant
-        ones that are due and whose sources have a match."""
+    def wants(self, running: Mapping[str, Request], step: int) -> bool:
+        """Whether a running request (``running``: by rid) wants to draft now;
+        wakes the dormant ones that are due and whose sources have a match."""
         heap, active, drafter = self._heap, self._active, self.drafter
         if not running:  # whatever is left belongs to requests gone
             heap.clear()
@@ -66,7 +65,7 @@ class DraftWatch:
         while heap and heap[0][0] <= step:
             _, seq, req = heapq.heappop(heap)
             s = req.spec
-            if s.watch != seq or req not in running:
+            if s.watch != seq or running.get(req.rid) is not req:
                 continue
             if not s.k:
                 if step < s.wake_at:
@@ -83,30 +82,30 @@ class DraftWatch:
         gone: list[Request] = []
         for req in active.values():
             s = req.spec
-            if req not in running or not s.k:
+            if running.get(req.rid) is not req or not s.k:
                 gone.append(req)
             elif not want and draft_limit(req, s, self.context_len) > 0:
                 want = True
         for req in gone:
             del active[req.rid]
-            if req in running:  # dormant again
+            if running.get(req.rid) is req:  # dormant again
                 self._push(req, req.spec.wake_at)
         return want
 
 
-def plan_decode_rows(
-    running: RunningBatch,
+def plan_drafted_rows(
     kv: KvManager,
     reqs: list[Request],
+    *,
     drafter: Drafter,
     step: int,
     context_len: int | None,
-) -> tuple[list[ScheduledRequest], Drafts]:
-    """Entries for ``reqs`` (nothing of theirs in flight, their plain decode
-    known to fit): drafted extends where a source has drafts and pages allow,
-    decodes for the rest."""
+) -> tuple[list[PlanEntry], list[Request]]:
+    """Drafted extends for those of ``reqs`` (nothing of theirs in flight,
+    their plain decode known to fit) where a source has drafts and pages
+    allow, and the requests left to decode plainly."""
     page_size = kv.page_size
-    spare = kv.available_pages() - running.pages_needed(reqs)
+    spare = kv.available_pages() - sum(1 for r in reqs if r.kv_len % page_size == 0)
     plain: list[Request] = []
     chosen: list[tuple[Request, list[int]]] = []
     for r in reqs:
@@ -130,23 +129,19 @@ def plan_decode_rows(
                 continue
         spare -= kv.pages_for(r, r.kv_len + len(drafts) + 1) - own
         chosen.append((r, drafts))
-    entries: list[ScheduledRequest] = []
-    planned: Drafts = {}
+    entries: list[PlanEntry] = []
     for r, drafts in chosen:
         pos = r.kv_len
         k = len(drafts)
         fresh = kv.grow(r, pos + k + 1)
         if fresh is None:
             raise RuntimeError(f"{r.rid}: drafted pages that were counted are not there")
-        entries.append(
-            ScheduledRequest(r.rid, pos, [r.output_ids[-1], *drafts], fresh.tolist(), True, None, k)
-        )
+        inputs = [r.output_ids[-1], *drafts]
+        entries.append(PlanEntry(r, r.epoch, pos, inputs, fresh.tolist(), True, drafts=drafts))
         r.kv_len = pos + k + 1
         r.pending += 1
         r.spec.inflight = k
-        planned[r.rid] = (r, r.epoch, pos, drafts)
-    entries += running.prepare_decode(plain)
-    return entries, planned
+    return entries, plain
 
 
-__all__ = ["DraftWatch", "Drafts", "draft_limit", "plan_decode_rows"]
+__all__ = ["DraftWatch", "draft_limit", "plan_drafted_rows"]
