@@ -8,7 +8,7 @@ alternating, ``--rounds`` times. Reported: the median TPOT of each run, its
 ratio (adapters / base), and output tokens per second.
 
 The adapters are PEFT adapters drawn on the default model's weights
-(tests/lora_adapters.py: q/k/v/o rank 4, gate/up/down rank 8, all seven
+(tests/support/lora_adapters.py: q/k/v/o rank 4, gate/up/down rank 8, all seven
 rank 16, q/v rank 64 rsLoRA), saved under ``--adapter-dir`` and loaded with
 LoadLoRAAdapter (needs ``--max-loras-per-batch`` >= 4, the default).
 
@@ -70,7 +70,7 @@ async def run(stub, texts: list[str], max_new: int, ids: list[str], tag: str) ->
 
 def ensure_adapters(stub_sync, directory: Path) -> list[str]:
     """The standard adapters, drawn once into ``directory`` and loaded."""
-    from tests.lora_adapters import STANDARD, make_adapter
+    from tests.support.lora_adapters import STANDARD, make_adapter
 
     listed = stub_sync.ListLoadedLoRAAdapters(pb.ListLoadedLoRAAdaptersRequest())
     loaded = {a.lora_id for a in listed.loaded_adapters}

@@ -9,7 +9,7 @@ import pytest
 
 from clients.bench.hf_baseline import BaselineRun, load_hf_model, run_hf_baseline
 from clients.bench.records import BenchRequest
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 
 VOCAB = 49152
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from common.lifeline import PARENT_PID_ENV, child_env
-from tests.process_tree import read, still_running
+from tests.support.process_tree import read, still_running
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from common.simulated_model import absorb, expected_output, simulated_token, token_of
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.testing.simulated_worker import SimulatedWorker
-from tests.scheduler_service.core.sim_driver import drive
+from tests.scheduler_service.core.support.sim_driver import drive
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.system import free_port, serve, stub
+from tests.e2e.support.system import free_port, serve, stub
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.sim_server import VOCAB, simulated_server
+from tests.e2e.support.sim_server import VOCAB, simulated_server
 
 BENCH = [sys.executable, "-m", "clients.bench.cli"]
 PNG = b"\x89PNG\r\n\x1a\n"

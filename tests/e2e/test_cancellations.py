@@ -14,8 +14,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.sim_server import VOCAB, assert_idle_and_clean, flush, simulated_server
-from tests.e2e.system import greedy, stub
+from tests.e2e.support.sim_server import VOCAB, assert_idle_and_clean, flush, simulated_server
+from tests.e2e.support.system import greedy, stub
 
 STREAMS = 1000
 AT_ONCE = 48  # more than --max-running-requests: many are cancelled while waiting

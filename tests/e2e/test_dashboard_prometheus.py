@@ -25,7 +25,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.system import BIN, free_port, greedy, process
+from tests.e2e.support.system import BIN, free_port, greedy, process
 
 pytestmark = pytest.mark.slow
 

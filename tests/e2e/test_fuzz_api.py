@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.sim_server import VOCAB, assert_idle_and_clean, simulated_server
-from tests.e2e.system import stub
+from tests.e2e.support.sim_server import VOCAB, assert_idle_and_clean, simulated_server
+from tests.e2e.support.system import stub
 
 CONTEXT = 48 * 4  # --num-pages 48 --page-size 4
 DEADLINE_S = 30.0

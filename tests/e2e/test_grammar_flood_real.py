@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.tokenizer_bundle import TokenizerBundle
-from tests.e2e.system import stub
+from tests.e2e.support.system import stub
 from tests.worker_service.grammar_load import TINY_SCHEMA, nested_schema
 
 pytestmark = pytest.mark.slow

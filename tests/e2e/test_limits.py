@@ -14,8 +14,8 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.sim_server import VOCAB, assert_idle_and_clean, simulated_server
-from tests.e2e.system import greedy, stub
+from tests.e2e.support.sim_server import VOCAB, assert_idle_and_clean, simulated_server
+from tests.e2e.support.system import greedy, stub
 
 CONTEXT = 64 * 4  # --num-pages 64 --page-size 4: the pool caps the context
 MAX_QUEUED = 8

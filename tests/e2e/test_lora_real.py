@@ -15,9 +15,9 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.system import serve, stub
-from tests.hf_reference import chat_ids, default_model_reference
-from tests.lora_adapters import peft_greedy, standard_adapters
+from tests.e2e.support.system import serve, stub
+from tests.support.hf_reference import chat_ids, default_model_reference
+from tests.support.lora_adapters import peft_greedy, standard_adapters
 
 pytestmark = pytest.mark.slow
 

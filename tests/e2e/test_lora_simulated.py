@@ -22,8 +22,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.simulated_model import expected_output
-from tests.e2e.sim_server import VOCAB, simulated_server
-from tests.e2e.system import BIN, free_port, greedy, process, stub
+from tests.e2e.support.sim_server import VOCAB, simulated_server
+from tests.e2e.support.system import BIN, free_port, greedy, process, stub
 from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
 
 

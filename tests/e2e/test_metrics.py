@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.system import free_port, separate, stub, wait_until
+from tests.e2e.support.system import free_port, separate, stub, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.cli import _sampling, build_parser
 from clients.results import Sampling
-from tests.e2e.sim_server import assert_idle_and_clean, simulated_server
-from tests.e2e.system import free_port, stub
+from tests.e2e.support.sim_server import assert_idle_and_clean, simulated_server
+from tests.e2e.support.system import free_port, stub
 from tests.e2e.test_metrics import scrape
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import SMG
-from tests.e2e.system import BIN, free_port
-from tests.e2e.units import Unit
+from tests.e2e.support.system import BIN, free_port
+from tests.e2e.support.units import Unit
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.client import AsyncRadixClient, RadixClient
 from protos import worker_pb2, worker_pb2_grpc
-from tests.e2e.certs import Cert, Pki, make_pki
-from tests.e2e.system import BIN, greedy, process, serve
+from tests.e2e.support.certs import Cert, Pki, make_pki
+from tests.e2e.support.system import BIN, greedy, process, serve
 
 KEYS = (f"rs-first-{secrets.token_hex(12)}", f"rs-second-{secrets.token_hex(12)}")
 SIM = ["--model", "simulated", "--simulated-step-ms", "1"]

@@ -10,8 +10,8 @@ from pathlib import Path
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from transformers import AutoTokenizer
 
-from tests.e2e.system import free_port, greedy, serve, stub
-from tests.hf_reference import hf_greedy
+from tests.e2e.support.system import free_port, greedy, serve, stub
+from tests.support.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 
 BIN = Path(sys.executable).parent

@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.simulated_model import simulated_token
-from tests.e2e.system import greedy, separate, stub
+from tests.e2e.support.system import greedy, separate, stub
 
 VOCAB = 32000
 

@@ -14,8 +14,8 @@ import torch
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.system import greedy, stub, used_tokens, wait_until
-from tests.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
+from tests.e2e.support.system import greedy, stub, used_tokens, wait_until
+from tests.support.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -10,8 +10,8 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.simulated_model import expected_output
-from tests.e2e.sim_server import VOCAB, assert_idle_and_clean, simulated_server
-from tests.e2e.system import free_port, greedy, scrape_metric, stub
+from tests.e2e.support.sim_server import VOCAB, assert_idle_and_clean, simulated_server
+from tests.e2e.support.system import free_port, greedy, scrape_metric, stub
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 

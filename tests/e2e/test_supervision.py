@@ -17,9 +17,9 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from observability.otlp_receiver import OtlpReceiver
-from tests.e2e.system import BIN, free_port, greedy, separate, serve_process, stub
+from tests.e2e.support.system import BIN, free_port, greedy, separate, serve_process, stub
 from tests.e2e.test_tracing import tracing_env
-from tests.process_tree import Proc, descendants, still_running
+from tests.support.process_tree import Proc, descendants, still_running
 
 SIM = ("--model", "simulated", "--log-level", "info")
 WORKER = "-m worker_service "

@@ -13,7 +13,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from observability.otlp_receiver import OtlpReceiver
-from tests.e2e.system import separate, stub
+from tests.e2e.support.system import separate, stub
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"

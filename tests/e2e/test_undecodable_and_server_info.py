@@ -13,8 +13,8 @@ from google.protobuf.json_format import MessageToDict
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.sim_server import assert_idle_and_clean, simulated_server
-from tests.e2e.system import free_port, greedy, stub
+from tests.e2e.support.sim_server import assert_idle_and_clean, simulated_server
+from tests.e2e.support.system import free_port, greedy, stub
 from tests.e2e.test_metrics import scrape
 
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler/"

@@ -10,8 +10,8 @@ import threading
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.system import greedy, separate, stub
-from tests.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
+from tests.e2e.support.system import greedy, separate, stub
+from tests.support.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -18,10 +18,10 @@ from smg.launch_router import parse_router_args
 
 from clients.cli import build_parser as client_parser
 from scheduler_service import config as scheduler_config
-from tests.e2e import certs
-from tests.e2e.system import free_port
-from tests.helm import pods
-from tests.helm.chart import (
+from tests.e2e.support import certs
+from tests.e2e.support.system import free_port
+from tests.helm.support import pods
+from tests.helm.support.chart import (
     NAMESPACE,
     VALUE_SETS,
     component,

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helm.chart import VALUE_SETS, component, config_env, container, render, render_error
+from tests.helm.support.chart import (
+    VALUE_SETS,
+    component,
+    config_env,
+    container,
+    render,
+    render_error,
+)
 
 
 def _pods(docs: list[dict], kind: str) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helm.chart import (
+from tests.helm.support.chart import (
     CHART,
     VALUE_SETS,
     component,
@@ -218,7 +218,7 @@ def test_template_rejects_duplicate_names_and_too_many_adapters():
 def test_rendered_lora_flags_parse_with_the_scheduler_parser(monkeypatch):
     """The scheduler's own flag parser reads what the chart renders."""
     from scheduler_service import config as scheduler_config
-    from tests.helm import pods
+    from tests.helm.support import pods
 
     docs = render("tp2-replicas3", PVC)
     s = next(w for w in workloads(docs) if component(w) == "scheduler")

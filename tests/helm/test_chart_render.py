@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helm.chart import CHART, VALUE_SETS, helm, helm_binary, of_kind, render, template_text
+from tests.helm.support.chart import (
+    CHART,
+    VALUE_SETS,
+    helm,
+    helm_binary,
+    of_kind,
+    render,
+    template_text,
+)
 
 # The newest schemas kubernetes-validate ships, and the oldest Kubernetes the
 # chart supports (Chart.yaml kubeVersion; the pod-index label needs 1.28).

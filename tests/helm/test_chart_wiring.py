@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helm.chart import (
+from tests.helm.support.chart import (
     CHART,
     NAMESPACE,
     VALUE_SETS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
 from scheduler_service.engine.request_tracing import RequestTracer
 from scheduler_service.testing.simulated_worker import expected_output
-from tests.scheduler_service.core.sim_driver import check_drained, make_pair
+from tests.scheduler_service.core.support.sim_driver import check_drained, make_pair
 
 V = 64
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tests.hf_reference import chat_ids, default_model_reference
-from tests.lora_adapters import peft_greedy, standard_adapters
+from tests.support.hf_reference import chat_ids, default_model_reference
+from tests.support.lora_adapters import peft_greedy, standard_adapters
 from worker_service.config import WorkerConfig
 from worker_service.worker import Worker, build_worker
 

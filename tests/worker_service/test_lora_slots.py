@@ -4,7 +4,7 @@ with the name; plans naming what is not there are refused whole."""
 
 from __future__ import annotations
 
-from tests.lora_adapters import standard_adapters
+from tests.support.lora_adapters import standard_adapters
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import GREEDY
 from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan

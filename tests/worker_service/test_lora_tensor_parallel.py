@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from protos import worker_pb2 as pb
-from tests.lora_adapters import ALL, ATTENTION, make_adapter, peft_greedy
+from tests.support.lora_adapters import ALL, ATTENTION, make_adapter, peft_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 from tests.worker_service.test_tensor_parallel import free_port
 from tests.worker_service.worker_process import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lora_adapters import STANDARD
+from tests.support.lora_adapters import STANDARD
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from worker_service.plan import AdapterSlotSpec

@@ -22,7 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
 from worker_service import model_compute

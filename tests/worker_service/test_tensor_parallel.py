@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 from tests.worker_service.worker_process import (
     PlanStream,

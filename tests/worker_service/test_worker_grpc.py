@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.simulated_model import simulated_token
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from tests.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 from tests.worker_service.worker_process import PlanStream, greedy_over_grpc, worker_process
 

@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
 from scheduler_service.core.adapters import Adapter, AdapterError, AdapterSlots
 from scheduler_service.core.sampling import InvalidRequestError
-from tests.scheduler_service.core.sim_driver import check_drained, check_outputs, drive, make_pair
+from tests.scheduler_service.core.support.sim_driver import (
+    check_drained,
+    check_outputs,
+    drive,
+    make_pair,
+)
 
 VOCAB = 40
 EOS = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
 from scheduler_service.testing.simulated_worker import SimulatedWorker
-from tests.scheduler_service.core.sim_driver import check_drained, drive, make_pair
+from tests.scheduler_service.core.support.sim_driver import check_drained, drive, make_pair
 
 V = 64
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
-from tests.scheduler_service.core.sim_driver import make_pair
+from tests.scheduler_service.core.support.sim_driver import make_pair
 
 V = 64
 STEP_S = 0.01  # the test's clock moves this much per step

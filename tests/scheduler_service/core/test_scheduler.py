@@ -23,7 +23,7 @@ from scheduler_service.core import (
 from scheduler_service.core.batch import RunningBatch
 from scheduler_service.core.kv.events import BlockStored
 from scheduler_service.testing.simulated_worker import expected_output
-from tests.scheduler_service.core.sim_driver import (
+from tests.scheduler_service.core.support.sim_driver import (
     check_drained,
     check_outputs,
     drive,

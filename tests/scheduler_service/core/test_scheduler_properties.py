@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
 from scheduler_service.core.config import POLICIES
-from tests.scheduler_service.core.sim_driver import (
+from tests.scheduler_service.core.support.sim_driver import (
     check_drained,
     check_outputs,
     drive,

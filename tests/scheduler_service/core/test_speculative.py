@@ -10,13 +10,13 @@ import random
 from common.simulated_model import expected_output
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.core.plan import ForwardMode
-from tests.scheduler_service.core.sim_driver import (
+from tests.scheduler_service.core.support.sim_driver import (
     check_drained,
     check_outputs,
     drive,
     toy_stop_strings,
 )
-from tests.scheduler_service.core.spec_support import OracleDrafter, RecordingWorker
+from tests.scheduler_service.core.support.spec_support import OracleDrafter, RecordingWorker
 
 VOCAB = 50
 BIG_VOCAB = 32000

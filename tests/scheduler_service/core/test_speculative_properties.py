@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core import Scheduler
-from tests.scheduler_service.core.sim_driver import (
+from tests.scheduler_service.core.support.sim_driver import (
     check_drained,
     check_outputs,
     drive,
     toy_stop_strings,
 )
-from tests.scheduler_service.core.spec_support import OracleDrafter, RecordingWorker
+from tests.scheduler_service.core.support.spec_support import OracleDrafter, RecordingWorker
 from tests.scheduler_service.core.test_scheduler_properties import VOCAB, scenarios
 
 EXAMPLES = max(1, int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120")) // 2)

@@ -20,7 +20,7 @@ from scheduler_service.core import (
 )
 from scheduler_service.core.kv.events import AllBlocksCleared
 from scheduler_service.testing.simulated_worker import SimulatedWorker
-from tests.scheduler_service.core.sim_driver import (
+from tests.scheduler_service.core.support.sim_driver import (
     DriveLog,
     check_drained,
     check_outputs,

@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.system import separate
+from tests.e2e.support.system import separate
 
 VOCAB = 32000
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "helm" / "radixserve"
 LOCAL_HELM = ROOT / ".cache" / "tools" / "helm"  # scripts/ensure_helm.sh puts it here
 NAMESPACE = "llm"

@@ -28,7 +28,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from tests.hf_reference import default_model_reference, greedy_with_logprobs
+from tests.support.hf_reference import default_model_reference, greedy_with_logprobs
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -132,6 +132,6 @@ def peft_greedy_logprobs(
     steps: int,
     base: PreTrainedModel | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Greedy tokens and the logprob of each (as tests.hf_reference.hf_greedy)."""
+    """Greedy tokens and the logprob of each (as tests.support.hf_reference.hf_greedy)."""
     tokens, rows = peft_greedy(adapter_dir, prompt_ids, steps, base)
     return tokens, [row[t].item() for row, t in zip(rows, tokens, strict=True)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helm.chart import config_env
+from tests.helm.support.chart import config_env
 
 BIN = Path(sys.executable).parent
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
