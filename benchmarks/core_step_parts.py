@@ -79,7 +79,7 @@ def measure(batch: int, steps: int) -> dict:
         result = pb.StepResult(step_id=plan.step_id, token_ids=tokens)
         token += 7
         t3 = clock()
-        decoded = codec.decode(result)
+        decoded = codec.decode(result, plan)
         t4 = clock()
         sched.update(decoded)
         t5 = clock()

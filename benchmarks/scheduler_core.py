@@ -183,14 +183,14 @@ def step_benchmark(
         sched.update(result)
         sched.drain()
         t3 = clock()
-        while len(sched.waiting) < waiting:
+        while len(sched.table.waiting) < waiting:
             sched.add_request(work.next())
         return (t1 - t0) + (t3 - t2), plan.mode, len(plan.joins)
 
     # Warm up until the batch is full and the cache holds the system prompts.
     for _ in range(10_000):
         one_step()
-        if len(sched.running) >= running:
+        if len(sched.table.running) >= running:
             break
     for _ in range(50):
         one_step()
@@ -199,7 +199,7 @@ def step_benchmark(
     running_seen: list[int] = []
     gc.collect()
     for _ in range(measured_steps):
-        running_seen.append(len(sched.running))
+        running_seen.append(len(sched.table.running))
         seconds, mode, joins = one_step()
         if mode is ForwardMode.DECODE:
             decode_ms.append(seconds * 1e3)
@@ -214,7 +214,7 @@ def step_benchmark(
         "decode_steps": len(decode_ms),
         "admit_steps": len(admit_ms),
         "running_median": statistics.median(running_seen),
-        "waiting": len(sched.waiting),
+        "waiting": len(sched.table.waiting),
         "cached_token_share": sched.stats.cached_tokens / max(sched.stats.prompt_tokens, 1),
     }
 

@@ -40,8 +40,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler_service.core.batch import RunningBatch
-from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.spec.drafts import NgramDrafter
@@ -100,14 +98,14 @@ def bench_wake_check(n_reqs: int, steps: int, seed: int) -> float:
     pool = PagePool(1000, 1)
     cache = RadixCache(1, pool)
     drafter = NgramDrafter(cache)
-    batch = RunningBatch(KvManager(pool, cache))
+    batch: dict[str, Request] = {}  # the running batch, by rid
     watch = DraftWatch(drafter, None)
     futures = []
     for i in range(n_reqs):
         req = Request(f"r{i}", _text(rng, "random", rng.randint(1000, 1900)))
         req.output_ids.append(1)
         req.spec = SpecState(8)
-        batch.merge([req])
+        batch[req.rid] = req
         watch.add(req)
         futures.append((req, _text(rng, "random", steps)))
     watch.wants(batch, 0)  # the first look of each
@@ -135,7 +133,7 @@ def bench_core(n_reqs: int, steps: int, spec: bool, seed: int) -> float:
         sched.add_request(
             Request(f"r{i}", prompt, SamplingParams(max_new_tokens=steps + WARMUP_STEPS + 50))
         )
-    while sched.waiting or sched.chunked is not None:  # prefill everything first
+    while sched.table.waiting or sched.table.chunked is not None:  # prefill everything first
         sched.update(worker.execute(sched.step()))
     spent = 0.0
     inflight = []

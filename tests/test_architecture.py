@@ -173,3 +173,47 @@ def test_the_checker_sees_a_circle_and_a_crossing():
     graph = _graph()
     assert "scheduler_service.core.scheduler" in graph["scheduler_service.engine.loop"]
     assert "scheduler_service.core.integrity" in graph["scheduler_service.core.scheduler"]
+
+
+def _scheduler_uses(tree: ast.AST) -> set[str]:
+    """Attributes read or called on ``sched`` / ``self.sched`` in a module."""
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "sched") or (
+            isinstance(owner, ast.Attribute)
+            and owner.attr == "sched"
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id == "self"
+        ):
+            used.add(node.attr)
+    return used
+
+
+def test_the_engine_uses_only_the_schedulers_interface():
+    """engine/ (the loop, recovery, the adapter loader) calls named methods of
+    the Scheduler (core/scheduler.py, ENGINE_INTERFACE), never its queues,
+    cache, pool or tables."""
+    from scheduler_service.core.scheduler import ENGINE_INTERFACE
+
+    outside: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "scheduler_service" / "engine").glob("*.py")):
+        used = _scheduler_uses(ast.parse(path.read_text()))
+        if used - ENGINE_INTERFACE:
+            outside[path.name] = used - ENGINE_INTERFACE
+    assert not outside, f"the engine touches scheduler attributes outside its interface: {outside}"
+    from scheduler_service.core.scheduler import Scheduler
+
+    missing = {n for n in ENGINE_INTERFACE if not hasattr(Scheduler, n) and n not in _FIELDS}
+    assert not missing, f"ENGINE_INTERFACE names what the Scheduler lacks: {missing}"
+
+
+# Instance attributes of the Scheduler named in its interface (set in __init__).
+_FIELDS = {"config", "stats", "on_requeue"}
+
+
+def test_the_interface_check_sees_a_stray_attribute():
+    tree = ast.parse("def f(self):\n    self.sched.waiting.append(1)\n    sched.cache.reset()\n")
+    assert _scheduler_uses(tree) == {"waiting", "cache"}

@@ -125,24 +125,52 @@ def apply_result(
     plan: StepPlan, result: StepResult, r: Receipt
 ) -> list[tuple[Request, FinishReason]]:
     """Apply ``result`` (the answer to ``plan``); return the requests it
-    finished, in order, their finish delta already queued."""
+    finished, in order, their finish delta already queued.
+
+    A result answers its plan in plan order: one output per sampling entry
+    (extends, then decodes), then outputs for extends that sampled nothing
+    but scored prompt positions (prompt logprobs), in any order."""
     step = plan.step_id
-    tokens = sum(1 for out in result.outputs if out.token_id is not None)
-    if tokens != plan.sampling_entries:
-        raise ProtocolError(
-            f"step {step}: {tokens} sampled tokens for {plan.sampling_entries} sampling entries"
-        )
-    entries = {e.req.rid: e for e in plan.extends}
-    for e in plan.decodes:
-        entries[e.req.rid] = e
+    extends = plan.extends
+    sampling = [e for e in extends if e.sample] + plan.decodes if extends else plan.decodes
+    outputs = result.outputs
+    n = len(sampling)
+    if len(outputs) < n or (len(outputs) > n and outputs[n].token_id is not None):
+        tokens = sum(1 for out in outputs if out.token_id is not None)
+        raise ProtocolError(f"step {step}: {tokens} sampled tokens for {n} sampling entries")
     finished: list[tuple[Request, FinishReason]] = []
-    for out in result.outputs:
-        entry = entries.pop(out.rid, None)  # a second output for one entry is refused too
-        if entry is None:
-            raise ProtocolError(f"step {step} has no entry for {out.rid!r}")
-        reason = _receive(entry, out, r, step)
+    now, outbox = r.now, r.outbox
+    for entry, out in zip(sampling, outputs, strict=False):  # the rest: after the loop
+        req = entry.req
+        token = out.token_id
+        if out.rid != req.rid or token is None:
+            raise ProtocolError(
+                f"step {step} has no entry for {out.rid!r} (token {token}) where "
+                f"{req.rid!r} samples"
+            )
+        if (
+            entry.drafts is not None
+            or req.epoch != entry.epoch
+            or out.prompt_logprobs
+            or out.more_tokens
+        ):
+            reason = _receive(entry, out, r, step)
+        else:  # a plain sampled token (most of them): _receive's last branch
+            req.pending -= 1
+            if req.times.first_token is None:
+                req.times.first_token = now
+            delta = RequestDelta(req, [], [])
+            outbox.append(delta)
+            reason = receive_token(req, token, out.logprobs, delta, r, out.grammar_ended)
         if reason is not None:
-            finished.append((entry.req, reason))
+            finished.append((req, reason))
+    if len(outputs) > n:
+        scoring = {e.req.rid: e for e in extends if not e.sample}
+        for out in outputs[n:]:
+            entry = scoring.pop(out.rid, None)  # a second output for one entry is refused too
+            if entry is None or out.token_id is not None:
+                raise ProtocolError(f"step {step} has no entry without a sample for {out.rid!r}")
+            _receive(entry, out, r, step)
     return finished
 
 

@@ -20,9 +20,11 @@ import structlog
 from observability import tracing
 from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
-from scheduler_service.core import InvalidRequestError, Scheduler, Submission
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishStop, Request
+from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.recovery import MAX_STEP_FAILURES, WorkerRecovery
 from scheduler_service.engine.request_tracing import RequestTracer

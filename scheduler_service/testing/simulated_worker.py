@@ -126,6 +126,7 @@ class SimulatedWorker:
         adapters.discard(None)
         self.adapters_seen_in_a_step = max(self.adapters_seen_in_a_step, len(adapters))
         outputs: list[RequestOutput] = []
+        unsampled: list[RequestOutput] = []  # answered after the samples (results.py)
         for e in entries:
             r = self.reqs.get(e.rid)
             if r is None:
@@ -162,7 +163,8 @@ class SimulatedWorker:
                 r.state = absorb(r.state, (tok,))
                 outputs.append(RequestOutput(e.rid, tok, TokenLogprobs(logprob=-1.0)))
             else:
-                outputs.append(RequestOutput(e.rid, None))
+                unsampled.append(RequestOutput(e.rid, None))
+        outputs += unsampled
         self.steps += 1
         if self.step_time_s:
             remaining = self.step_time_s - (time.perf_counter() - t0)

@@ -4,6 +4,8 @@ chunked prefill, against the simulated worker."""
 
 from __future__ import annotations
 
+import time
+
 from scheduler_service.core import Request, SamplingParams, SchedulerConfig
 from scheduler_service.engine.request_tracing import RequestTracer
 from scheduler_service.testing.simulated_worker import expected_output
@@ -34,9 +36,10 @@ class Driver:
             plan = sched.step()
             sched.check_integrity()
             if plan is not None:
+                plan.sent_ns = time.time_ns()
                 tracer.planned(plan)
                 result = self.worker.execute(plan)
-                tracer.result(plan.step_id)
+                tracer.result(plan)
                 sched.update(result)
                 sched.check_integrity()
             for d in sched.drain():

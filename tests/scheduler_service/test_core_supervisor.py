@@ -20,8 +20,8 @@ from scheduler_service.api.core_supervisor import CoreSupervisor
 from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.servicer import _core_failure
 from scheduler_service.config import ServiceConfig
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import AllBlocksCleared
-from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
 
 KILLED = "killed by signal 9, SIGKILL"
@@ -78,8 +78,8 @@ def _load() -> ipc.Load:
     return ipc.Load(3, 1, 40, 256, 0.5, 100, 50, 0.0, 0.0, 0.0, 8)
 
 
-def _req(rid: str) -> Request:
-    return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=2))
+def _req(rid: str) -> Submission:
+    return Submission(rid, [1, 2, 3], SamplingParams(max_new_tokens=2))
 
 
 async def _until(pred, what: str, timeout_s: float = 5.0) -> None:

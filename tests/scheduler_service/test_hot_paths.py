@@ -9,7 +9,7 @@ import pickle
 from protos import worker_pb2 as pb
 from scheduler_service import ipc
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
+from scheduler_service.core.plan import ForwardMode, Join, PlanEntry, StepPlan
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 from scheduler_service.core.scheduler import Scheduler
@@ -70,7 +70,7 @@ def _run_steps(eng: Engine, tokens: list[int]) -> list[ipc.DeltaOut]:
         n = len(msg.decode_slots) + sum(1 for e in msg.extends if e.sample)
         res = pb.StepResult(step_id=plan.step_id, token_ids=tokens[k : k + n], logprobs=[-0.5] * n)
         k += n
-        sched.update(codec.decode(res))
+        sched.update(codec.decode(res, plan))
         eng._publish()
         for m in eng.conn.sent:
             got.extend(m.items())
@@ -96,34 +96,34 @@ def test_published_deltas_match_the_general_conversion():
     assert eng.sched.stats.generated_tokens == 8
 
 
-def _plan_two_decodes(codec: WorkerCodec, wants: bool) -> None:
+def _plan_two_decodes(codec: WorkerCodec, wants: bool) -> tuple[StepPlan, StepPlan]:
     lp = LogprobOptions(return_logprob=wants)
-    joins = [
-        JoinRequest(rid, SamplingParams(), lp if rid == "a" else LogprobOptions(), 1, [])
-        for rid in ("a", "b")
-    ]
+    a, b = Request("a", [1], logprobs=lp), Request("b", [1])
+    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, []) for r in (a, b)]
     plan = StepPlan(
         1,
         ForwardMode.PREFILL,
-        [ScheduledRequest("a", 0, [1], [0], True), ScheduledRequest("b", 0, [1], [1], True)],
-        joins,
+        extends=[PlanEntry(a, 0, 0, [1], [0], True), PlanEntry(b, 0, 0, [1], [1], True)],
+        joins=joins,
     )
     codec.encode(plan)
-    codec.encode(
-        StepPlan(
-            2,
-            ForwardMode.DECODE,
-            [ScheduledRequest("a", 1, None, [], True), ScheduledRequest("b", 1, None, [], True)],
-        )
+    second = StepPlan(
+        2,
+        ForwardMode.DECODE,
+        decodes=[PlanEntry(a, 0, 1, None, [], True), PlanEntry(b, 0, 1, None, [], True)],
     )
+    codec.encode(second)
+    return plan, second
 
 
 def test_result_decoding_with_and_without_logprob_payloads():
     for wants in (False, True):
         codec = WorkerCodec()
-        _plan_two_decodes(codec, wants)
-        first = codec.decode(pb.StepResult(step_id=1, token_ids=[3, 4], logprobs=[-1.0, -2.0]))
-        second = codec.decode(pb.StepResult(step_id=2, token_ids=[5, 6], logprobs=[-3.0, -4.0]))
+        one, two = _plan_two_decodes(codec, wants)
+        first = codec.decode(pb.StepResult(step_id=1, token_ids=[3, 4], logprobs=[-1.0, -2.0]), one)
+        second = codec.decode(
+            pb.StepResult(step_id=2, token_ids=[5, 6], logprobs=[-3.0, -4.0]), two
+        )
         for res, tokens, lp_a in ((first, [3, 4], -1.0), (second, [5, 6], -3.0)):
             assert [(o.rid, o.token_id) for o in res.outputs] == list(
                 zip("ab", tokens, strict=True)

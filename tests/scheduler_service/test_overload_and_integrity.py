@@ -10,7 +10,7 @@ from scheduler_service import ipc
 from scheduler_service.api.core_client import CoreClient, QueueFull
 from scheduler_service.config import LimitsConfig, ServiceConfig, load_config
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.request import Request
+from scheduler_service.core.intake import Submission
 from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.loop import Engine
@@ -27,8 +27,8 @@ class FakeConn:
         return False
 
 
-def _req(rid: str) -> Request:
-    return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=2))
+def _req(rid: str) -> Submission:
+    return Submission(rid, [1, 2, 3], SamplingParams(max_new_tokens=2))
 
 
 def _core(limit: int) -> CoreClient:

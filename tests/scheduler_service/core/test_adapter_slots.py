@@ -105,7 +105,7 @@ def test_unknown_adapter_is_refused_at_submission():
     sched, _ = make_pair(config, 64, VOCAB)
     with pytest.raises(InvalidRequestError, match="names no loaded LoRA adapter"):
         sched.add_request(Request("r", [1, 2, 3], adapter="nope"))
-    assert not sched.requests
+    assert not len(sched.table)
 
 
 @st.composite

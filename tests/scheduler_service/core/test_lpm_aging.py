@@ -44,7 +44,7 @@ def _run(max_wait_s: float, steps: int) -> tuple[int | None, int]:
     for step in range(steps):
         if step == 5:  # once the prefix is cached
             sched.add_request(short)
-        while sum(r is not short for r in sched.waiting) < 4:
+        while sum(r is not short for r in sched.table.waiting) < 4:
             sched.add_request(matching())
         plan = sched.step()
         sched.check_integrity()

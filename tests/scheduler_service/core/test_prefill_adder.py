@@ -7,7 +7,7 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
-from scheduler_service.core.request import Request, RequestState
+from scheduler_service.core.request import Place, Request
 from scheduler_service.core.sampling import SamplingParams
 
 
@@ -30,7 +30,7 @@ def running(kv, rid, max_new, outputs=0, priority=0, t=0.0):
     r = Request(rid, [1], SamplingParams(max_new_tokens=max_new), priority=priority)
     r.output_ids = [5] * outputs
     r.times.queue_entry = t
-    r.state = RequestState.DECODING
+    r.place = Place.RUNNING
     r.pages = kv.pool.alloc(1 + outputs)
     r.kv_len = len(r.pages)
     return r

@@ -11,16 +11,16 @@ from scheduler_service.core import (
     ForwardMode,
     InvalidRequestError,
     LogprobOptions,
+    Place,
     ProtocolError,
     Request,
     RequestOutput,
-    RequestState,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
     StepResult,
 )
-from scheduler_service.core.batch import RunningBatch
+from scheduler_service.core.decode import retraction_order
 from scheduler_service.core.kv.events import BlockStored
 from scheduler_service.testing.simulated_worker import expected_output
 from tests.scheduler_service.core.support.sim_driver import (
@@ -79,7 +79,7 @@ def test_retraction_order_is_least_progress_then_longest_prompt():
         return x
 
     reqs = [r("short-few", 5, 2), r("many", 5, 9), r("long-few", 50, 2), r("mid", 5, 4)]
-    order = [x.rid for x in RunningBatch.retraction_order(reqs)]
+    order = [x.rid for x in retraction_order(reqs)]
     assert order[::-1] == ["long-few", "short-few", "mid", "many"]  # popped from the end
 
 
@@ -91,13 +91,15 @@ def test_retraction_frees_memory_and_outputs_continue_unchanged():
         sched.add_request(r)
     ratios = []
     while not sched.stats.retractions:
-        before = {r.rid: (len(r.output_ids), -len(r.prompt_ids)) for r in sched.running}
+        before = {
+            r.rid: (len(r.output_ids), -len(r.prompt_ids)) for r in sched.table.running.values()
+        }
         plan = sched.step()
         sched.update(worker.execute(plan))
         sched.check_integrity()
         ratios.append(sched.new_token_ratio)
     retracted = [r for r in reqs if r.retractions]
-    assert len(retracted) == 1 and retracted[0].state is RequestState.RETRACTED
+    assert len(retracted) == 1 and retracted[0].place is Place.WAITING
     assert before[retracted[0].rid] == min(before.values())
     assert not retracted[0].pages and retracted[0].output_ids  # keeps what it generated
     assert ratios[-1] > ratios[-2]  # raised by the retraction
@@ -123,7 +125,7 @@ def test_abort_frees_pages_at_once_and_tells_the_worker():
     (delta,) = [d for d in sched.drain() if d.finished]
     assert isinstance(delta.req.finish_reason, FinishAbort)
     plan = sched.step()
-    assert plan.mode is ForwardMode.IDLE and plan.departures == ["r"]
+    assert plan.mode is ForwardMode.IDLE and plan.leaves == ["r"]
     sched.update(worker.execute(plan))
     assert not worker.reqs and not sched.abort("r")
     check_drained(sched, worker)
@@ -274,7 +276,7 @@ def test_bad_requests_are_refused_with_reasons():
         sched.add_request(req("oov", [V]))
     with pytest.raises(InvalidRequestError, match="context length"):
         sched.add_request(req("ctx", [1] * 10, max_new=95))
-    assert list(sched.requests) == ["r"]
+    assert sched.live_rids() == ["r"]
 
 
 def test_priority_preempts_and_the_preempted_request_resumes():
@@ -363,7 +365,7 @@ def test_siblings_wait_for_the_leaders_prefill_and_read_the_prompt_from_the_cach
     sched, worker = make_pair(cfg(page_size=4), 64, V)
     for r in (leader, *siblings):
         sched.add_request(r)
-    assert sched.held == siblings and sched.waiting == [leader]
+    assert sched.table.held == siblings and sched.table.waiting == [leader]
     sched.check_integrity()  # held requests are placed, and nowhere else
     plan = sched.step()
     assert [j.rid for j in plan.joins] == ["n-0"]  # the siblings are still held
@@ -376,7 +378,7 @@ def test_siblings_wait_for_the_leaders_prefill_and_read_the_prompt_from_the_cach
     check_drained(sched, worker)
     # Each sibling computed only the prompt's last (uncachable) page.
     assert [s.cached_tokens for s in siblings] == [36, 36]
-    assert not sched.held
+    assert not sched.table.held
 
 
 def test_an_aborted_held_sibling_finishes_and_a_leaders_abort_releases_the_rest():
@@ -387,12 +389,12 @@ def test_an_aborted_held_sibling_finishes_and_a_leaders_abort_releases_the_rest(
     for r in (leader, sib, other):
         sched.add_request(r)
     assert sched.abort("n-1", "client gone")
-    assert sched.held == [other] and isinstance(sib.finish_reason, FinishAbort)
+    assert sched.table.held == [other] and isinstance(sib.finish_reason, FinishAbort)
     (gone,) = sched.drain()
     assert gone.req is sib and gone.finished
     sched.check_integrity()
     sched.abort("n-0")  # the leader never ran: its sibling is free to prefill itself
     log = drive(sched, worker, [])
-    assert not sched.held and other.finished and other.cached_tokens == 0
+    assert not sched.table.held and other.finished and other.cached_tokens == 0
     check_outputs([other], sched.config, V, log)
     check_drained(sched, worker)

@@ -129,7 +129,7 @@ def test_abort_with_a_drafted_plan_in_flight():
     sched.check_integrity()
     assert sched.stats.discarded_tokens > 0
     plan = sched.step()  # the departure
-    assert plan is not None and plan.departures == ["a"]
+    assert plan is not None and plan.leaves == ["a"]
     sched.update(worker.execute(plan))
     check_drained(sched, worker)
 
@@ -196,7 +196,7 @@ def test_random_text_never_drafts_and_keeps_overlap():
 
     sched, plans = run(True)
     assert sched.stats.spec_drains == 0 and sched.stats.spec_steps == 0
-    assert all(r.spec_draft_tokens == 0 for r in sched.requests.values())
+    assert all(r.spec_draft_tokens == 0 for r in sched.table)
     _, plans_without = run(False)
     assert plans == plans_without  # the same plans: overlap kept
 
@@ -286,7 +286,7 @@ def test_no_drafts_while_more_requests_run_than_the_batch_size_limit():
 
     def execute(plan):
         if any(e.draft_len for e in plan.entries):
-            running_when_drafted.append(len(sched.running))
+            running_when_drafted.append(len(sched.table.running))
         return plain_execute(plan)
 
     worker.execute = execute

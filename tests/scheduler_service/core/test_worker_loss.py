@@ -12,8 +12,8 @@ import pytest
 
 from scheduler_service.core import (
     FinishLength,
+    Place,
     Request,
-    RequestState,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
@@ -81,7 +81,7 @@ def drive_with_losses(
             inflight.clear()
             sched.reset_after_worker_loss(num_pages)
             sched.check_integrity()
-            assert sched.num_inflight == 0 and not sched.running and sched.chunked is None
+            assert not sched.in_flight() and not sched.table.running and sched.table.chunked is None
             worker = SimulatedWorker(num_pages, sched.pool.page_size, V)
         collect()
         if not inflight and sched.is_idle():
@@ -119,7 +119,7 @@ def test_a_request_mid_chunked_prefill_is_requeued_and_prefilled_again():
     seen = []
 
     def lose(s: Scheduler, t: int) -> int | None:
-        if not seen and s.chunked is long and long.kv_len >= 16:
+        if not seen and s.table.chunked is long and long.kv_len >= 16:
             seen.append(long.kv_len)
             return 64
         return None
@@ -139,7 +139,7 @@ def test_finished_but_unpublished_and_in_flight_tokens_are_delivered_once():
     def lose(s: Scheduler, t: int) -> int | None:
         # right after an update finished someone, with others still running
         finished = [d for d in s._outbox if d.finished]
-        if finished and s.running and len(losses_at) < 3:
+        if finished and s.table.running and len(losses_at) < 3:
             losses_at.append(t)
             return 64
         return None
@@ -188,17 +188,17 @@ def test_reset_clears_the_cache_emits_the_event_and_keeps_the_output():
     for _ in range(5):
         sched.update(worker.execute(sched.step()))
     sched.drain()
-    assert r.state is RequestState.DECODING and sched.cache.cached_pages > 0
+    assert r.place is Place.RUNNING and sched.cache.cached_pages > 0
     before = list(r.output_ids)
     sched.cache.take_events()
     sched.step()  # one plan in flight, never answered
     requeued = sched.reset_after_worker_loss(16)
     sched.check_integrity()
-    assert requeued == [r] and sched.waiting == [r] and r.state is RequestState.RETRACTED
+    assert requeued == [r] and sched.table.waiting == [r] and r.place is Place.WAITING
     assert r.output_ids == before and not r.pages and r.kv_len == 0 and not r.on_worker
     assert sched.cache.cached_pages == 0 and sched.pool.num_free == sched.pool.num_pages == 16
     assert any(isinstance(e, AllBlocksCleared) for e in sched.cache.take_events())
     # Calling it again before anything ran (the new size only known later) is harmless.
     assert sched.reset_after_worker_loss(24) == []
     sched.check_integrity()
-    assert sched.pool.num_pages == 24 and sched.waiting == [r]
+    assert sched.pool.num_pages == 24 and sched.table.waiting == [r]

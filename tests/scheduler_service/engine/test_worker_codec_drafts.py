@@ -7,46 +7,47 @@ from __future__ import annotations
 import pytest
 
 from protos import worker_pb2 as pb
-from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
+from scheduler_service.core.plan import ForwardMode, Join, PlanEntry, StepPlan
+from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 from scheduler_service.engine.worker_codec import WorkerCodec, WorkerProtocolError
 
 
-def _codec(wants_a: bool = False) -> tuple[WorkerCodec, pb.StepPlan]:
+def _codec(wants_a: bool = False) -> tuple[WorkerCodec, StepPlan, pb.StepPlan]:
+    """A codec that sent a prefill of a, b, c (answered) and then a plan in
+    which a drafts 3 tokens, b 1 and c decodes; the second plan."""
     codec = WorkerCodec()
-    joins = [
-        JoinRequest(
-            rid, SamplingParams(), LogprobOptions(return_logprob=wants_a and rid == "a"), 1, []
-        )
-        for rid in ("a", "b", "c")
-    ]
-    codec.encode(
-        StepPlan(
-            1,
-            ForwardMode.PREFILL,
-            [ScheduledRequest(r, 0, [1], [i], True) for i, r in enumerate("abc")],
-            joins,
-        )
+    reqs = {
+        rid: Request(rid, [1], logprobs=LogprobOptions(return_logprob=wants_a and rid == "a"))
+        for rid in "abc"
+    }
+    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, []) for r in reqs.values()]
+    first = StepPlan(
+        1,
+        ForwardMode.PREFILL,
+        extends=[PlanEntry(r, 0, 0, [1], [i], True) for i, r in enumerate(reqs.values())],
+        joins=joins,
     )
-    codec.decode(pb.StepResult(step_id=1, token_ids=[4, 5, 6], logprobs=[0.0, 0.0, 0.0]))
+    codec.encode(first)
+    codec.decode(pb.StepResult(step_id=1, token_ids=[4, 5, 6], logprobs=[0.0, 0.0, 0.0]), first)
     plan = StepPlan(
         2,
         ForwardMode.MIXED,
-        [
-            ScheduledRequest("a", 1, [4, 7, 8, 9], [3], True, None, 3),
-            ScheduledRequest("b", 1, [5, 1], [4], True, None, 1),
-            ScheduledRequest("c", 1, None, [5], True),
+        extends=[
+            PlanEntry(reqs["a"], 0, 1, [4, 7, 8, 9], [3], True, drafts=[7, 8, 9]),
+            PlanEntry(reqs["b"], 0, 1, [5, 1], [4], True, drafts=[1]),
         ],
+        decodes=[PlanEntry(reqs["c"], 0, 1, None, [5], True)],
     )
-    return codec, codec.encode(plan)
+    return codec, plan, codec.encode(plan)
 
 
 def test_draft_len_is_encoded_and_counts_become_more_tokens():
-    codec, msg = _codec()
+    codec, plan, msg = _codec()
     assert [e.draft_len for e in msg.extends] == [3, 1]
     assert list(msg.extends[0].input_ids) == [4, 7, 8, 9]
     res = codec.decode(
-        pb.StepResult(step_id=2, token_ids=[7, 8, 3, 11, 12], token_counts=[3, 1, 1])
+        pb.StepResult(step_id=2, token_ids=[7, 8, 3, 11, 12], token_counts=[3, 1, 1]), plan
     )
     outs = {o.rid: o for o in res.outputs}
     assert (outs["a"].token_id, outs["a"].more_tokens) == (7, [8, 3])
@@ -55,14 +56,15 @@ def test_draft_len_is_encoded_and_counts_become_more_tokens():
 
 
 def test_logprobs_per_token_of_a_drafted_entry():
-    codec, _ = _codec(wants_a=True)
+    codec, plan, _ = _codec(wants_a=True)
     res = codec.decode(
         pb.StepResult(
             step_id=2,
             token_ids=[7, 8, 3, 11, 12],
             token_counts=[3, 1, 1],
             logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5],
-        )
+        ),
+        plan,
     )
     a = next(o for o in res.outputs if o.rid == "a")
     assert a.logprobs.logprob == pytest.approx(-0.1)
@@ -81,8 +83,6 @@ def test_logprobs_per_token_of_a_drafted_entry():
     ],
 )
 def test_inconsistent_token_counts_are_refused(tokens, counts, why):
-    codec, _ = _codec()
+    codec, plan, _ = _codec()
     with pytest.raises(WorkerProtocolError, match=why):
-        codec.decode(pb.StepResult(step_id=2, token_ids=tokens, token_counts=counts))
-    # A refused result leaves the plan answerable (the loop names its requests).
-    assert codec.plan_rids(2) == {"a", "b", "c"}
+        codec.decode(pb.StepResult(step_id=2, token_ids=tokens, token_counts=counts), plan)

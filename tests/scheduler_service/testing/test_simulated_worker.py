@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.plan import ForwardMode, JoinRequest, ScheduledRequest, StepPlan
+from scheduler_service.core.plan import ForwardMode, Join, PlanEntry, StepPlan
+from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import NO_LOGPROBS, SamplingParams
 from scheduler_service.testing.simulated_worker import (
     SimulatedWorker,
@@ -12,23 +13,29 @@ from scheduler_service.testing.simulated_worker import (
 
 
 def join(rid, prefix=(), prompt_len=4):
-    return JoinRequest(rid, SamplingParams(), NO_LOGPROBS, prompt_len, list(prefix))
+    return Join(rid, SamplingParams(), NO_LOGPROBS, prompt_len, list(prefix))
 
 
 def prefill(rid, start, tokens, pages, sample=True):
-    return ScheduledRequest(rid, start, list(tokens), list(pages), sample)
+    return PlanEntry(Request(rid, [1]), 0, start, list(tokens), list(pages), sample)
+
+
+def decode(rid, start, pages=()):
+    return PlanEntry(Request(rid, [1]), 0, start, None, list(pages), True)
 
 
 def test_generates_the_oracles_tokens():
     w = SimulatedWorker(num_pages=8, page_size=2, vocab_size=50)
     out = w.execute(
-        StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1, 2, 3], [0, 1])], [join("a")])
+        StepPlan(
+            1, ForwardMode.PREFILL, extends=[prefill("a", 0, [1, 2, 3], [0, 1])], joins=[join("a")]
+        )
     )
     tokens = [out.outputs[0].token_id]
     for step in range(2, 5):
-        plan = StepPlan(step, ForwardMode.DECODE, [ScheduledRequest("a", step + 1, None, [], True)])
+        plan = StepPlan(step, ForwardMode.DECODE, decodes=[decode("a", step + 1)])
         if step == 3:
-            plan.entries[0].new_pages = [2]
+            plan.decodes[0].new_pages = [2]
         tokens.append(w.execute(plan).outputs[0].token_id)
     assert tokens == expected_output([1, 2, 3], 4, 50)
 
@@ -36,11 +43,19 @@ def test_generates_the_oracles_tokens():
 def test_a_prefix_read_through_the_wrong_pages_is_caught():
     w = SimulatedWorker(num_pages=8, page_size=2, vocab_size=50)
     w.execute(
-        StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1, 2, 3, 4], [0, 1])], [join("a")])
+        StepPlan(
+            1,
+            ForwardMode.PREFILL,
+            extends=[prefill("a", 0, [1, 2, 3, 4], [0, 1])],
+            joins=[join("a")],
+        )
     )
     # "b" claims the cached prefix [1, 2, 3, 4] but names page 2 (never written).
     bad = StepPlan(
-        2, ForwardMode.PREFILL, [prefill("b", 4, [9], [2, 3, 4])], [join("b", [1, 2, 3, 4])]
+        2,
+        ForwardMode.PREFILL,
+        extends=[prefill("b", 4, [9], [2, 3, 4])],
+        joins=[join("b", [1, 2, 3, 4])],
     )
     with pytest.raises(SimulatedWorkerError, match="position 0"):
         w.execute(bad)
@@ -48,22 +63,43 @@ def test_a_prefix_read_through_the_wrong_pages_is_caught():
 
 def test_a_page_overwritten_by_another_request_is_caught():
     w = SimulatedWorker(num_pages=8, page_size=2, vocab_size=50)
-    w.execute(StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1, 2, 3], [0, 1])], [join("a")]))
+    w.execute(
+        StepPlan(
+            1, ForwardMode.PREFILL, extends=[prefill("a", 0, [1, 2, 3], [0, 1])], joins=[join("a")]
+        )
+    )
     # Page 1 given to "b" while "a" still reads it.
-    w.execute(StepPlan(2, ForwardMode.PREFILL, [prefill("b", 0, [7, 7], [1])], [join("b")]))
-    decode = StepPlan(3, ForwardMode.DECODE, [ScheduledRequest("a", 3, None, [], True)])
+    w.execute(
+        StepPlan(2, ForwardMode.PREFILL, extends=[prefill("b", 0, [7, 7], [1])], joins=[join("b")])
+    )
+    step3 = StepPlan(3, ForwardMode.DECODE, decodes=[decode("a", 3)])
     with pytest.raises(SimulatedWorkerError, match="position 2"):
-        w.execute(decode)
+        w.execute(step3)
 
 
 @pytest.mark.parametrize(
     ("plan", "needle"),
     [
-        (StepPlan(1, ForwardMode.DECODE, [ScheduledRequest("x", 0, None, [0], True)]), "unknown"),
-        (StepPlan(1, ForwardMode.IDLE, departures=["x"]), "does not hold"),
-        (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 2, [1], [0])], [join("a")]), "starts at 2"),
-        (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1, 2, 3], [0])], [join("a")]), "past"),
-        (StepPlan(1, ForwardMode.PREFILL, [prefill("a", 0, [1], [99])], [join("a")]), "outside"),
+        (StepPlan(1, ForwardMode.DECODE, decodes=[decode("x", 0, [0])]), "unknown"),
+        (StepPlan(1, ForwardMode.IDLE, leaves=["x"]), "does not hold"),
+        (
+            StepPlan(
+                1, ForwardMode.PREFILL, extends=[prefill("a", 2, [1], [0])], joins=[join("a")]
+            ),
+            "starts at 2",
+        ),
+        (
+            StepPlan(
+                1, ForwardMode.PREFILL, extends=[prefill("a", 0, [1, 2, 3], [0])], joins=[join("a")]
+            ),
+            "past",
+        ),
+        (
+            StepPlan(
+                1, ForwardMode.PREFILL, extends=[prefill("a", 0, [1], [99])], joins=[join("a")]
+            ),
+            "outside",
+        ),
     ],
 )
 def test_malformed_plans_are_refused(plan, needle):

@@ -160,4 +160,4 @@ def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
     assert sched.pool.num_free + sched.cache.evictable_pages == sched.pool.num_pages
     assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
     assert not any(sched.adapters.users), f"adapter slots still used: {sched.adapters.users}"
-    assert sched.num_inflight == 0
+    assert not sched.in_flight()
