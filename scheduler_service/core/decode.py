@@ -100,8 +100,11 @@ def make_room(
     if needed > kv.available_pages():
         # A request holding duplicates of cached pages pins both copies (its
         # later pages hang under the cache's); retracted, it reads the cache's
-        # copy back and needs no more than it would have alone.
-        for victim in [r for r in order if r.dup_pages]:
+        # copy back and needs no more than it would have alone. Not while its
+        # prompt logprobs are still to come: it would compute the same
+        # duplicates again (results in flight deliver them, and decoding
+        # waits for those).
+        for victim in [r for r in order if r.dup_pages and not r.prompt_logprobs_pending]:
             order.remove(victim)
             needed -= victim.kv_len % page_size == 0
             kv.release(victim)

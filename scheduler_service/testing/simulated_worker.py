@@ -47,6 +47,24 @@ class _SimRequest:
     kv_len: int = 0
     adapter: str | None = None
     adapter_slot: int = 0
+    # First prompt position whose logprob the join asked for (-1: none).
+    logprob_start: int = -1
+
+
+def prompt_logprobs_of(
+    r: _SimRequest, start: int, end: int
+) -> tuple[list[TokenLogprobs] | None, int]:
+    """The prompt logprobs an extend over positions [start, end) scores, as
+    the model worker gives them: token p is scored by the logits at p - 1
+    (the chunk's last logits score token ``end`` through ``next_token``),
+    position 0 has none (a NaN entry)."""
+    if r.logprob_start < 0:
+        return None, 0
+    lo = max(r.logprob_start, start + 1 if start else 0)
+    hi = min(end + 1, r.prompt_len)
+    if lo >= hi:
+        return None, 0
+    return [TokenLogprobs(None if p == 0 else -1.0) for p in range(lo, hi)], lo
 
 
 class SimulatedWorker:
@@ -90,6 +108,9 @@ class SimulatedWorker:
             kv_len=len(tokens),
             adapter=adapter,
             adapter_slot=join.adapter_slot,
+            logprob_start=join.logprobs.logprob_start_len
+            if join.logprobs.wants_prompt_logprobs
+            else -1,
         )
 
     def _assign(self, slot: int, lora_id: str) -> None:
@@ -157,13 +178,19 @@ class SimulatedWorker:
                 slots[at] = tok
                 owners[at] = r.adapter
             r.kv_len = e.start_pos + len(inputs)
+            scored, scored_from = None, 0
+            if e.input_ids is not None:
+                scored, scored_from = prompt_logprobs_of(r, e.start_pos, r.kv_len)
             if e.sample:
                 tok = token_of(r.state, self.vocab_size)
                 r.tokens.append(tok)
                 r.state = absorb(r.state, (tok,))
-                outputs.append(RequestOutput(e.rid, tok, TokenLogprobs(logprob=-1.0)))
+                out = RequestOutput(e.rid, tok, TokenLogprobs(logprob=-1.0))
             else:
-                unsampled.append(RequestOutput(e.rid, None))
+                out = RequestOutput(e.rid, None)
+            if scored is not None:
+                out.prompt_logprobs, out.prompt_logprobs_start = scored, scored_from
+            (outputs if e.sample else unsampled).append(out)
         outputs += unsampled
         self.steps += 1
         if self.step_time_s:

@@ -98,6 +98,13 @@ class KvManager:
         result = self.cache.insert(
             tokens[: n_pages * page_size], req.pages[:n_pages], req.extra_key
         )
+        if result.dup_pages and result.prefix_len >= n_pages * page_size:
+            # The cache held all of it already: taking its path would pin its
+            # copies beside this request's and share nothing new (a request
+            # re-admitted after a retraction recomputes its last page; doing
+            # so again after every retraction was a livelock). It keeps its
+            # copies as its own pages.
+            return
         # The whole key was inserted again: its duplicates are the old ones
         # (the locked path did not change) plus those of the new pages.
         req.dup_pages = result.dup_pages

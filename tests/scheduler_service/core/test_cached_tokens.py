@@ -105,3 +105,29 @@ def test_a_request_that_recomputed_a_cached_prefix_shares_the_rest_while_it_runs
     assert late.cached_tokens == 20  # its prompt, past the scorer's duplicates
     assert len(log.deltas["scorer"]) == 12
     check_drained(sched, worker)
+
+
+def test_samples_that_each_fill_the_pool_finish_one_after_another():
+    """n = 3 samples of a prompt-logprob request whose prompt starts with a
+    cached prefix, each needing the whole pool: they run by turns
+    (retractions), and none is livelocked by holding (and pinning) duplicates
+    of the pages the cache already has."""
+    config = SchedulerConfig(vocab_size=V, page_size=4, max_running_requests=8, context_len=192)
+    sched, worker = make_pair(config, 48, V)
+    prompt = list(range(1, 16))
+    drive(sched, worker, [(0, req("warm", prompt[:13], 30))])
+    lp = LogprobOptions(return_logprob=True, logprob_start_len=0)
+    max_new = 48 * 4 - len(prompt)
+    samples = [
+        Request(
+            f"s-{i}",
+            prompt,
+            SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+            logprobs=lp if i == 0 else LogprobOptions(return_logprob=True),
+            waits_for="s-0" if i else None,
+        )
+        for i in range(3)
+    ]
+    drive(sched, worker, [(0, r) for r in samples], overlap=1, max_steps=20_000)
+    assert all(len(r.output_ids) == max_new for r in samples)
+    check_drained(sched, worker)
