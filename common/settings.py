@@ -62,6 +62,7 @@ class _Spec:
     flag: str | None  # None: not a flag (set in code, or fixed)
     env: str | None  # the environment variable's name past the prefix (None: from the flag)
     parse: Callable[[str], Any] | None
+    _: dataclasses.KW_ONLY
     choices: tuple[Any, ...] | None
     metavar: str | None
     deprecated: tuple[Deprecated, ...]
@@ -86,13 +87,32 @@ def setting(
     flag). ``parse``: text -> value for flag and environment alike (default:
     from the field's type). ``many``: a tuple of such values (``--flag A B``,
     or ``A,B`` in the environment)."""
-    spec = _Spec(help, flag, env, parse, choices, metavar, deprecated, None, many)
+    spec = _Spec(
+        help,
+        flag,
+        env,
+        parse,
+        choices=choices,
+        metavar=metavar,
+        deprecated=deprecated,
+        section=None,
+        many=many,
+    )
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
 def section(cls: type, title: str) -> Any:
     """A nested settings dataclass (its fields are flags of their own)."""
-    spec = _Spec("", None, None, None, None, None, (), title)
+    spec = _Spec(
+        "",
+        flag=None,
+        env=None,
+        parse=None,
+        choices=None,
+        metavar=None,
+        deprecated=(),
+        section=title,
+    )
     return dataclasses.field(default_factory=cls, metadata={_KEY: spec})
 
 
@@ -164,7 +184,7 @@ def add_flags(
                 extra["nargs"] = "+"
             target.add_argument(flag, type=parse, **extra)
         for old in spec.deprecated:
-            _add_deprecated(target, old, dest, prefix, env, parser.prog)
+            _add_deprecated(target, old, dest, prefix, env=env, prog=parser.prog)
 
 
 def build(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
@@ -256,7 +276,7 @@ def _help(spec: _Spec, env_name: str) -> str:
 
 
 def _add_deprecated(
-    target: Any, old: Deprecated, dest: str, prefix: str, env: Mapping[str, str], prog: str
+    target: Any, old: Deprecated, dest: str, prefix: str, *, env: Mapping[str, str], prog: str
 ) -> None:
     class _Warn(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None) -> None:

@@ -51,6 +51,7 @@ def expected_output(
     max_new_tokens: int,
     vocab_size: int,
     stop_ids: frozenset[int] = frozenset(),
+    *,
     min_new_tokens: int = 0,
     stops: Callable[[list[int]], bool] | None = None,
     adapter: str | None = None,

@@ -150,7 +150,7 @@ class OtlpReceiver:
                     self.send_error(404)
                     return
                 if sink._raw_mode:
-                    sink._take_raw(body, None)
+                    sink._take_raw(body, context=None)
                 else:
                     sink.take(tpb.ExportTraceServiceRequest.FromString(body))
                 out = tpb.ExportTraceServiceResponse().SerializeToString()

@@ -62,6 +62,7 @@ def _worker_args(
     service: ServiceConfig,
     rank: int,
     port_file: Path,
+    *,
     dist: str,
     port: int,
 ) -> list[str]:
@@ -128,7 +129,7 @@ class WorkerProcesses:
         self.procs = []
         for rank, (pf, port) in enumerate(zip(self.port_files, self.ports, strict=True)):
             pf.unlink(missing_ok=True)
-            cmd = _worker_args(self.worker, self.service, rank, pf, dist, port)
+            cmd = _worker_args(self.worker, self.service, rank, pf, dist=dist, port=port)
             self.procs.append(subprocess.Popen(cmd, env=child_env()))
         self._started_at = time.monotonic()
 

@@ -217,3 +217,72 @@ _FIELDS = {"config", "stats", "on_requeue"}
 def test_the_interface_check_sees_a_stray_attribute():
     tree = ast.parse("def f(self):\n    self.sched.waiting.append(1)\n    sched.cache.reset()\n")
     assert _scheduler_uses(tree) == {"waiting", "cache"}
+
+
+# The services' own code: past four parameters, keyword-only; no bare
+# True/False/None passed positionally to a function of ours.
+SERVICES = ("scheduler_service", "worker_service", "common", "observability")
+
+
+def _service_trees() -> list[tuple[Path, ast.AST]]:
+    return [
+        (path, ast.parse(path.read_text()))
+        for package in SERVICES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    ]
+
+
+def _long_positional(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in node.args.posonlyargs + node.args.args]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            if len(names) > 4:
+                out.append(f"{node.name}({', '.join(names)})")
+    return out
+
+
+def _bare_flags(tree: ast.AST, ours: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+        if name not in ours:
+            continue
+        for a in node.args:
+            if isinstance(a, ast.Constant) and (a.value is None or isinstance(a.value, bool)):
+                out.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+                break
+    return out
+
+
+def test_long_signatures_are_keyword_only_and_flags_are_named():
+    trees = _service_trees()
+    ours = {
+        n.name
+        for _, tree in trees
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    # names shared with dict/queue methods: their positional None is a default
+    ours -= {"get", "pop", "put", "put_nowait", "discard", "setdefault", "setting"}
+    long, flags = {}, {}
+    for path, tree in trees:
+        rel = str(path.relative_to(ROOT))
+        if found := _long_positional(tree):
+            long[rel] = found
+        if found := _bare_flags(tree, ours):
+            flags[rel] = found
+    assert not long, f"more than four positional parameters: {long}"
+    assert not flags, f"True/False/None passed positionally: {flags}"
+
+
+def test_the_signature_checks_see_what_they_look_for():
+    tree = ast.parse("def f(a, b, c, d, e):\n    g(1, True)\n\ndef g(a, *, b): ...\n")
+    assert _long_positional(tree) == ["f(a, b, c, d, e)"]
+    assert _bare_flags(tree, {"g"}) == ["line 2: g(1, True)"]

@@ -131,7 +131,7 @@ class CoreSupervisor:
         """Stop listening to ``core`` (its last words no longer matter)."""
         if core is not None and core is self._core:
             self._core = None
-            self.client.attach(None)
+            self.client.attach(pipe=None)
 
     # ----------------------------------------------------------- messages
     def _on_message(self, core: CoreProcess, msg: object) -> None:

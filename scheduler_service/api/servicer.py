@@ -136,8 +136,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     request,
                     self.model.limits,
                     self.model.encode,
-                    self.model.has_tokenizer,
-                    self.core.adapter_ids(),
+                    has_tokenizer=self.model.has_tokenizer,
+                    adapters=self.core.adapter_ids(),
                 )
                 g = g.traced(obs.accepted(g))
                 await self._check_grammar(g, context)
@@ -233,11 +233,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                         continue
                     tokens, lps = s.take_unsent()
                     if tokens or s.finish is not None:
-                        yield chunk(s, g.rid, tokens, lps, with_lp)
+                        yield chunk(s, g.rid, tokens, lps, with_logprobs=with_lp)
                     if s.finish is not None:
-                        yield complete(s, g.rid, tokens, lps, with_lp, s.index)
+                        yield complete(s, g.rid, tokens, lps, with_logprobs=with_lp)
                 elif s.finish is not None:
-                    yield complete(s, g.rid, s.output_ids, s.logprobs, with_lp, s.index)
+                    yield complete(s, g.rid, s.output_ids, s.logprobs, with_logprobs=with_lp)
                 if s.finish is not None:
                     open_samples.discard(rid)
 
@@ -267,7 +267,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             logprob_start_len=-1,
         )
         try:
-            g = generate_call(probe, self.model.limits, self.model.encode, False)
+            g = generate_call(probe, self.model.limits, self.model.encode, has_tokenizer=False)
             call = self.core.submit(g.samples, bounded=False)
         except (CoreUnavailable, ValueError) as e:
             return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")

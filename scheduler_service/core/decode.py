@@ -147,7 +147,7 @@ def plain_decodes(kv: KvManager, reqs: list[Request]) -> list[PlanEntry]:
             page = take()
             r.pages.append(page)
             new_pages = [page]
-        append(PlanEntry(r, r.epoch, pos, None, new_pages, True))
+        append(PlanEntry(r, r.epoch, pos, input_ids=None, new_pages=new_pages, sample=True))
         r.kv_len = pos + 1
         r.pending += 1
     return entries

@@ -67,6 +67,7 @@ def check_new_request(
     req: Request,
     requests: Mapping[str, Request],
     config: SchedulerConfig,
+    *,
     adapters: AdapterSlots,
     pool: PagePool,
 ) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
@@ -54,6 +54,7 @@ class Join:
     sampling: SamplingParams
     logprobs: LogprobOptions
     prompt_len: int
+    _: KW_ONLY
     # Tokens [0, first start_pos): the cached prefix the worker will not see as
     # inputs. Together with inputs and samples it gives the whole sequence
     # (penalties, seeds and prompt logprobs need it).
@@ -75,6 +76,7 @@ class PlanEntry:
     epoch: int  # the request's epoch when planned
     start_pos: int
     input_ids: list[int] | None  # None (a decode): the last token the worker sampled for it
+    _: KW_ONLY
     # Page ids appended to the request's table: a list, or a slice of the
     # request's packed page table (array('i')) for a prefill.
     new_pages: Sequence[int]
@@ -107,6 +109,7 @@ class PlanEntry:
 class StepPlan:
     step_id: int
     mode: ForwardMode
+    _: KW_ONLY
     extends: list[PlanEntry] = field(default_factory=list)
     decodes: list[PlanEntry] = field(default_factory=list)
     joins: list[Join] = field(default_factory=list)
@@ -155,6 +158,7 @@ class RequestOutput:
     rid: str
     token_id: int | None  # None for a prefill chunk that did not sample
     logprobs: TokenLogprobs | None = None
+    _: KW_ONLY
     # Prompt logprobs computed in this step, when the request asked for them:
     # entry i is for the prompt token at position prompt_logprobs_start + i.
     prompt_logprobs: list[TokenLogprobs] | None = None

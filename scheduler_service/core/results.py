@@ -63,6 +63,7 @@ def check_finish(
     token: int,
     eos_token_ids: frozenset[int],
     stop_strings: StopStringChecker | None,
+    *,
     grammar_ended: bool = False,
 ) -> FinishReason | None:
     """Why ``req`` finished with ``token`` (just appended), or None."""
@@ -90,6 +91,7 @@ def receive_token(
     token: int,
     lp: TokenLogprobs | None,
     delta: RequestDelta,
+    *,
     r: Receipt,
     grammar_ended: bool,
 ) -> FinishReason | None:
@@ -114,7 +116,7 @@ def receive_token(
             )
         )
     ):
-        reason = check_finish(req, token, r.eos_ids, r.stop_strings, grammar_ended)
+        reason = check_finish(req, token, r.eos_ids, r.stop_strings, grammar_ended=grammar_ended)
         if reason is not None:
             delta.finished = True
             return reason
@@ -161,7 +163,9 @@ def apply_result(
                 req.times.first_token = now
             delta = RequestDelta(req, [], [])
             outbox.append(delta)
-            reason = receive_token(req, token, out.logprobs, delta, r, out.grammar_ended)
+            reason = receive_token(
+                req, token, out.logprobs, delta, r=r, grammar_ended=out.grammar_ended
+            )
         if reason is not None:
             finished.append((req, reason))
     if len(outputs) > n:
@@ -203,7 +207,7 @@ def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> Fin
         req.times.first_token = r.now
     r.outbox.append(delta)
     if drafts is None:
-        return receive_token(req, token, out.logprobs, delta, r, out.grammar_ended)
+        return receive_token(req, token, out.logprobs, delta, r=r, grammar_ended=out.grammar_ended)
     return _receive_drafted(entry, out, delta, r)
 
 
@@ -235,7 +239,7 @@ def _receive_drafted(
     last = len(tokens) - 1
     for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         ended = out.grammar_ended and i == last  # it is about the entry's last token
-        reason = receive_token(req, token, lp, delta, r, ended)
+        reason = receive_token(req, token, lp, delta, r=r, grammar_ended=ended)
         if reason is not None:
             stats.discarded_tokens += last - i
             return reason

@@ -161,7 +161,7 @@ class Scheduler:
         A request that ``waits_for`` a live sibling is held until that
         sibling's prompt is planned (and so cached)."""
         table = self.table
-        check_new_request(req, table.by_rid, self.config, self.adapters, self.pool)
+        check_new_request(req, table.by_rid, self.config, adapters=self.adapters, pool=self.pool)
         now = self._clock()
         req.times.arrival = req.times.queue_entry = now
         held = req.waits_for is not None and not leader_planned(req, table.by_rid)
@@ -288,7 +288,7 @@ class Scheduler:
             mode = ForwardMode.DECODE
             if drafted:
                 mode = ForwardMode.MIXED if decodes else ForwardMode.PREFILL
-            plan = StepPlan(self._next_step_id(), mode, drafted, decodes)
+            plan = StepPlan(self._next_step_id(), mode, extends=drafted, decodes=decodes)
             self.stats.decode_steps += 1
         else:
             plan = StepPlan(self._next_step_id(), ForwardMode.PREFILL)

@@ -62,8 +62,13 @@ class AdapterLoader:
             for a in self.sched.loaded_adapters()
         ]
 
-    def _reply(self, token: int, ok: bool, message: str, code: str = "OK") -> ipc.AdapterReply:
-        return ipc.AdapterReply(token, ok, message, self.snapshot(), code if not ok else "OK")
+    def _done(self, token: int) -> ipc.AdapterReply:
+        """The load or unload of ``token`` succeeded."""
+        return ipc.AdapterReply(token, True, "", self.snapshot(), "OK")
+
+    def _refused(self, token: int, message: str, code: str) -> ipc.AdapterReply:
+        """It failed: ``code`` is the gRPC status the API answers with."""
+        return ipc.AdapterReply(token, False, message, self.snapshot(), code)
 
     # ------------------------------------------------------------------ load
     def preload(self, entries: list[tuple[str, str]]) -> None:
@@ -85,13 +90,13 @@ class AdapterLoader:
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
         busy = [w.msg for w in self._loading]
         if any(m.lora_id == msg.lora_id or m.name == adapter.name for m in busy):
-            return self._reply(
-                msg.token, False, f"adapter {msg.lora_id!r} is being loaded", "ALREADY_EXISTS"
+            return self._refused(
+                msg.token, f"adapter {msg.lora_id!r} is being loaded", "ALREADY_EXISTS"
             )
         try:
             self.sched.check_adapter(adapter, loading=len(busy))
         except AdapterError as e:
-            return self._reply(msg.token, False, str(e), e.code)
+            return self._refused(msg.token, str(e), e.code)
         futures = self.group.load_adapter(msg.lora_id, msg.path, self.max_rank, LOAD_TIMEOUT_S)
         self._loading.append(_Loading(msg, futures, time.monotonic()))
         return None
@@ -115,13 +120,13 @@ class AdapterLoader:
         if error:
             self.group.unload_adapter(msg.lora_id)  # from the ranks that took it
             code = "UNAVAILABLE" if unreachable else _code_of(error)
-            return self._reply(msg.token, False, error, code)
+            return self._refused(msg.token, error, code)
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
         try:
             self.sched.register_adapter(adapter)
         except AdapterError as e:  # e.g. a same-named one loaded meanwhile
             self.group.unload_adapter(msg.lora_id)
-            return self._reply(msg.token, False, str(e), e.code)
+            return self._refused(msg.token, str(e), e.code)
         logger.info(
             "LoRA adapter loaded",
             lora_id=msg.lora_id,
@@ -130,7 +135,7 @@ class AdapterLoader:
             pinned=msg.pinned,
             ms=round((time.monotonic() - job.started) * 1e3),
         )
-        return self._reply(msg.token, True, "")
+        return self._done(msg.token)
 
     @staticmethod
     def _first_error(futures: list) -> tuple[str, bool]:
@@ -164,12 +169,11 @@ class AdapterLoader:
         adapter = loaded.get(lora_id)
         if adapter is None or (msg.name and adapter.name != msg.name):
             which = f"lora_id {msg.lora_id!r}" if msg.lora_id else f"name {msg.name!r}"
-            return self._reply(msg.token, False, f"no adapter with {which} is loaded", "NOT_FOUND")
+            return self._refused(msg.token, f"no adapter with {which} is loaded", "NOT_FOUND")
         users = self.sched.requests_of_adapter(lora_id)
         if users:
-            return self._reply(
+            return self._refused(
                 msg.token,
-                False,
                 f"adapter {lora_id!r} is used by {users} waiting or running requests; "
                 "unload it once they finish",
                 "FAILED_PRECONDITION",
@@ -177,13 +181,13 @@ class AdapterLoader:
         self.sched.unregister_adapter(lora_id)
         self.group.unload_adapter(lora_id)
         logger.info("LoRA adapter unloaded", lora_id=lora_id, name=adapter.name)
-        return self._reply(msg.token, True, "")
+        return self._done(msg.token)
 
     # ----------------------------------------------------------- worker loss
     def fail_loading(self, why: str) -> list[ipc.AdapterReply]:
         """The group was lost while adapters were loading: refuse them."""
         replies = [
-            self._reply(job.msg.token, False, f"the worker group was lost: {why}", "UNAVAILABLE")
+            self._refused(job.msg.token, f"the worker group was lost: {why}", "UNAVAILABLE")
             for job in self._loading
         ]
         self._loading = []

@@ -47,6 +47,7 @@ class Engine:
         sched: Scheduler,
         group: WorkerGroup,
         conn: Connection,
+        *,
         overlap_depth: int,
         recovery_timeout_s: float,
         check_integrity: bool = False,

@@ -277,7 +277,7 @@ class WorkerCodec:
             scored += 1
             entries.append(t)
         return RequestOutput(
-            e.req.rid, None, prompt_logprobs=entries, prompt_logprobs_start=p.start
+            e.req.rid, token_id=None, prompt_logprobs=entries, prompt_logprobs_start=p.start
         )
 
 

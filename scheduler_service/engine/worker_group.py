@@ -111,6 +111,7 @@ class WorkerGroup:
         max_message_mb: int = 64,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, str | int]] = (),
+        *,
         token: str | None = None,
         keepalive_s: float = 10.0,
         step_timeout_s: float = 0.0,

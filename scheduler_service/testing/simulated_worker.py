@@ -73,6 +73,7 @@ class SimulatedWorker:
         num_pages: int,
         page_size: int,
         vocab_size: int,
+        *,
         check_reads: bool = True,
         step_time_s: float = 0.0,
         adapter_slots: int = 4,
@@ -187,7 +188,7 @@ class SimulatedWorker:
                 r.state = absorb(r.state, (tok,))
                 out = RequestOutput(e.rid, tok, TokenLogprobs(logprob=-1.0))
             else:
-                out = RequestOutput(e.rid, None)
+                out = RequestOutput(e.rid, token_id=None)
             if scored is not None:
                 out.prompt_logprobs, out.prompt_logprobs_start = scored, scored_from
             (outputs if e.sample else unsampled).append(out)

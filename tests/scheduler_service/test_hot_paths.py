@@ -99,18 +99,24 @@ def test_published_deltas_match_the_general_conversion():
 def _plan_two_decodes(codec: WorkerCodec, wants: bool) -> tuple[StepPlan, StepPlan]:
     lp = LogprobOptions(return_logprob=wants)
     a, b = Request("a", [1], logprobs=lp), Request("b", [1])
-    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, []) for r in (a, b)]
+    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, prefix_ids=[]) for r in (a, b)]
     plan = StepPlan(
         1,
         ForwardMode.PREFILL,
-        extends=[PlanEntry(a, 0, 0, [1], [0], True), PlanEntry(b, 0, 0, [1], [1], True)],
+        extends=[
+            PlanEntry(a, 0, 0, [1], new_pages=[0], sample=True),
+            PlanEntry(b, 0, 0, [1], new_pages=[1], sample=True),
+        ],
         joins=joins,
     )
     codec.encode(plan)
     second = StepPlan(
         2,
         ForwardMode.DECODE,
-        decodes=[PlanEntry(a, 0, 1, None, [], True), PlanEntry(b, 0, 1, None, [], True)],
+        decodes=[
+            PlanEntry(a, 0, 1, None, new_pages=[], sample=True),
+            PlanEntry(b, 0, 1, None, new_pages=[], sample=True),
+        ],
     )
     codec.encode(second)
     return plan, second

@@ -119,7 +119,7 @@ def test_each_rank_gets_its_own_gpu_from_the_launcher():
     # and radixserve serve passes it on, rank by rank
     worker = WorkerConfig(device="cuda", tp_size=2)
     for rank in (0, 1):
-        cmd = _worker_args(worker, ServiceConfig(), rank, Path("p"), "h:1", 5000 + rank)
+        cmd = _worker_args(worker, ServiceConfig(), rank, Path("p"), dist="h:1", port=5000 + rank)
         assert cmd[cmd.index("--device") + 1] == f"cuda:{rank}"
 
 

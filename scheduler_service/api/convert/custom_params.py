@@ -28,7 +28,7 @@ PRIORITY_LIMIT = 1 << 31
 MAX_ROUTING_KEY_LEN = 256
 
 
-def _integer(name: str, value: Value, low: int, high: int, shown: str) -> int:
+def _integer(name: str, value: Value, low: int, high: int, *, shown: str) -> int:
     number = value.number_value
     if value.WhichOneof("kind") != "number_value" or not math.isfinite(number):
         got = value.WhichOneof("kind") or "nothing"
@@ -53,7 +53,7 @@ def _of_kind(name: str, value: Value, kind: str, shown: str) -> str | bool:
 def seed(params: Struct) -> int | None:
     if "seed" not in params.fields:
         return None
-    return _integer("seed", params.fields["seed"], 0, SEED_LIMIT, "[0, 2^64)")
+    return _integer("seed", params.fields["seed"], 0, SEED_LIMIT, shown="[0, 2^64)")
 
 
 def priority(params: Struct) -> int:
@@ -61,7 +61,11 @@ def priority(params: Struct) -> int:
     if "priority" not in params.fields:
         return 0
     return _integer(
-        "priority", params.fields["priority"], -PRIORITY_LIMIT, PRIORITY_LIMIT, "[-2^31, 2^31)"
+        "priority",
+        params.fields["priority"],
+        -PRIORITY_LIMIT,
+        PRIORITY_LIMIT,
+        shown="[-2^31, 2^31)",
     )
 
 

@@ -154,6 +154,7 @@ def generate_call(
     m: pb.GenerateRequest,
     limits: Limits,
     encode,
+    *,
     has_tokenizer: bool,
     adapters: Collection[str] = (),
 ) -> GenerateCall:

@@ -94,7 +94,7 @@ def wants_input_logprobs(s: SampleState) -> bool:
 
 
 def chunk(
-    s: SampleState, rid: str, tokens: list[int], lps: list, with_logprobs: bool
+    s: SampleState, rid: str, tokens: list[int], lps: list, *, with_logprobs: bool
 ) -> pb.GenerateResponse:
     # Filled in place: building the chunk apart and passing it to the
     # response's constructor copies it (twice the cost, once per token streamed).
@@ -115,7 +115,7 @@ def chunk(
 
 
 def complete(
-    s: SampleState, rid: str, tokens: list[int], lps: list, with_logprobs: bool, index: int
+    s: SampleState, rid: str, tokens: list[int], lps: list, *, with_logprobs: bool
 ) -> pb.GenerateResponse:
     f = s.finish or ipc.Finish("abort")
     c = pb.GenerateComplete(
@@ -124,7 +124,7 @@ def complete(
         prompt_tokens=len(s.prompt_ids),
         completion_tokens=len(s.output_ids),
         cached_tokens=s.cached_tokens,
-        index=index,
+        index=s.index,
         spec_draft_tokens=f.spec_draft_tokens,
         spec_accepted_tokens=f.spec_accepted_tokens,
     )

@@ -38,6 +38,7 @@ class PrefillAdder:
         kv: KvManager,
         running: list[Request],
         new_token_ratio: float,
+        *,
         mixed_decode_tokens: int = 0,
     ) -> None:
         self.config = config

@@ -98,7 +98,7 @@ def plan_admission(
     one of the worker's adapter slots; it takes the slot at once, so later
     requests of the same step see it taken."""
     priority = config.enable_priority_scheduling
-    adder = PrefillAdder(config, kv, running, new_token_ratio, mixed_tokens)
+    adder = PrefillAdder(config, kv, running, new_token_ratio, mixed_decode_tokens=mixed_tokens)
     if chunked is not None:
         result = adder.add_chunked_req(chunked)
         if not adder.admitted:

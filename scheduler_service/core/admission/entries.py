@@ -60,7 +60,9 @@ def prefill_part(admitted: list[tuple[Request, int]], kv: KvManager, now: float)
             part.joins.append(join_of(req, tokens, start))
         final = end == req.num_tokens
         sample = final and len(req.output_ids) < req.sampling.max_new_tokens
-        entry = PlanEntry(req, req.epoch, start, tokens[start:end], new_pages, sample)
+        entry = PlanEntry(
+            req, req.epoch, start, tokens[start:end], new_pages=new_pages, sample=sample
+        )
         if req.prompt_logprobs_pending and end < len(req.prompt_ids):
             entry.next_token = tokens[end]
         part.extends.append(entry)

@@ -65,7 +65,7 @@ class RadixCache:
         self.pool = pool
         self.events: EventLog | None = EventLog(max_events) if enable_events else None
         self._roots: dict[str | None, RadixNode] = {}
-        self._root(None)
+        self._root(namespace=None)
         self.evictable_pages = 0
         self.protected_pages = 0
         self._clock = 0
@@ -77,7 +77,7 @@ class RadixCache:
     def _root(self, namespace: str | None) -> RadixNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = RadixNode(id_array(), id_array(), None, namespace)
+            root = RadixNode(id_array(), id_array(), parent=None, namespace=namespace)
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
         return root
@@ -184,7 +184,9 @@ class RadixCache:
         """The tokens that follow all of ``key`` in the tree, up to
         ``max_tokens`` (radix_continuation.py); None when nothing does.
         ``start``: a node whose path spells the start of ``key``. Read-only."""
-        return continuation(self._roots.get(extra_key), self.page_size, key, max_tokens, start)
+        return continuation(
+            self._roots.get(extra_key), self.page_size, key, max_tokens, start=start
+        )
 
     # ------------------------------------------------------------- insert
     def insert(
@@ -315,7 +317,7 @@ class RadixCache:
         The page pool is reset by its owner; locks held by requests are void.
         """
         self._roots.clear()
-        self._root(None)
+        self._root(namespace=None)
         self.evictable_pages = 0
         self.protected_pages = 0
         self._heap = []

@@ -21,6 +21,7 @@ def continuation(
     page_size: int,
     key: array,
     max_tokens: int,
+    *,
     start: RadixNode | None = None,
 ) -> array | None:
     """The tokens that follow all of ``key`` below ``root`` (another sequence

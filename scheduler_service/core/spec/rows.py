@@ -137,7 +137,9 @@ def plan_drafted_rows(
         if fresh is None:
             raise RuntimeError(f"{r.rid}: drafted pages that were counted are not there")
         inputs = [r.output_ids[-1], *drafts]
-        entries.append(PlanEntry(r, r.epoch, pos, inputs, fresh.tolist(), True, drafts=drafts))
+        entries.append(
+            PlanEntry(r, r.epoch, pos, inputs, new_pages=fresh.tolist(), sample=True, drafts=drafts)
+        )
         r.kv_len = pos + k + 1
         r.pending += 1
         r.spec.inflight = k

@@ -260,7 +260,7 @@ def test_results_that_do_not_fit_the_plan_are_refused():
     sched3 = Scheduler(cfg(), 64)
     sched3.add_request(req("r", range(1, 5)))
     plan = sched3.step()
-    twice = [RequestOutput("r", 1), RequestOutput("r", None)]  # one entry, two outputs
+    twice = [RequestOutput("r", 1), RequestOutput("r", token_id=None)]  # one entry, two outputs
     with pytest.raises(ProtocolError, match="no entry"):
         sched3.update(StepResult(plan.step_id, twice))
 

@@ -21,11 +21,13 @@ def _codec(wants_a: bool = False) -> tuple[WorkerCodec, StepPlan, pb.StepPlan]:
         rid: Request(rid, [1], logprobs=LogprobOptions(return_logprob=wants_a and rid == "a"))
         for rid in "abc"
     }
-    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, []) for r in reqs.values()]
+    joins = [Join(r.rid, SamplingParams(), r.logprobs, 1, prefix_ids=[]) for r in reqs.values()]
     first = StepPlan(
         1,
         ForwardMode.PREFILL,
-        extends=[PlanEntry(r, 0, 0, [1], [i], True) for i, r in enumerate(reqs.values())],
+        extends=[
+            PlanEntry(r, 0, 0, [1], new_pages=[i], sample=True) for i, r in enumerate(reqs.values())
+        ],
         joins=joins,
     )
     codec.encode(first)
@@ -34,10 +36,10 @@ def _codec(wants_a: bool = False) -> tuple[WorkerCodec, StepPlan, pb.StepPlan]:
         2,
         ForwardMode.MIXED,
         extends=[
-            PlanEntry(reqs["a"], 0, 1, [4, 7, 8, 9], [3], True, drafts=[7, 8, 9]),
-            PlanEntry(reqs["b"], 0, 1, [5, 1], [4], True, drafts=[1]),
+            PlanEntry(reqs["a"], 0, 1, [4, 7, 8, 9], new_pages=[3], sample=True, drafts=[7, 8, 9]),
+            PlanEntry(reqs["b"], 0, 1, [5, 1], new_pages=[4], sample=True, drafts=[1]),
         ],
-        decodes=[PlanEntry(reqs["c"], 0, 1, None, [5], True)],
+        decodes=[PlanEntry(reqs["c"], 0, 1, None, new_pages=[5], sample=True)],
     )
     return codec, plan, codec.encode(plan)
 

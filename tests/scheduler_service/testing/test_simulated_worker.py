@@ -13,15 +13,17 @@ from scheduler_service.testing.simulated_worker import (
 
 
 def join(rid, prefix=(), prompt_len=4):
-    return Join(rid, SamplingParams(), NO_LOGPROBS, prompt_len, list(prefix))
+    return Join(rid, SamplingParams(), NO_LOGPROBS, prompt_len, prefix_ids=list(prefix))
 
 
 def prefill(rid, start, tokens, pages, sample=True):
-    return PlanEntry(Request(rid, [1]), 0, start, list(tokens), list(pages), sample)
+    return PlanEntry(
+        Request(rid, [1]), 0, start, list(tokens), new_pages=list(pages), sample=sample
+    )
 
 
 def decode(rid, start, pages=()):
-    return PlanEntry(Request(rid, [1]), 0, start, None, list(pages), True)
+    return PlanEntry(Request(rid, [1]), 0, start, None, new_pages=list(pages), sample=True)
 
 
 def test_generates_the_oracles_tokens():

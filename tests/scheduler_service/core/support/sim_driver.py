@@ -131,7 +131,7 @@ def check_outputs(
             req.sampling.max_new_tokens,
             vocab_size,
             stop_ids(req, config),
-            req.sampling.min_new_tokens,
+            min_new_tokens=req.sampling.min_new_tokens,
             stops=(lambda out, strs=strs: any(s in toy_text(out) for s in strs)) if strs else None,
             adapter=req.adapter,
         )
