@@ -1,36 +1,23 @@
 """The Scheduler: ``step() -> StepPlan`` and ``update(StepResult)``.
 
-It plans; it does not keep requests itself. Where each request is belongs to
-the request table (request_table.py), the only code that moves one. Each
-step the scheduler asks its deciders and applies their answers through the
-table: admission (admission/) says which waiting requests run and which
-running ones are preempted, decode.py which running requests give up their
-KV for a decode to fit and which cannot fit at all, results.py what a result
-means for each request and which finished, worker_loss.py what a lost worker
-group means; the KV manager (kv/) owns pages, AdapterSlots the worker's
-adapter slots.
-
-Each step is a prefill (admit waiting requests, continue a chunked one),
-optionally mixed with the decode batch, or else a decode of the running
-batch (retracting requests when pages run out), as in SGLang.
+It plans; where each request is belongs to the request table
+(request_table.py), the only code that moves one. Each step the scheduler
+asks its deciders (admission/, decode.py, results.py, worker_loss.py) and
+applies their answers through the table; the KV manager (kv/) owns pages,
+AdapterSlots the worker's adapter slots. Each step is a prefill (admit
+waiting requests, continue a chunked one), optionally mixed with the decode
+batch, or else a decode of the running batch, as in SGLang.
 
 Overlap: ``step()`` for N+1 may run before ``update()`` for N. Decode entries
-then name "the last sampled token", in-flight tokens are counted in
-``Request.pending``, and each plan entry remembers the request *epoch* it
-was planned for: a request retracted, preempted or finished since has its
-late token discarded (a finished one's extra step only wrote a page that is
-freed). The plans in flight are kept here, once, oldest first: the engine,
-the worker codec and the tracer read them (``in_flight``).
+name "the last sampled token", in-flight tokens are counted in
+``Request.pending``, and each plan entry remembers the request epoch it was
+planned for, so a late token of a request that moved on is discarded. The
+plans in flight are kept here, once (``in_flight``). Speculative decoding
+(spec/): a request drafts only with nothing of it in flight, so ``step()``
+returns None while the pipeline drains for drafts, and nothing else is
+planned while a drafted plan is in flight.
 
-Speculative decoding (spec/): a running request that drafts gets an extend
-entry of its last token plus the drafts. Drafting needs that last token, so
-when a request wants drafts while plans are in flight, ``step()`` returns
-None until they are answered (the pipeline drains); while a drafted plan is
-in flight, nothing else is planned. Requests that do not draft keep the
-overlap.
-
-``ENGINE_INTERFACE`` names what the engine (scheduler_service/engine/) may
-use; tests/test_architecture.py holds it to that.
+The engine uses only ``ENGINE_INTERFACE`` (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -80,34 +67,12 @@ logger = structlog.get_logger(__name__)
 
 # What the engine may use of a Scheduler (tests/test_architecture.py).
 ENGINE_INTERFACE = frozenset(
-    {
-        "config",
-        "stats",
-        "submit",
-        "abort",
-        "abort_adapter_requests",
-        "drain",
-        "step",
-        "update",
-        "in_flight",
-        "rids_in_plan",
-        "is_idle",
-        "live_rids",
-        "find",
-        "requests_of_adapter",
-        "loaded_adapters",
-        "check_adapter",
-        "register_adapter",
-        "unregister_adapter",
-        "kv_snapshot",
-        "take_kv_events",
-        "flush_cache",
-        "reset_after_worker_loss",
-        "resize_pool",
-        "check_integrity",
-        "on_requeue",
-        "table_sizes",
-    }
+    (
+        "config stats on_requeue submit abort abort_adapter_requests drain step update "
+        "in_flight rids_in_plan is_idle live_rids find table_sizes kv_snapshot take_kv_events "
+        "flush_cache loaded_adapters check_adapter register_adapter unregister_adapter "
+        "requests_of_adapter reset_after_worker_loss resize_pool check_integrity"
+    ).split()
 )
 
 
