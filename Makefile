@@ -2,11 +2,13 @@
 # default model (SmolLM2-135M-Instruct on CPU) on gRPC port 30000.
 # `make test` sets it up, installs Prometheus and helm if missing, and runs the
 # linters and the test suite; it is what CI runs (.ci/run).
+# `make test-fast` runs the linters and the tests that start no process beside
+# them and are not marked slow (README.md, Development): minutes, not twenty.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test lint prometheus helm protos bench-core bench-overlap fi-bundle clean
+.PHONY: setup serve test test-fast lint prometheus helm protos bench-core bench-overlap fi-bundle clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +51,22 @@ helm:
 
 test: lint prometheus helm
 	$(BIN)/pytest
+
+# The fast lane. A set-up virtualenv is reused as it is (setup's pip runs take
+# their time even when nothing changed; run `make setup` after a dependency
+# changes). Tests marked
+# `server` start processes beside them (tests/support/process_guard.py fails an
+# unmarked one that does), `slow` ones load the default model or a
+# transformers reference; the scheduler property tests draw fewer examples.
+FAST_PROPERTY_EXAMPLES ?= 30
+$(BIN)/pytest:
+	$(MAKE) setup
+
+test-fast: $(BIN)/pytest helm
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	RADIXSERVE_PROPERTY_EXAMPLES=$(FAST_PROPERTY_EXAMPLES) $(BIN)/pytest -q \
+	  -m "not server and not slow and not gpu" --durations=5
 
 bench-core: setup
 	$(BIN)/python benchmarks/scheduler_core.py

@@ -1,5 +1,9 @@
 """Test-wide settings.
 
+Tests that start a process running beside them carry the ``server`` marker
+(every test under tests/e2e/ gets it here); `make test-fast` leaves them out,
+and tests/support/process_guard.py fails an unmarked test that starts one.
+
 Hypothesis runs a fixed, derandomized set of examples by default so CI is
 reproducible; ``RADIXSERVE_HYPOTHESIS_PROFILE=explore`` draws fresh random
 examples (and ``RADIXSERVE_PROPERTY_EXAMPLES`` sets how many the scheduler
@@ -9,6 +13,11 @@ property tests run).
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
+
+from tests.support import process_guard
 
 try:
     from hypothesis import HealthCheck, settings
@@ -25,3 +34,10 @@ if settings is not None:
             **extra,
         )
     settings.load_profile(os.environ.get("RADIXSERVE_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    process_guard.install()
+    config.pluginmanager.register(
+        process_guard.ProcessGuardPlugin(Path(__file__).parent), "radixserve-process-guard"
+    )

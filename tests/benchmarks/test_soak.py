@@ -50,6 +50,7 @@ def test_growth_report_compares_peaks_so_a_garbage_collector_sawtooth_is_not_gro
 
 
 @pytest.mark.slow
+@pytest.mark.server  # soak.py starts a server
 def test_a_short_soak_passes_and_prints_its_table():
     # 15 s is too short for a memory verdict (the pools are still warming at
     # 20% of it), so the growth limit is loose here; 10-minute runs use 5%.

@@ -260,6 +260,7 @@ def test_compare_medians_and_peer_arguments():
     assert r["tpot_p50"] == [1.0, 2.0]
 
 
+@pytest.mark.slow  # the default model's tokenizer
 def test_quote_workload_asks_to_repeat_each_passage_in_chat_form():
     from clients.bench.cli import local_tokenizer
     from clients.bench.passages import PASSAGES

@@ -33,6 +33,7 @@ def run(loaded, requests) -> BaselineRun:
     return run_hf_baseline(requests, batch_size=2, progress=False, loaded=loaded)
 
 
+@pytest.mark.slow  # loads the default model in transformers
 def test_records_have_each_request_length_and_ordered_times(run, requests):
     assert (run.batch_size, run.device, run.dtype) == (2, "cpu", "float32")
     assert [r.index for r in run.records] == [0, 1, 2]
@@ -52,6 +53,7 @@ def test_records_have_each_request_length_and_ordered_times(run, requests):
     assert run.duration_s >= third.token_times[-1]
 
 
+@pytest.mark.slow  # loads the default model in transformers
 def test_batched_greedy_matches_unbatched(run, requests, loaded):
     model, _ = loaded
     for rec, req in zip(run.records, requests, strict=True):
@@ -59,6 +61,7 @@ def test_batched_greedy_matches_unbatched(run, requests, loaded):
         assert rec.output_ids == expected
 
 
+@pytest.mark.slow  # loads the default model in transformers
 def test_out_of_vocab_prompt_is_refused(loaded):
     bad = [BenchRequest(0, [1, 2, VOCAB], 2)]
     with pytest.raises(ValueError, match="outside the model's vocabulary"):

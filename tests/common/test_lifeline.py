@@ -14,6 +14,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from common.lifeline import PARENT_PID_ENV, child_env
 from tests.support.process_tree import read, still_running
 
@@ -69,12 +71,14 @@ def _orphaned_child(tmp_path: Path, arm: str) -> float:
             parent.wait()
 
 
+@pytest.mark.server  # children it watches
 def test_a_child_dies_at_once_when_its_parent_is_killed(tmp_path):
     # the watch would take 30 s: only the kernel's death signal is this fast
     arm = "from common.lifeline import die_with_parent; die_with_parent(poll_s=30)"
     assert _orphaned_child(tmp_path, arm) < 0.5
 
 
+@pytest.mark.server  # children it watches
 def test_the_watch_thread_alone_notices_a_dead_parent(tmp_path):
     # as where PR_SET_PDEATHSIG is missing, or its forking thread outlives the parent
     arm = (
@@ -84,6 +88,7 @@ def test_the_watch_thread_alone_notices_a_dead_parent(tmp_path):
     assert _orphaned_child(tmp_path, arm) < 1.5
 
 
+@pytest.mark.server  # children it watches
 def test_a_child_whose_parent_died_before_it_armed_dies_at_once():
     # the pid handed down is not the parent's any more: it was reparented
     env = {**os.environ, PARENT_PID_ENV: str(os.getppid())}
@@ -96,6 +101,7 @@ def test_a_child_whose_parent_died_before_it_armed_dies_at_once():
     assert proc.returncode == -signal.SIGKILL and b"alive" not in out
 
 
+@pytest.mark.server  # children it watches
 def test_the_parent_pid_is_not_handed_on_to_grandchildren():
     """A grandchild that inherits the environment and arms with the default
     (its own parent) must not take its grandparent's pid for its parent."""
@@ -146,6 +152,7 @@ def test_a_forked_child_arms_again():
     assert f"child: 0 {kill}" in out.stdout and f"parent: {kill}" in out.stdout
 
 
+@pytest.mark.server  # children it watches
 def test_die_with_launcher_arms_only_when_a_launcher_asked():
     code = """
         from common.lifeline import die_with_launcher, pdeathsig

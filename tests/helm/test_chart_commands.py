@@ -162,6 +162,7 @@ def cpu_release(tmp_path_factory):
         yield docs, ports, started, tmp
 
 
+@pytest.mark.server  # the release's processes
 def test_probes_pass_on_every_component(cpu_release):
     _, _, started, _ = cpu_release
     assert set(started) == {"worker", "scheduler", "gateway"}
@@ -170,6 +171,7 @@ def test_probes_pass_on_every_component(cpu_release):
         assert pods.probe(c, "readinessProbe") and pods.probe(c, "livenessProbe")
 
 
+@pytest.mark.server  # the release's processes
 def test_helm_test_pod_streams_a_generation(cpu_release):
     docs, _, _, tmp = cpu_release
     result = run_test_pod(docs, tmp, {})
@@ -177,6 +179,7 @@ def test_helm_test_pod_streams_a_generation(cpu_release):
     assert "Paris" in result.stdout
 
 
+@pytest.mark.server  # the release's processes
 def test_gateway_serves_the_openai_api(cpu_release):
     _, ports, started, _ = cpu_release
     base = f"http://127.0.0.1:{ports['gateway.port']}"
@@ -199,6 +202,7 @@ def test_gateway_serves_the_openai_api(cpu_release):
     assert "KV event subscriber joined" in log
 
 
+@pytest.mark.server  # the release's processes
 def test_metrics_ports_serve_prometheus_text(cpu_release):
     _, ports, _, _ = cpu_release
     for key, expected in (
@@ -210,6 +214,7 @@ def test_metrics_ports_serve_prometheus_text(cpu_release):
             assert expected in resp.read().decode(), key
 
 
+@pytest.mark.server  # the release's processes
 def test_settings_reach_the_processes_from_the_configmap(cpu_release):
     docs, _, started, _ = cpu_release
     assert config_env(docs)["RADIXSERVE_LOG_FORMAT"] == "json"
@@ -255,6 +260,7 @@ def secure_release(tmp_path_factory):
         yield docs, ports, started, tmp, secret_dirs
 
 
+@pytest.mark.server  # the release's processes
 def test_secure_release_serves_tls_and_keys_and_probes_stay_plaintext(secure_release):
     docs, ports, started, tmp, secret_dirs = secure_release
     assert set(started) == {"worker", "scheduler"}

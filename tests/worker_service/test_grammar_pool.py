@@ -18,6 +18,9 @@ from tests.worker_service.grammar_load import nested_schema, state, wait_for, wa
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError, simulated_tokenizer_info
 from worker_service.sampling.grammar_pool import CompilePool, PoolFull
 
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
+
 VOCAB = 1024
 SLOW = 400  # nesting depth: 7 s and more to compile, far past every wait below
 

@@ -23,6 +23,9 @@ from tests.worker_service.grammar_load import (
 )
 from tests.worker_service.worker_process import WorkerProc
 
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
+
 QUEUE = 3
 SLOW = 400  # nesting depth: 7 s and more to compile
 

@@ -4,10 +4,15 @@ with the name; plans naming what is not there are refused whole."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.lora_adapters import standard_adapters
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import GREEDY
 from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan
+
+# Out of make test-fast: the default model with PEFT adapters.
+pytestmark = pytest.mark.slow
 
 STEPS = 8
 PAGE = 16

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from protos import worker_pb2 as pb
 from tests.support.lora_adapters import ALL, ATTENTION, make_adapter, peft_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
@@ -15,6 +17,9 @@ from tests.worker_service.worker_process import (
     worker_process,
     worker_processes,
 )
+
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
 
 STEPS = 12
 

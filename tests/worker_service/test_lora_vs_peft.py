@@ -12,6 +12,9 @@ from tests.worker_service.lora_workers import default_worker, max_logprob_gap, p
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from worker_service.plan import AdapterSlotSpec
 
+# Out of make test-fast: PEFT references of the default model.
+pytestmark = pytest.mark.slow
+
 STEPS = 16
 TOL = 1e-4
 

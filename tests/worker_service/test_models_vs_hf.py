@@ -94,6 +94,7 @@ def workload(seed: int) -> list[DriverRequest]:
     ]
 
 
+@pytest.mark.slow  # 20 models against transformers
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize(("page_size", "chunk"), [(1, 9), (16, 32)])
 def test_greedy_tokens_and_logprobs_match_hf(arch, page_size, chunk, tmp_path):

@@ -122,6 +122,7 @@ def check_frequencies(tokens: list[int], expected: np.ndarray) -> None:
             assert abs(counts[tok] / n - p) < t, (tok, counts[tok] / n, p, t)
 
 
+@pytest.mark.slow  # statistical: many draws
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_seeded_frequencies_match_filtered_distribution(name):
     spec = CONFIGS[name]
@@ -131,6 +132,7 @@ def test_seeded_frequencies_match_filtered_distribution(name):
     check_frequencies(out.token_ids, reference(LOGITS, spec))
 
 
+@pytest.mark.slow  # statistical: many draws
 def test_one_seed_over_many_steps_and_unseeded_rows_follow_distribution():
     spec = CONFIGS["combo"]
     logits = torch.tensor(LOGITS, dtype=torch.float32).expand(N_DRAWS, -1)

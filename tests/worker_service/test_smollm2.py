@@ -20,6 +20,9 @@ from worker_service.config import WorkerConfig
 from worker_service.server import serve
 from worker_service.worker import build_worker
 
+# Out of make test-fast: the default model against transformers.
+pytestmark = pytest.mark.slow
+
 STEPS = 32
 QUESTIONS = [
     "Write a short story about a robot who learns to paint.",

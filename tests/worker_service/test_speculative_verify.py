@@ -105,6 +105,7 @@ def check_state(driver: DraftDriver, seq: Decoded) -> None:
     assert len(state.pages) == math.ceil(state.kv_len / driver.page_size)
 
 
+@pytest.mark.slow  # the default model
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_drafts_give_the_tokens_and_logprobs_of_plain_decoding(runner, name):
     sampling = SAMPLINGS[name]
@@ -125,6 +126,7 @@ def test_drafts_give_the_tokens_and_logprobs_of_plain_decoding(runner, name):
     assert seq.logprobs[-3:] == pytest.approx(ref.logprobs[-3:], abs=1e-4)
 
 
+@pytest.mark.slow  # the default model
 def test_a_drafted_plan_completes_the_overlapped_step_before_it(overlap_runner):
     """Overlap on: a decode is in flight (its token still PENDING on the worker)
     when the drafted plan that starts from that token arrives; the worker
@@ -309,6 +311,7 @@ def test_drafts_for_a_grammar_request_are_refused():
 # -------------------------------------------------------------- protocol
 
 
+@pytest.mark.server  # a worker process
 def test_a_simulated_worker_process_verifies_drafts_over_grpc(tmp_path):
     """The real servicer and codecs: a drafted Extend in, token_counts out."""
     prompt = [5, 17, 99, 3, 250, 41, 8]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from tests.support.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 from tests.worker_service.worker_process import (
@@ -12,6 +14,9 @@ from tests.worker_service.worker_process import (
     worker_process,
     worker_processes,
 )
+
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
 
 
 def free_port() -> int:

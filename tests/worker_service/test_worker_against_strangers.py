@@ -23,6 +23,9 @@ from tests.e2e.support.system import free_port
 from tests.worker_service.test_sessions import _negative_epoch_opening
 from tests.worker_service.worker_process import PlanStream, WorkerProc, next_epoch
 
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
+
 SERVICE = "/radixserve.worker.v1.Worker/"
 TOP = "above the protocol's maximum 9223372036854775807 (2**63 - 1)"
 AHEAD = "more than 2**40 ns (18.3 min) ahead of"

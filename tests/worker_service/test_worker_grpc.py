@@ -16,6 +16,9 @@ from tests.support.hf_reference import hf_greedy
 from tests.worker_service.test_models_vs_hf import tiny_model
 from tests.worker_service.worker_process import PlanStream, greedy_over_grpc, worker_process
 
+# Starts worker processes (tests/support/process_guard.py).
+pytestmark = pytest.mark.server
+
 PAGE = 4
 
 

@@ -12,6 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker_service.weights import ModelSource, default_model_path, open_model
 
+# Out of make test-fast: the default model against transformers.
+pytestmark = pytest.mark.slow
+
 TEXTS = [
     "Hello, world!",
     "<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n",
