@@ -67,12 +67,34 @@ logger = structlog.get_logger(__name__)
 
 # What the engine may use of a Scheduler (tests/test_architecture.py).
 ENGINE_INTERFACE = frozenset(
-    (
-        "config stats on_requeue submit abort abort_adapter_requests drain step update "
-        "in_flight rids_in_plan is_idle live_rids find table_sizes kv_snapshot take_kv_events "
-        "flush_cache loaded_adapters check_adapter register_adapter unregister_adapter "
-        "requests_of_adapter reset_after_worker_loss resize_pool check_integrity"
-    ).split()
+    [
+        "config",
+        "stats",
+        "on_requeue",
+        "submit",
+        "abort",
+        "abort_adapter_requests",
+        "drain",
+        "step",
+        "update",
+        "in_flight",
+        "rids_in_plan",
+        "is_idle",
+        "live_rids",
+        "find",
+        "table_sizes",
+        "kv_snapshot",
+        "take_kv_events",
+        "flush_cache",
+        "loaded_adapters",
+        "check_adapter",
+        "register_adapter",
+        "unregister_adapter",
+        "requests_of_adapter",
+        "reset_after_worker_loss",
+        "resize_pool",
+        "check_integrity",
+    ]
 )
 
 

@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service import ipc
 from scheduler_service.api import throughput
-from scheduler_service.core.kv_events import BlockStored
+from scheduler_service.core.kv.events import BlockStored
 from tests.scheduler_service.api.support.api_in_process import (
     api_in_process,
     generate_request,

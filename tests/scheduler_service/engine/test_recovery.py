@@ -49,11 +49,11 @@ def test_a_lost_group_keeps_its_requests_and_they_finish_as_the_oracle_says(cloc
         sched.add_request(r)
     got: dict[str, list[int]] = {}
     run_steps(sched, group.worker, got, steps=4)
-    assert sched.running and sched.pool.num_free < sched.pool.num_pages
+    assert sched.table.running and sched.pool.num_free < sched.pool.num_pages
     rec.lost("stream broke")
     assert (rec.connected, rec.losses, group.dropped) == (False, 1, 1)
-    assert set(sched.requests) == {r.rid for r in reqs}  # nobody dropped
-    assert not sched.running and sched.pool.num_free == sched.pool.num_pages
+    assert set(sched.live_rids()) == {r.rid for r in reqs}  # nobody dropped
+    assert not sched.table.running and sched.pool.num_free == sched.pool.num_pages
     sched.check_integrity()
     assert not rec.try_reconnect() and group.connects == 0  # not due yet
     clock.now += RETRY_FIRST_S

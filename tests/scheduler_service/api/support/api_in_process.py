@@ -51,7 +51,7 @@ class Submitted:
 
 
 def submitted(msg: ipc.Submit) -> list[Submitted]:
-    return [Submitted(r.rid, list(r.prompt_ids), r.waits_for) for r in msg.requests]
+    return [Submitted(s.rid, list(s.prompt_ids), s.waits_for) for s in msg.submissions]
 
 
 def generate_request(

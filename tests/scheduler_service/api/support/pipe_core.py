@@ -21,7 +21,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from scheduler_service import ipc
-from scheduler_service.core.kv_events import KvEvent
+from scheduler_service.core.kv.events import KvEvent
 
 KILLED = "killed by signal 9, SIGKILL"
 RECEIVE_TIMEOUT_S = 5.0
