@@ -58,8 +58,9 @@ import torch
 
 from worker_service.config import WorkerConfig
 from worker_service.devices import resolve_device
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
+from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan
 from worker_service.request_state import SlotState
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.worker import Worker, build_worker
 
 GREEDY = SamplingSpec(temperature=0.0)

@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 from protos import worker_pb2 as pb
-from worker_service.plan import (
-    AdapterSlotSpec,
-    ExtendSpec,
-    JoinSpec,
-    LogprobSpec,
-    Mode,
-    Plan,
-    Result,
-    SamplingSpec,
-)
+from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan, Result
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 
 _MODES = {
     pb.FORWARD_MODE_PREFILL: Mode.PREFILL,

@@ -52,12 +52,6 @@ class GraphAttention(Protocol):
     def begin_graph_step(self, batch: AttentionBatch, size: int) -> None: ...
 
 
-def pick_graph_size(n: int, sizes: tuple[int, ...]) -> int | None:
-    """Smallest of ``sizes`` that holds ``n`` rows, None if none does."""
-    fits = [s for s in sizes if s >= n]
-    return min(fits) if fits else None
-
-
 def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
     """A decode batch with no sequences: every row of a graph step is padding."""
     none = torch.zeros(0, dtype=torch.int64, device=device)

@@ -28,9 +28,9 @@ from worker_service.kv_cache import KvCache
 from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.model_runner import SeqWork
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.plan import LogprobSpec, PromptLogprobOut
 from worker_service.sampling.logprobs import token_logprobs
-from worker_service.sampling.rows import SampleOutput, SampleRow
+from worker_service.sampling.params import LogprobSpec
+from worker_service.sampling.rows import PromptLogprobOut, SampleOutput, SampleRow
 from worker_service.sampling.sampler import SampleLaunch, Sampler
 from worker_service.transfer import to_device
 

@@ -1,10 +1,15 @@
 """The worker's view of a step plan and its result (converted from and to the
-protocol in convert.py, the only module that knows both)."""
+protocol in convert.py, the only module that knows both). A join's sampling
+and logprob options, and a result's prompt logprobs, are the sampler's words
+(sampling/params.py, sampling/rows.py)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
+from worker_service.sampling.rows import PromptLogprobOut
 
 
 class Mode(enum.Enum):
@@ -12,43 +17,6 @@ class Mode(enum.Enum):
     DECODE = "decode"
     MIXED = "mixed"
     IDLE = "idle"
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    temperature: float = 1.0  # < 1e-6 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no limit
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    grammar: tuple[str, str] | None = None  # (kind, text): structured generation
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LogprobSpec:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -102,16 +70,6 @@ class Plan:
     decode_new_pages: list[int] = field(default_factory=list)
     # applied after the leaves, before the joins
     adapter_slots: list[AdapterSlotSpec] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class PromptLogprobOut:
-    slot: int
-    start: int
-    logprobs: list[float]  # NaN for position 0
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-    ids_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -16,10 +16,11 @@ from worker_service.distributed import TensorParallel, init_tensor_parallel
 from worker_service.dtypes import resolve_dtype
 from worker_service.kernels import select_kernels
 from worker_service.kv_cache import KvCache, parse_bytes
-from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader, ModelAdapterLoader
+from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.model_compute import ModelCompute
 from worker_service.model_runner import ModelRunner
 from worker_service.models.config import ModelConfig
+from worker_service.models.lora_loader import ModelAdapterLoader
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,

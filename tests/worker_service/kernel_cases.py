@@ -18,7 +18,7 @@ from worker_service.kv_cache import KvCache
 from worker_service.models.config import ModelConfig, RopeConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.sampling.rows import SampleRow
 from worker_service.sampling.sampler import Sampler
 

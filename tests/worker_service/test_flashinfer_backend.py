@@ -25,10 +25,11 @@ from worker_service.attention.flashinfer_backend import (
     check_token_order,
     kv_rows,
     paged_layout,
+    pick_graph_size,
     store_kv,
 )
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.cuda_graphs import DecodeGraphs, pick_graph_size
+from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.kv_cache import KvCache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -46,7 +46,7 @@ from worker_service.model_compute import ModelCompute
 from worker_service.model_runner import ModelRunner
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.sampling.sampler import Sampler
 
 # (how FlashInfer's kernels are replaced, model dtype); "kernels" checks dtypes as

@@ -14,7 +14,8 @@ import torch
 
 from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.config import WorkerConfig
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
+from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.worker import Worker, build_worker
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -26,7 +26,7 @@ from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
 from worker_service import model_compute
-from worker_service.plan import LogprobSpec
+from worker_service.sampling.params import LogprobSpec
 
 STEPS = 34
 VOCAB = 256

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from worker_service.kernels import SamplingFilters, TorchKernels
-from worker_service.plan import LogprobSpec, SamplingSpec
 from worker_service.sampling import filters, processors
 from worker_service.sampling.filters import seeded_uniform, splitmix64
 from worker_service.sampling.logprobs import logprob_tensors, token_logprobs
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.sampling.processors import process_logits
 from worker_service.sampling.rows import SampleRow
 from worker_service.sampling.sampler import Sampler

@@ -22,12 +22,13 @@ from tests.worker_service.worker_factory import runner_for
 from tests.worker_service.worker_process import PlanStream, worker_process
 from worker_service.convert import plan_from_proto, result_to_proto
 from worker_service.model_runner import ModelRunner
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, Result, SamplingSpec
+from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan, Result
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
     GrammarCompiler,
     simulated_tokenizer_info,
 )
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.simulated import SimulatedCompute
 
 # "List the planets of the solar system." in the default model's chat template.

@@ -52,11 +52,16 @@ from worker_service.attention.base import (
     AttentionSpec,
     SequenceSlice,
 )
-from worker_service.cuda_graphs import pick_graph_size
 from worker_service.kv_cache import KvCache
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _INT32_MAX = 2**31 - 1
+
+
+def pick_graph_size(n: int, sizes: tuple[int, ...]) -> int | None:
+    """Smallest of ``sizes`` that holds ``n`` rows, None if none does."""
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else None
 
 
 @dataclass

@@ -6,8 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker_service.plan import LogprobSpec, PromptLogprobOut, SamplingSpec
 from worker_service.sampling.grammar import GrammarState
+from worker_service.sampling.params import LogprobSpec, SamplingSpec
+
+
+@dataclass(slots=True)
+class PromptLogprobOut:
+    slot: int
+    start: int
+    logprobs: list[float]  # NaN for position 0
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    ids_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
