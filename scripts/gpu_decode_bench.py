@@ -57,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from worker_service.config import WorkerConfig
-from worker_service.devices import resolve_device
-from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan
-from worker_service.request_state import SlotState
+from worker_service.device.context import resolve_device
+from worker_service.execution.plan import ExtendSpec, JoinSpec, Mode, Plan
+from worker_service.execution.request_state import SlotState
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.worker import Worker, build_worker
 

@@ -11,14 +11,15 @@ from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
-from worker_service.devices import resolve_device, use_device
-from worker_service.distributed import TensorParallel, init_tensor_parallel
-from worker_service.dtypes import resolve_dtype
+from worker_service.device.context import resolve_device, use_device
+from worker_service.device.distributed import TensorParallel, init_tensor_parallel
+from worker_service.device.dtypes import resolve_dtype
+from worker_service.device.kv_cache import KvCache, parse_bytes
+from worker_service.execution.model_compute import ModelCompute
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.kernels import select_kernels
-from worker_service.kv_cache import KvCache, parse_bytes
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
-from worker_service.model_compute import ModelCompute
-from worker_service.model_runner import ModelRunner
 from worker_service.models.config import ModelConfig
 from worker_service.models.lora_loader import ModelAdapterLoader
 from worker_service.models.registry import build_model
@@ -29,7 +30,6 @@ from worker_service.sampling.grammar import (
     simulated_tokenizer_info,
 )
 from worker_service.sampling.sampler import Sampler
-from worker_service.simulated import SimulatedCompute
 from worker_service.weights import ModelSource, open_model
 
 logger = structlog.get_logger(__name__)

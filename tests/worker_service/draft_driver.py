@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan, Result
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import ExtendSpec, JoinSpec, Mode, Plan, Result
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 
 

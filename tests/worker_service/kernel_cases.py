@@ -13,8 +13,8 @@ import torch
 from tests.worker_service.test_flashinfer_backend import make_batch
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
+from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, TorchKernels
-from worker_service.kv_cache import KvCache
 from worker_service.models.config import ModelConfig, RopeConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.sampling.rows import PromptLogprobOut
 

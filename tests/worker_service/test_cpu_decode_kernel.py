@@ -14,7 +14,7 @@ from worker_service.attention import cpu_paged_kernel
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import KERNEL_MAX_QUERIES, TorchAttention
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 CPU = torch.device("cpu")
 NUM_PAGES = 320

@@ -29,8 +29,8 @@ from worker_service.attention.flashinfer_backend import (
     store_kv,
 )
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -144,7 +144,8 @@ def test_construction_refuses_cpu_and_fp32() -> None:
 
 def test_module_does_not_import_flashinfer() -> None:
     code = (
-        "import sys, worker_service.attention.flashinfer_backend, worker_service.cuda_graphs\n"
+        "import sys, worker_service.attention.flashinfer_backend\n"
+        "import worker_service.execution.cuda_graphs\n"
         "assert 'flashinfer' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

@@ -35,8 +35,8 @@ from worker_service.attention.base import (
 )
 from worker_service.attention.flashinfer_backend import FlashInferAttention
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs
 
 flashinfer = pytest.importorskip(
     "flashinfer",

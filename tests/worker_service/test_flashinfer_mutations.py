@@ -32,7 +32,7 @@ from worker_service.attention.base import (
     AttentionBatch,
 )
 from worker_service.attention.flashinfer_backend import FlashInferAttention
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 flashinfer = pytest.importorskip(
     "flashinfer",

@@ -38,12 +38,12 @@ from tests.worker_service.kernel_cases import (
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.model_compute import ModelCompute
+from worker_service.execution.model_runner import ModelRunner
 from worker_service.kernels import Kernels, SamplingFilters, TorchKernels, select_kernels
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
-from worker_service.kv_cache import KvCache
-from worker_service.model_compute import ModelCompute
-from worker_service.model_runner import ModelRunner
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
 from worker_service.sampling.params import LogprobSpec, SamplingSpec

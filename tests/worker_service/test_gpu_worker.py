@@ -14,7 +14,7 @@ import torch
 
 from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.config import WorkerConfig
-from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan
+from worker_service.execution.plan import ExtendSpec, JoinSpec, Mode, Plan
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 from worker_service.worker import Worker, build_worker
 

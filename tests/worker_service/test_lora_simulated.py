@@ -11,8 +11,8 @@ import pytest
 from common.simulated_model import expected_output
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import worker_for
+from worker_service.execution.plan import AdapterSlotSpec
 from worker_service.lora.peft_config import AdapterError
-from worker_service.plan import AdapterSlotSpec
 
 VOCAB = 32000
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.lora_adapters import standard_adapters
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import GREEDY
-from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan
+from worker_service.execution.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan
 from worker_service.sampling.params import LogprobSpec
 
 STEPS = 8

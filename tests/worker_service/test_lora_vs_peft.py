@@ -10,7 +10,7 @@ import pytest
 from tests.lora_adapters import STANDARD
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from worker_service.plan import AdapterSlotSpec
+from worker_service.execution.plan import AdapterSlotSpec
 
 STEPS = 16
 TOL = 1e-4

@@ -25,7 +25,7 @@ from transformers import (
 from tests.hf_reference import hf_greedy
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.worker_factory import runner_for
-from worker_service import model_compute
+from worker_service.execution import model_compute
 from worker_service.sampling.params import LogprobSpec
 
 STEPS = 34

@@ -20,16 +20,16 @@ from protos import worker_pb2 as pb
 from tests.worker_service.draft_driver import Decoded, DraftDriver
 from tests.worker_service.worker_factory import runner_for
 from tests.worker_service.worker_process import PlanStream, worker_process
-from worker_service.convert import plan_from_proto, result_to_proto
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import ExtendSpec, JoinSpec, Mode, Plan, Result
+from worker_service.execution.convert import plan_from_proto, result_to_proto
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import ExtendSpec, JoinSpec, Mode, Plan, Result
+from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
     GrammarCompiler,
     simulated_tokenizer_info,
 )
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
-from worker_service.simulated import SimulatedCompute
 
 # "List the planets of the solar system." in the default model's chat template.
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 
 @dataclass

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import DecodeLayout, PagedDecodeKernel
-from worker_service.kv_cache import KvCache
-from worker_service.transfer import to_device
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.transfer import to_device
 
 # Extends of up to this many tokens attend through the CPU kernel, a kernel row
 # per query (each reads the sequence's keys once more); longer ones through

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker_service.device.transfer import to_device
 from worker_service.lora.adapter import ColumnLora, LoraAdapter, RowLora
-from worker_service.transfer import to_device
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.lora.batch import LoraSite
 from worker_service.models import cpu_linear

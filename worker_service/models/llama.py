@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
-from worker_service.kv_cache import KvCache
 from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
 from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding

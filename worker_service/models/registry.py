@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.llama import LlamaForCausalLM

@@ -1,5 +1,5 @@
 """A request's sampling and logprob options as the worker keeps them (from
-the protocol's SamplingParams and LogprobOptions, in convert.py)."""
+the protocol's SamplingParams and LogprobOptions, in execution/convert.py)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from worker_service.device.transfer import to_device
 from worker_service.sampling.rows import SampleRow
-from worker_service.transfer import to_device
 
 
 def min_new_mask_ids(row: SampleRow) -> tuple[int, ...]:

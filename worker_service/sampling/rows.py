@@ -60,6 +60,6 @@ class SampleOutput:
     top_logprobs: list[list[float]] = field(default_factory=list)
     ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
-    # Tokens per sampling entry once drafts are accepted (drafts.py); empty:
-    # one row per entry.
+    # Tokens per sampling entry once drafts are accepted (draft_acceptance.py);
+    # empty: one row per entry.
     token_counts: list[int] = field(default_factory=list)

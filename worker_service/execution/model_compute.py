@@ -3,8 +3,8 @@
 Only the rows that need logits reach the LM head: the last token of every
 sampling request (the last draft_len + 1 of a drafted extend, speculative
 decoding: one sampled row each, in one sampler call with the others; the
-runner accepts the drafts, drafts.py), and the prompt positions whose
-logprobs were asked for (the logits at position p score the prompt token at
+runner accepts the drafts, sampling/draft_acceptance.py), and the prompt
+positions whose logprobs were asked for (the logits at position p score the prompt token at
 p + 1). ``ModelRunner`` (model_runner.py) hands it each step's work in plan
 order; it runs a drafted step to its end (``run``), never overlapped, so no
 later step gathers its inputs from a drafted step's tokens.
@@ -22,17 +22,17 @@ import structlog
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
-from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.distributed import TensorParallel
-from worker_service.kv_cache import KvCache
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.transfer import to_device
+from worker_service.execution.cuda_graphs import DecodeGraphs
+from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
-from worker_service.model_runner import SeqWork
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import token_logprobs
 from worker_service.sampling.params import LogprobSpec
 from worker_service.sampling.rows import PromptLogprobOut, SampleOutput, SampleRow
 from worker_service.sampling.sampler import SampleLaunch, Sampler
-from worker_service.transfer import to_device
 
 logger = structlog.get_logger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker_service.plan import JoinSpec
+from worker_service.execution.plan import JoinSpec
 from worker_service.sampling.grammar import GrammarState
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 

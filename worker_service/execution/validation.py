@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker_service.plan import ExtendSpec, Plan
-from worker_service.request_state import SlotState
+from worker_service.execution.plan import ExtendSpec, Plan
+from worker_service.execution.request_state import SlotState
 
 
 class PlanError(ValueError):

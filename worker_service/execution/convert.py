@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protos import worker_pb2 as pb
-from worker_service.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan, Result
+from worker_service.execution.plan import AdapterSlotSpec, ExtendSpec, JoinSpec, Mode, Plan, Result
 from worker_service.sampling.params import LogprobSpec, SamplingSpec
 
 _MODES = {

@@ -3,7 +3,7 @@
 ``ModelRunner`` owns what a plan means: leaves before joins, pages appended
 to tables, extends before decodes, each decode computing the request's last
 sampled token. The arithmetic is delegated to a ``Compute``: ``ModelCompute``
-(model_compute.py, the real model) or ``SimulatedCompute`` (simulated.py).
+(model_compute.py, the real model) or ``SimulatedCompute`` (simulated_compute.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from worker_service.devices import DeviceFailure, is_sticky_device_error
+from worker_service.device.context import DeviceFailure, is_sticky_device_error
+from worker_service.execution.plan import Plan, Result
+from worker_service.execution.request_state import SlotState
+from worker_service.execution.validation import PlanError, validate_plan
 from worker_service.lora.store import AdapterStore, LoadedAdapter
-from worker_service.plan import Plan, Result
-from worker_service.request_state import SlotState
 from worker_service.sampling.draft_acceptance import accept_drafts
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError
 from worker_service.sampling.rows import SampleOutput
-from worker_service.validation import PlanError, validate_plan
 
 logger = structlog.get_logger(__name__)
 
@@ -49,7 +49,8 @@ class SeqWork:
 
 class Compute(Protocol):
     """``run`` gives one sampled row per sampling ``SeqWork``, draft_len + 1
-    for a drafted one; ``ModelRunner`` accepts the drafts (drafts.py)."""
+    for a drafted one; ``ModelRunner`` accepts the drafts
+    (sampling/draft_acceptance.py)."""
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
 
