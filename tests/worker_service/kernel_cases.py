@@ -18,7 +18,7 @@ from worker_service.kernels import Kernels, TorchKernels
 from worker_service.models.config import ModelConfig, RopeConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.sampling.params import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.rows import SampleRow
 from worker_service.sampling.sampler import Sampler
 
@@ -154,7 +154,7 @@ def sampler_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, list[SampleRow]]
     rng = np.random.default_rng(seed)
     rows, logits = [], []
     for i in range(n):
-        spec = SamplingSpec(
+        spec = SamplingParams(
             temperature=float(rng.choice([0.0, 0.3, 0.8, 1.0, 1.7])),
             top_k=int(rng.choice([-1, 1, 5, 40, 500, VOCAB, VOCAB + 7])),
             top_p=float(rng.choice([1.0, 0.95, 0.7, 0.2, 0.0])),
@@ -163,7 +163,7 @@ def sampler_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, list[SampleRow]]
             frequency_penalty=float(rng.choice([0.0, 0.5])),
         )
         output = rng.integers(0, VOCAB, size=int(rng.integers(0, 9))).tolist()
-        rows.append(SampleRow(spec, LogprobSpec(), (), output))
+        rows.append(SampleRow(spec, LogprobOptions(), (), output))
         logits.append(torch.randn(VOCAB, generator=gen) * float(rng.uniform(0.5, 6.0)))
     return torch.stack(logits), rows
 

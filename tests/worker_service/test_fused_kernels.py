@@ -46,7 +46,7 @@ from worker_service.kernels import Kernels, SamplingFilters, TorchKernels, selec
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.sampling.params import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.sampler import Sampler
 
 # (how FlashInfer's kernels are replaced, model dtype); "kernels" checks dtypes as
@@ -181,12 +181,12 @@ def test_runner_tokens_and_logprobs_match_torch(api_fakes) -> None:
         runner = ModelRunner(compute, 256, 4, cfg.vocab_size, model.rope.max_positions)
         gen = torch.Generator().manual_seed(9)
         shared = torch.randint(0, cfg.vocab_size, (14,), generator=gen).tolist()
-        lp = LogprobSpec(return_logprob=True)
+        lp = LogprobOptions(return_logprob=True)
         specs = [
-            SamplingSpec(temperature=0.0),
-            SamplingSpec(temperature=0.9, top_k=20, top_p=0.9, seed=3),
-            SamplingSpec(temperature=1.2, min_p=0.05, seed=4),
-            SamplingSpec(temperature=0.7, top_p=0.8, seed=5, repetition_penalty=1.3),
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3),
+            SamplingParams(temperature=1.2, min_p=0.05, seed=4),
+            SamplingParams(temperature=0.7, top_p=0.8, seed=5, repetition_penalty=1.3),
         ]
         reqs = [
             DriverRequest(shared + [i] * (3 + 5 * i), 12, arrive=i, sampling=s, logprobs=lp)

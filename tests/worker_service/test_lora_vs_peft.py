@@ -10,7 +10,7 @@ import pytest
 from tests.lora_adapters import STANDARD
 from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
 from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from worker_service.execution.plan import AdapterSlotSpec
+from worker_service.execution.plan import AdapterSlot
 
 STEPS = 16
 TOL = 1e-4
@@ -22,7 +22,7 @@ def test_each_adapter_matches_peft(adapter):
     prompt = list(prompts()[0])
     (req,) = PlanDriver(worker.runner, 16).run(
         [DriverRequest(prompt, STEPS, adapter_slot=1)],
-        adapter_slots=[AdapterSlotSpec(1, adapter)],
+        adapter_slots=[AdapterSlot(1, adapter)],
     )
     tokens, logprobs = reference(adapter, tuple(prompt), STEPS)
     assert req.outputs == tokens
@@ -35,7 +35,7 @@ def test_mixed_batch_of_adapters_and_base_rows_with_chunks_and_cached_prefixes()
     worker = default_worker()
     p = [list(x) for x in prompts()]
     names = sorted(STANDARD)  # slots 1..4
-    slots = [AdapterSlotSpec(k + 1, n) for k, n in enumerate(names)]
+    slots = [AdapterSlot(k + 1, n) for k, n in enumerate(names)]
     reqs = [
         DriverRequest(p[0], STEPS, arrive=0, adapter_slot=1),
         DriverRequest(p[0], STEPS, arrive=0),  # base, same prompt

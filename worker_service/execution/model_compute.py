@@ -30,8 +30,8 @@ from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import token_logprobs
-from worker_service.sampling.params import LogprobSpec
-from worker_service.sampling.rows import PromptLogprobOut, SampleOutput, SampleRow
+from worker_service.sampling.params import LogprobOptions
+from worker_service.sampling.rows import PromptLogprobs, SampleOutput, SampleRow
 from worker_service.sampling.sampler import SampleLaunch, Sampler
 
 logger = structlog.get_logger(__name__)
@@ -55,7 +55,7 @@ class ModelStep:
     """A model step queued on the device (ModelCompute.launch)."""
 
     sample: SampleLaunch | None
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -241,7 +241,7 @@ class ModelCompute:
         else:  # the tokens come from rank 0; the logprobs are rank 0's to report
             n = len(rows)
             tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            plain = [SampleRow(r.sampling, LogprobSpec(), (), ()) for r in rows]
+            plain = [SampleRow(r.sampling, LogprobOptions(), (), ()) for r in rows]
             zeros = torch.zeros((n, 1), dtype=torch.float32, device=self.device)
             launched = SampleLaunch(tokens, [zeros], plain)
         if self.tp.enabled:
@@ -287,7 +287,7 @@ class ModelCompute:
             for j in range(1, w.draft_len + 1)
         ]
 
-    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:
+    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobs:
         """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:
         a long prompt's full float32 logits (rows x vocabulary) would not fit."""
         w, state = span.work, span.work.state
@@ -301,7 +301,7 @@ class ModelCompute:
             dtype=np.int64,
         )
         head = [math.nan] if span.start == 0 else []
-        out = PromptLogprobOut(w.slot, span.start, head)
+        out = PromptLogprobs(w.slot, span.start, head)
         rows = np.array(span.rows, dtype=np.int64)
         for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
             index, ids = to_device(

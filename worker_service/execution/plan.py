@@ -8,11 +8,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from worker_service.sampling.params import LogprobSpec, SamplingSpec
-from worker_service.sampling.rows import PromptLogprobOut
+from worker_service.sampling.params import LogprobOptions, SamplingParams
+from worker_service.sampling.rows import PromptLogprobs
 
 
-class Mode(enum.Enum):
+class ForwardMode(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
@@ -20,11 +20,11 @@ class Mode(enum.Enum):
 
 
 @dataclass(slots=True)
-class JoinSpec:
+class Join:
     slot: int
     rid: str
-    sampling: SamplingSpec
-    logprobs: LogprobSpec
+    sampling: SamplingParams
+    logprobs: LogprobOptions
     prompt_len: int
     prefix_ids: list[int]
     num_output_tokens: int = 0
@@ -36,7 +36,7 @@ class JoinSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterSlotSpec:
+class AdapterSlot:
     """Adapter slot ``slot`` (1..N) holds adapter ``name`` from this plan on;
     "" empties it."""
 
@@ -45,7 +45,7 @@ class AdapterSlotSpec:
 
 
 @dataclass(slots=True)
-class ExtendSpec:
+class Extend:
     slot: int
     start_pos: int
     input_ids: list[int]
@@ -53,23 +53,23 @@ class ExtendSpec:
     sample: bool
     next_token: int | None = None
     # Speculative decoding: the last draft_len input_ids are drafts to verify
-    # (see ExtendSpec in protos/worker.proto).
+    # (see Extend in protos/worker.proto).
     draft_len: int = 0
 
 
 @dataclass(slots=True)
 class Plan:
     step_id: int
-    mode: Mode
+    mode: ForwardMode
     leaves: list[int] = field(default_factory=list)
-    joins: list[JoinSpec] = field(default_factory=list)
-    extends: list[ExtendSpec] = field(default_factory=list)
+    joins: list[Join] = field(default_factory=list)
+    extends: list[Extend] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
     # page appended to the slot's table, plus one; 0 = none
     decode_new_pages: list[int] = field(default_factory=list)
     # applied after the leaves, before the joins
-    adapter_slots: list[AdapterSlotSpec] = field(default_factory=list)
+    adapter_slots: list[AdapterSlot] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class Result:
     top_logprobs: list[float] = field(default_factory=list)
     ids_counts: list[int] = field(default_factory=list)
     ids_logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     forward_ms: float = 0.0
     idle_ms: float = 0.0
     grammar_ended: list[int] = field(default_factory=list)  # indices into token_ids

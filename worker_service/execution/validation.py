@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker_service.execution.plan import ExtendSpec, Plan
+from worker_service.execution.plan import Extend, Plan
 from worker_service.execution.request_state import SlotState
 
 
@@ -98,7 +98,7 @@ def validate_plan(
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
 
 
-def _check_drafted(e: ExtendSpec, state: SlotState | None, sampled: bool) -> None:
+def _check_drafted(e: Extend, state: SlotState | None, sampled: bool) -> None:
     """A drafted extend (speculative decoding) verifies drafts after a decoding
     request's last sampled token: ``input_ids`` = that token, then the drafts.
     ``state``: the slot's state before the plan (None: it joins in this plan);

@@ -1,5 +1,5 @@
-"""A request's sampling and logprob options as the worker keeps them (from
-the protocol's SamplingParams and LogprobOptions, in execution/convert.py)."""
+"""A request's sampling and logprob options as the worker keeps them,
+converted from the protocol's messages of the same names (execution/convert.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingSpec:
+class SamplingParams:
     temperature: float = 1.0  # < 1e-6 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
@@ -36,7 +36,7 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class LogprobSpec:
+class LogprobOptions:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
