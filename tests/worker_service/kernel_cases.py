@@ -127,12 +127,20 @@ def forward(model: LlamaForCausalLM, device: torch.device = CPU) -> tuple[torch.
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, None, model.dtype, device
     )
     attn = TorchAttention(spec)
-    kv = KvCache(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    kv = KvCache(
+        num_layers=cfg.num_layers,
+        num_pages=64,
+        page_size=16,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=model.dtype,
+        device=device,
+    )
     for layer in kv.layers:  # the prefixes the decodes read
         layer.copy_(torch.randn(layer.shape, generator=gen).to(layer))
     attn.begin_step(batch)
     ids = torch.randint(0, cfg.vocab_size, (batch.num_tokens,), generator=gen).to(device)
-    hidden = model(ids, batch.positions, attn, kv)
+    hidden = model(ids, batch.positions, attn=attn, kv=kv)
     return hidden, model.logits(hidden), kv.layers[0]
 
 

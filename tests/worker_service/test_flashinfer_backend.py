@@ -113,10 +113,11 @@ def test_check_token_order() -> None:
 def test_store_kv_matches_kv_cache_write(page_size: int) -> None:
     gen = torch.Generator().manual_seed(1)
     batch = make_batch([(7, 20)], [3, 30], page_size, 64, gen)
-    a = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
-    b = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
+    shape = {"num_layers": 1, "num_pages": 64, "page_size": page_size, "num_kv_heads": 2}
+    a = KvCache(**shape, head_dim=8, dtype=torch.float32, device="cpu")
+    b = KvCache(**shape, head_dim=8, dtype=torch.float32, device="cpu")
     k, v = torch.randn(2, batch.num_tokens, 2, 8, generator=gen)
-    a.write(0, batch.write_pages, batch.write_offsets, k, v)
+    a.write(0, k, v, pages=batch.write_pages, offsets=batch.write_offsets)
     rows = kv_rows(batch.write_pages, batch.write_offsets, page_size)
     store_kv(b.layers[0], torch.stack([rows, rows + page_size]), k, v)
     assert torch.equal(a.layers[0], b.layers[0])
@@ -163,8 +164,15 @@ BATCHES = {
 
 def random_caches(spec: AttentionSpec, num_pages: int, gen: torch.Generator):
     """A bf16 cache with random contents and an exact fp32 copy for the reference."""
-    shape = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    fi, ref = KvCache(*shape, spec.dtype, "cuda"), KvCache(*shape, torch.float32, "cuda")
+    shape = {
+        "num_layers": 2,
+        "num_pages": num_pages,
+        "page_size": spec.page_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "device": "cuda",
+    }
+    fi, ref = KvCache(**shape, dtype=spec.dtype), KvCache(**shape, dtype=torch.float32)
     for a, b in zip(fi.layers, ref.layers, strict=True):
         a.copy_(torch.randn(a.shape, generator=gen).to(a.dtype))
         b.copy_(a.float())
@@ -199,8 +207,8 @@ def test_flashinfer_matches_torch(page_size, heads, window, kind, tensor_cores) 
     ref.begin_step(batch)
     for layer in range(2):
         q, k, v = random_qkv(spec, batch.num_tokens, gen)
-        out = fi.forward(layer, q, k, v, fi_kv)
-        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_kv)
+        out = fi.forward(layer, q, k, v, kv=fi_kv)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), kv=ref_kv)
         assert torch.equal(fi_kv.layers[layer].float(), ref_kv.layers[layer])
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -226,7 +234,7 @@ def test_graph_decode_equals_eager(page_size, heads, window) -> None:
     bufs = dict(zip("qkv", random_qkv(spec, 8, gen), strict=True))
 
     def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        outs = [graphed.forward(i, x["q"], x["k"], x["v"], graph_kv) for i in range(2)]
+        outs = [graphed.forward(i, x["q"], x["k"], x["v"], kv=graph_kv) for i in range(2)]
         return torch.stack(outs, dim=1)
 
     graphs = DecodeGraphs(graphed, forward, bufs, page_size)
@@ -238,7 +246,7 @@ def test_graph_decode_equals_eager(page_size, heads, window) -> None:
         out = graphs.replay(batch, {"q": q, "k": k, "v": v})
         assert out is not None
         eager.begin_step(batch)
-        expected = torch.stack([eager.forward(i, q, k, v, eager_kv) for i in range(2)], 1)
+        expected = torch.stack([eager.forward(i, q, k, v, kv=eager_kv) for i in range(2)], 1)
         torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
         for a, b in zip(graph_kv.layers, eager_kv.layers, strict=True):
             assert torch.equal(a[:scratch], b[:scratch])

@@ -175,10 +175,31 @@ def test_runner_tokens_and_logprobs_match_torch(api_fakes) -> None:
         spec = AttentionSpec(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4, None, model.dtype, CPU
         )
-        kv = KvCache(cfg.num_layers, 257, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype, CPU)
+        kv = KvCache(
+            num_layers=cfg.num_layers,
+            num_pages=257,
+            page_size=4,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=model.dtype,
+            device=CPU,
+        )
         sampler = Sampler(cfg.vocab_size, CPU, seed=1, kernels=kernels)
-        compute = ModelCompute(model, TorchAttention(spec), kv, sampler, TensorParallel(), CPU)
-        runner = ModelRunner(compute, 256, 4, cfg.vocab_size, model.rope.max_positions)
+        compute = ModelCompute(
+            model,
+            attn=TorchAttention(spec),
+            kv=kv,
+            sampler=sampler,
+            tp=TensorParallel(),
+            device=CPU,
+        )
+        runner = ModelRunner(
+            compute,
+            num_pages=256,
+            page_size=4,
+            vocab_size=cfg.vocab_size,
+            max_context=model.rope.max_positions,
+        )
         gen = torch.Generator().manual_seed(9)
         shared = torch.randint(0, cfg.vocab_size, (14,), generator=gen).tolist()
         lp = LogprobOptions(return_logprob=True)

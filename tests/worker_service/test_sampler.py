@@ -285,7 +285,7 @@ def test_token_logprobs_for_prompts():
     logits = torch.randn(10, 25, generator=gen)
     ref = torch.log_softmax(logits, dim=-1)
     ids = torch.randint(0, 25, (10,), generator=gen)
-    res = token_logprobs(logits, ids, 3, (0, 4, 25), chunk_rows=3)
+    res = token_logprobs(logits, ids, top_n=3, token_ids=(0, 4, 25), chunk_rows=3)
     assert res.logprobs == pytest.approx(ref.gather(1, ids[:, None])[:, 0].tolist(), abs=1e-6)
     vals, top = ref.topk(3, dim=-1)
     assert res.top_ids == top.tolist()
@@ -317,7 +317,8 @@ def test_draw_walks_token_ids_in_order():
     host = filters.filter_arrays([-1] * 3, [1.0] * 3, [0.0] * 3, 3)
     flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 3)
     u = torch.tensor([0.05, 0.55, 0.65])
-    assert filters.draw(logits, torch.ones(3), flt, u, TorchKernels()).tolist() == [0, 1, 2]
+    tokens = filters.draw(logits, torch.ones(3), flt, u, kernels=TorchKernels())
+    assert tokens.tolist() == [0, 1, 2]
 
 
 def test_filters_are_thresholds_that_keep_ties():
@@ -344,5 +345,7 @@ def test_out_of_range_filter_parameters_are_clipped():
     flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 10)
     assert flt.use_top_k and flt.use_top_p and flt.use_min_p
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
-    tokens = filters.draw(logits, torch.ones(4), flt, torch.full((4,), 0.999), TorchKernels())
+    tokens = filters.draw(
+        logits, torch.ones(4), flt, torch.full((4,), 0.999), kernels=TorchKernels()
+    )
     assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()

@@ -166,7 +166,9 @@ SIM_VOCAB = 50000  # holds the prompt's ids
 
 def simulated_runner(page_size: int, max_context: int = 1 << 30) -> ModelRunner:
     compute = SimulatedCompute(vocab_size=SIM_VOCAB)
-    return ModelRunner(compute, 256, page_size, SIM_VOCAB, max_context=max_context)
+    return ModelRunner(
+        compute, num_pages=256, page_size=page_size, vocab_size=SIM_VOCAB, max_context=max_context
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -206,7 +208,9 @@ def test_grammar_ended_indexes_tokens_in_a_drafted_step():
     its ending token counts the drafted entry's tokens before it."""
     compute = SimulatedCompute(vocab_size=SIM_VOCAB)
     grammars = GrammarCompiler(lambda: simulated_tokenizer_info(SIM_VOCAB))
-    runner = ModelRunner(compute, 256, 4, SIM_VOCAB, grammars=grammars)
+    runner = ModelRunner(
+        compute, num_pages=256, page_size=4, vocab_size=SIM_VOCAB, grammars=grammars
+    )
     driver = DraftDriver(runner)
     a = driver.start(0, PROMPT, SAMPLINGS["greedy"])
     g = driver.start(1, PROMPT[:6], SamplingParams(temperature=0.0, grammar=("regex", "a")))

@@ -260,7 +260,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan_done.record()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
     ) -> torch.Tensor:
         cache = kv.layers[layer]
         if cache.dtype != self.spec.dtype:

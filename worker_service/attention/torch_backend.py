@@ -138,10 +138,10 @@ class TorchAttention(AttentionBackend):
         return _DecodeRows(rows_t, width, kv_rows_t, bias[:, None, None, :])
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
     ) -> torch.Tensor:
         batch = self._batch
-        kv.write(layer, batch.write_pages, batch.write_offsets, k, v)
+        kv.write(layer, k, v, pages=batch.write_pages, offsets=batch.write_offsets)
         out = torch.empty_like(q)
         groups = self.spec.num_heads // self.spec.num_kv_heads
         if self._layout is not None:
@@ -149,9 +149,9 @@ class TorchAttention(AttentionBackend):
                 q.contiguous(),
                 kv.layers[layer],
                 out,
-                self._layout,
-                self.spec.sliding_window,
-                self.spec.scale,
+                layout=self._layout,
+                window=self.spec.sliding_window,
+                scale=self.spec.scale,
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]

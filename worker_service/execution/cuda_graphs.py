@@ -41,6 +41,7 @@ import torch
 from worker_service.attention.base import AttentionBatch
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+WARMUP_RUNS = 2  # eager runs of a size before its capture
 
 
 class GraphAttention(Protocol):
@@ -88,7 +89,7 @@ class DecodeGraphs:
     def _views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.inputs.items()}
 
-    def capture(self, warmup: int = 2) -> None:
+    def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (a smaller
         graph reuses the larger one's intermediate buffers)."""
         pool = torch.cuda.graph_pool_handle()
@@ -101,7 +102,7 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(warmup):
+                for _ in range(WARMUP_RUNS):
                     self.forward(views)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()

@@ -70,6 +70,7 @@ class ModelCompute:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        *,
         attn: AttentionBackend,
         kv: KvCache,
         sampler: Sampler,
@@ -96,14 +97,14 @@ class ModelCompute:
         }
 
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            hidden = self.model(inputs["ids"], inputs["positions"], self.attn, self.kv)
+            hidden = self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
             return self.model.logits(hidden)
 
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
         self.graphs.capture()
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
-        return self.finish(self.launch(work, num_extends, None))
+        return self.finish(self.launch(work, num_extends, previous=None))
 
     def launch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
@@ -121,7 +122,7 @@ class ModelCompute:
             if logits is not None:  # every row of a decode step samples
                 return ModelStep(self._sample(logits, work))
         self.attn.begin_step(batch)
-        hidden = self.model(input_ids, batch.positions, self.attn, self.kv, lora)
+        hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
         drafted = any(w.draft_len for w in work[:num_extends])
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
@@ -135,7 +136,7 @@ class ModelCompute:
             sample_rows = [
                 s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
             ]
-        step = ModelStep(None)
+        step = ModelStep(sample=None)
         if sample_rows:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
@@ -309,7 +310,9 @@ class ModelCompute:
                 self.device,
             )
             logits = self.model.logits(hidden.index_select(0, index))
-            scored = token_logprobs(logits, ids, lp.top_logprobs_num, lp.token_ids_logprob)
+            scored = token_logprobs(
+                logits, ids, top_n=lp.top_logprobs_num, token_ids=lp.token_ids_logprob
+            )
             out.logprobs += scored.logprobs
             if lp.top_logprobs_num:
                 out.top_ids += [i for ids_ in scored.top_ids for i in ids_]

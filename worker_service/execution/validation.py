@@ -20,6 +20,7 @@ class PlanError(ValueError):
 def validate_plan(
     plan: Plan,
     slots: dict[int, SlotState],
+    *,
     num_pages: int,
     page_size: int,
     vocab_size: int,

@@ -30,7 +30,15 @@ def lora_targets(model: LlamaForCausalLM) -> LoraTargets:
             lo = module.tp.rank * local
             in_features = module.weight.shape[1]
             projections[name] = ProjectionShape(
-                name, block, fused, True, in_features, full, lo, lo + local, start
+                name=name,
+                block=block,
+                fused=fused,
+                column=True,
+                in_features=in_features,
+                out_features=full,
+                lo=lo,
+                hi=lo + local,
+                fused_start=start,
             )
             widths[fused] = module.weight.shape[0]
         else:
@@ -38,7 +46,14 @@ def lora_targets(model: LlamaForCausalLM) -> LoraTargets:
             in_features = (module.hi - module.lo) * module.tp.size
             out_features = module.weight.shape[0]
             projections[name] = ProjectionShape(
-                name, block, fused, False, in_features, out_features, module.lo, module.hi
+                name=name,
+                block=block,
+                fused=fused,
+                column=False,
+                in_features=in_features,
+                out_features=out_features,
+                lo=module.lo,
+                hi=module.hi,
             )
     return LoraTargets(len(model.layers), projections, widths)
 
@@ -54,4 +69,6 @@ class ModelAdapterLoader:
         self.device = device
 
     def load(self, name: str, path: Path, max_rank: int) -> LoadedAdapter:
-        return load_lora_adapter(name, path, self.targets, self.dtype, self.device, max_rank)
+        return load_lora_adapter(
+            name, path, self.targets, dtype=self.dtype, device=self.device, max_rank=max_rank
+        )

@@ -237,8 +237,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan = plan_from_proto(msg)
         except ValueError as e:
             error = Result(msg.step_id, error=f"malformed plan: {e}")
-            return _Running(msg, None, error, start_ns)
-        return _Running(msg, self.worker.runner.start(plan), None, start_ns)
+            return _Running(msg, step=None, error=error, start_ns=start_ns)
+        step = self.worker.runner.start(plan)
+        return _Running(msg, step=step, error=None, start_ns=start_ns)
 
     def _complete(self, running: _Running, clock: _StepClock) -> pb.StepResult:
         """The step's result message; forward_ms is this thread's time since the
