@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker_service.test_flashinfer_backend import make_batch
+from tests.worker_service.support.attention_batches import make_batch
 from worker_service.attention import cpu_paged_kernel
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode

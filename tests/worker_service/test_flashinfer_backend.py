@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker_service.attention.base import AttentionBatch, AttentionSpec, SequenceSlice
+from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
+from worker_service.attention.base import AttentionSpec, SequenceSlice
 from worker_service.attention.flashinfer_backend import (
     FlashInferAttention,
     check_token_order,
@@ -41,38 +42,6 @@ def flashinfer_ok() -> None:
         if os.environ.get("RADIXSERVE_REQUIRE_FLASHINFER") == "1":
             pytest.fail("flashinfer is not importable (is .fi_bundle/env.sh sourced?)")
         pytest.skip("flashinfer is not installed")
-
-
-def make_batch(
-    extends: list[tuple[int, int]],
-    decodes: list[int],
-    page_size: int,
-    num_pages: int,
-    gen: torch.Generator,
-    device: str = "cpu",
-) -> AttentionBatch:
-    """Sequences as (q_len, kv_len) on distinct random pages; page num_pages - 1 stays
-    free (the CUDA-graph scratch page)."""
-    free = torch.randperm(num_pages - 1, generator=gen).tolist()
-    seqs, positions, row = [], [], 0
-    for q_len, kv_len in [*extends, *((1, n) for n in decodes)]:
-        n = -(-kv_len // page_size)
-        assert len(free) >= n, "test batch needs more pages"
-        seqs.append(SequenceSlice(row, q_len, kv_len, free[:n]))
-        free, row = free[n:], row + q_len
-        positions += range(kv_len - q_len, kv_len)
-    pos = torch.tensor(positions, dtype=torch.int64)
-    table = torch.tensor([p for s in seqs for p in s.page_table], dtype=torch.int64)
-    first = np.cumsum([0] + [len(s.page_table) for s in seqs])
-    pages = pos  # no sequences: empty
-    if seqs:
-        q_lens = torch.tensor([s.q_len for s in seqs])
-        seq_of = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        pages = table[torch.from_numpy(first[:-1])[seq_of] + pos // page_size]
-    offsets = pos % page_size
-    return AttentionBatch(
-        seqs, len(extends), *(t.to(device) for t in (pos, pages, offsets)), page_size=page_size
-    )
 
 
 # ---- host side (CPU) ------------------------------------------------------------------
@@ -130,12 +99,6 @@ def test_pick_graph_size() -> None:
     assert pick_graph_size(1, ()) is None
 
 
-def spec_for(
-    heads: tuple[int, int, int], page_size: int, window: int | None, dtype: torch.dtype, dev: str
-) -> AttentionSpec:
-    return AttentionSpec(*heads, page_size, window, dtype, torch.device(dev))
-
-
 def test_construction_refuses_cpu_and_fp32() -> None:
     with pytest.raises(ValueError, match="fp16/bf16"):
         FlashInferAttention(spec_for((4, 2, 64), 16, None, torch.float32, "cpu"))
@@ -153,13 +116,6 @@ def test_module_does_not_import_flashinfer() -> None:
 
 
 # ---- GPU: FlashInfer vs the torch reference ---------------------------------------------
-
-HEADS = [(8, 2, 128), (4, 4, 64), (12, 2, 64)]  # GQA group 4, 1 and 6
-BATCHES = {
-    "mixed": ([(17, 17), (5, 40), (1, 23)], [1, 9, 33, 70]),
-    "extend_only": ([(30, 30), (16, 50)], []),
-    "decode_only": ([], [5, 16, 17, 100, 64]),
-}
 
 
 def random_caches(spec: AttentionSpec, num_pages: int, gen: torch.Generator):

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_cpu_harness as harness
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.test_flashinfer_backend import BATCHES, HEADS, make_batch, spec_for
+from tests.worker_service.support import flashinfer_cpu_harness as harness
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
 from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,

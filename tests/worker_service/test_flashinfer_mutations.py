@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.flashinfer_reference import KernelContractError
-from tests.worker_service.test_flashinfer_backend import BATCHES, make_batch, spec_for
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.attention_batches import BATCHES, make_batch, spec_for
+from tests.worker_service.support.flashinfer_reference import KernelContractError
 from tests.worker_service.test_flashinfer_conformance import (  # helpers and the fixture
     backends,
     compare_step,

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_fakes as fakes
-from tests.worker_service.kernel_cases import (
+from tests.worker_service.support import flashinfer_fakes as fakes
+from tests.worker_service.support.kernel_cases import (
     CPU,
     MODELS,
     check_model,
@@ -35,7 +35,7 @@ from tests.worker_service.kernel_cases import (
     qkv_views,
     tiny_model,
 )
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.device.distributed import TensorParallel

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from common.simulated_model import expected_output
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import worker_for
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.worker_factory import worker_for
 from worker_service.execution.plan import AdapterSlot
 from worker_service.lora.peft_config import AdapterError
 

@@ -5,8 +5,13 @@ with the name; plans naming what is not there are refused whole."""
 from __future__ import annotations
 
 from tests.lora_adapters import standard_adapters
-from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
-from tests.worker_service.plan_driver import GREEDY
+from tests.worker_service.support.lora_workers import (
+    default_worker,
+    max_logprob_gap,
+    prompts,
+    reference,
+)
+from tests.worker_service.support.plan_driver import GREEDY
 from worker_service.execution.plan import AdapterSlot, Extend, ForwardMode, Join, Plan
 from worker_service.sampling.params import LogprobOptions
 

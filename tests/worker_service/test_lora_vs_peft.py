@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 
 from tests.lora_adapters import STANDARD
-from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.lora_workers import (
+    default_worker,
+    max_logprob_gap,
+    prompts,
+    reference,
+)
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.execution.plan import AdapterSlot
 
 STEPS = 16

@@ -23,8 +23,8 @@ from transformers import (
 )
 
 from tests.hf_reference import hf_greedy
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import runner_for
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.worker_factory import runner_for
 from worker_service.execution import model_compute
 from worker_service.sampling.params import LogprobOptions
 

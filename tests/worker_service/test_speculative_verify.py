@@ -17,9 +17,9 @@ import pytest
 
 from common.simulated_model import expected_output
 from protos import worker_pb2 as pb
-from tests.worker_service.draft_driver import Decoded, DraftDriver
-from tests.worker_service.worker_factory import runner_for
-from tests.worker_service.worker_process import PlanStream, worker_process
+from tests.worker_service.support.draft_driver import Decoded, DraftDriver
+from tests.worker_service.support.worker_factory import runner_for
+from tests.worker_service.support.worker_process import PlanStream, worker_process
 from worker_service.execution.convert import plan_from_proto, result_to_proto
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.plan import Extend, ForwardMode, Join, Plan, Result

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.e2e.system import free_port
+from tests.worker_service.support.worker_process import PlanStream, WorkerProc, next_epoch
 from tests.worker_service.test_sessions import _negative_epoch_opening
-from tests.worker_service.worker_process import PlanStream, WorkerProc, next_epoch
 
 SERVICE = "/radixserve.worker.v1.Worker/"
 TOP = "above the protocol's maximum 9223372036854775807 (2**63 - 1)"

@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import torch
 
-from tests.worker_service.test_flashinfer_backend import make_batch
+from tests.worker_service.support.attention_batches import make_batch
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.device.kv_cache import KvCache

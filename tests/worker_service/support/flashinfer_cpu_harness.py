@@ -44,13 +44,13 @@ import pytest
 import torch
 
 import worker_service.attention.flashinfer_backend as backend
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.flashinfer_reference import (
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.flashinfer_reference import (
     GraphTape,
     KernelContractError,
     Placement,
 )
-from tests.worker_service.flashinfer_reference_modules import (
+from tests.worker_service.support.flashinfer_reference_modules import (
     ReferenceDecodeModule,
     ReferencePrefillModule,
 )
