@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.config import WorkerConfig
 from worker_service.worker import build_worker
 

@@ -3,7 +3,7 @@ context (prompt and output so far), so any request's correct output is known
 in advance whatever the batching, caching, chunking or retraction.
 
 Both simulated workers follow it: the worker service's ``--model simulated``
-(worker_service/simulated.py) and the in-process oracle of the scheduler's
+(worker_service/execution/simulated_compute.py) and the in-process oracle of the scheduler's
 tests and benchmarks (scheduler_service/testing/simulated_worker.py). The hash
 is crc32 over the tokens as 4-byte little-endian words, so a context that
 grows is hashed incrementally, at C speed.

@@ -57,12 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from worker_service.config import WorkerConfig
-from worker_service.devices import resolve_device
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
-from worker_service.request_state import SlotState
+from worker_service.device.context import resolve_device
+from worker_service.execution.plan import Extend, ForwardMode, Join, Plan
+from worker_service.execution.request_state import SlotState
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.worker import Worker, build_worker
 
-GREEDY = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 DEFAULT_MODELS = "random:smollm2-135m,random:llama-3.1-8b"
 
 
@@ -170,7 +171,7 @@ class Bench:
                 runner.slots[slot] = SlotState(
                     rid=f"r{slot}",
                     sampling=GREEDY,
-                    logprobs=LogprobSpec(),
+                    logprobs=LogprobOptions(),
                     prompt_len=a.context,
                     tokens=tokens,
                     kv_len=a.context,
@@ -178,13 +179,11 @@ class Bench:
                 )
             return
         for first in range(0, batch, 8):  # 8 requests per plan bounds activations
-            plan = Plan(first + 1, Mode.PREFILL)
+            plan = Plan(first + 1, ForwardMode.PREFILL)
             for slot in range(first, min(batch, first + 8)):
                 prompt = prompts[slot][: a.context]
-                plan.joins.append(
-                    JoinSpec(slot, f"r{slot}", GREEDY, LogprobSpec(), len(prompt), [])
-                )
-                plan.extends.append(ExtendSpec(slot, 0, prompt, self.table(slot), True))
+                plan.joins.append(Join(slot, f"r{slot}", GREEDY, LogprobOptions(), len(prompt), []))
+                plan.extends.append(Extend(slot, 0, prompt, self.table(slot), True))
             result = runner.execute(plan)
             if result.error:
                 raise RuntimeError(result.error)
@@ -197,7 +196,7 @@ class Bench:
 
         def step() -> None:
             nonlocal step_id, position
-            plan = Plan(step_id, Mode.DECODE)
+            plan = Plan(step_id, ForwardMode.DECODE)
             plan.decode_slots = list(range(batch))
             plan.decode_positions = [position] * batch
             plan.decode_new_pages = [0] * batch  # whole tables were set up front

@@ -8,6 +8,9 @@ statement, those inside functions and under TYPE_CHECKING included):
 - the client library (clients/, but the benchmark, whose transformers
   baseline opens models the worker's way) imports neither service;
 - the shared package (common/) imports neither service;
+- the worker's parts import only their own part and the parts below them
+  (WORKER_LEVELS: the gRPC face, the assembly, plan execution, the model's
+  parts, the device);
 - no mixin classes in the services.
 """
 
@@ -21,6 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("scheduler_service", "worker_service", "clients", "common", "observability")
 SPAWN = ("scheduler_service.api.core_supervisor", "scheduler_service.engine.main")
+# The worker's parts (worker_service/'s folders and top-level modules), top
+# to bottom; parts on one level are siblings and import none of each other.
+WORKER_LEVELS = (
+    ("__main__",),
+    ("rpc",),
+    ("worker", "export_tokenizer"),
+    ("execution", "weights"),
+    ("models",),
+    ("attention", "lora", "sampling"),
+    ("kernels", "device", "config", "telemetry"),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -142,6 +156,29 @@ def test_the_client_library_and_the_shared_package_import_no_service():
         if d.startswith(("scheduler_service", "worker_service"))
     ]
     assert offenders == []
+
+
+def _worker_part(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_the_workers_imports_run_down_its_levels():
+    level = {part: i for i, parts in enumerate(WORKER_LEVELS) for part in parts}
+    graph = _graph()
+    worker = {name: deps for name, deps in graph.items() if name.startswith("worker_service.")}
+    assert {_worker_part(name) for name in worker} <= set(level), "a part WORKER_LEVELS misses"
+    upward = [
+        (name, d)
+        for name, deps in worker.items()
+        for d in deps
+        if d.startswith("worker_service.")
+        and _worker_part(d) != _worker_part(name)
+        and level[_worker_part(d)] <= level[_worker_part(name)]
+    ]
+    assert upward == []
+    # The rule reads real edges: the gRPC face converts plans, the model applies LoRA.
+    assert "worker_service.execution.convert" in graph["worker_service.rpc.servicer"]
+    assert "worker_service.lora.batch" in graph["worker_service.models.llama"]
 
 
 def test_no_mixins_in_the_services():

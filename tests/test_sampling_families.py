@@ -1,6 +1,6 @@
 """Sampling parameters are declared in four families: the client's
 ``Sampling``, the core's ``SamplingParams``, the worker protocol's
-``SamplingParams`` message and the worker's ``SamplingSpec``. This test
+``SamplingParams`` message and the worker's ``SamplingParams`` (worker_service/sampling/params.py). This test
 fails when a knob is added to one and not carried by the others (or
 declared here as deliberately not carried, with why), and checks that every
 knob the worker samples with survives the trip core -> wire -> worker."""
@@ -13,8 +13,8 @@ from clients.results import Sampling
 from protos import worker_pb2 as pb
 from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.engine.worker_codec import sampling_to_proto
-from worker_service.convert import sampling_from_proto
-from worker_service.plan import SamplingSpec
+from worker_service.execution.convert import sampling_from_proto
+from worker_service.sampling.params import SamplingParams as WorkerSamplingParams
 
 # Knobs the core keeps to itself: they act on the scheduler's side (stop
 # checks, detokenization), never on the worker's sampling.
@@ -54,7 +54,7 @@ def _fields(cls: type) -> set[str]:
 def test_the_worker_family_carries_every_worker_knob_of_the_core():
     core = _fields(SamplingParams)
     wire = {WIRE_NAMES.get(f.name, f.name) for f in pb.SamplingParams.DESCRIPTOR.fields}
-    worker = _fields(SamplingSpec)
+    worker = _fields(WorkerSamplingParams)
     assert wire == worker, f"wire and worker differ: {sorted(wire ^ worker)}"
     assert worker <= core, f"the worker has knobs the core lacks: {sorted(worker - core)}"
     unplaced = core - worker - set(CORE_ONLY)
@@ -90,7 +90,7 @@ def test_every_worker_knob_survives_core_wire_worker():
     m = pb.SamplingParams()
     sampling_to_proto(sp, m)
     spec = sampling_from_proto(m)
-    for name in _fields(SamplingSpec):
+    for name in _fields(WorkerSamplingParams):
         core_value = getattr(sp, name)
         worker_value = getattr(spec, name)
         if name == "stop_token_ids":
@@ -99,5 +99,5 @@ def test_every_worker_knob_survives_core_wire_worker():
             assert abs(worker_value - core_value) < 1e-6, name
         else:
             assert worker_value == core_value, name
-        default = getattr(SamplingSpec(), name)
+        default = getattr(WorkerSamplingParams(), name)
         assert worker_value != default, f"{name} kept its default: the test does not cover it"

@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # scheduler, whose streams this worker serves, goes with it, so there is
     # nothing to drain). Armed before torch is imported, which takes seconds.
     lifeline.die_with_launcher()
-    from worker_service.server import serve
+    from worker_service.rpc.server import serve
     from worker_service.worker import build_worker
 
     cfg = load_config(argv)

@@ -11,15 +11,17 @@ from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
-from worker_service.devices import resolve_device, use_device
-from worker_service.distributed import TensorParallel, init_tensor_parallel
-from worker_service.dtypes import resolve_dtype
+from worker_service.device.context import resolve_device, use_device
+from worker_service.device.distributed import TensorParallel, init_tensor_parallel
+from worker_service.device.dtypes import resolve_dtype
+from worker_service.device.kv_cache import KvCache, parse_bytes
+from worker_service.execution.model_compute import ModelCompute
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.kernels import select_kernels
-from worker_service.kv_cache import KvCache, parse_bytes
-from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader, ModelAdapterLoader
-from worker_service.model_compute import ModelCompute
-from worker_service.model_runner import ModelRunner
+from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
+from worker_service.models.lora_loader import ModelAdapterLoader
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
@@ -28,7 +30,6 @@ from worker_service.sampling.grammar import (
     simulated_tokenizer_info,
 )
 from worker_service.sampling.sampler import Sampler
-from worker_service.simulated import SimulatedCompute
 from worker_service.weights import ModelSource, open_model
 
 logger = structlog.get_logger(__name__)
@@ -37,7 +38,7 @@ CPU_KV_MEMORY = 1 << 30
 GPU_KV_FRACTION = 0.9
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Worker:
     config: WorkerConfig
     runner: ModelRunner
@@ -79,26 +80,33 @@ def build_worker(cfg: WorkerConfig) -> Worker:
                 processes=cfg.grammar_compile_processes,
                 max_waiting=cfg.grammar_compile_queue,
             )
-        runner = ModelRunner(compute, num_pages, cfg.page_size, vocab, grammars=grammars)
+        runner = ModelRunner(
+            compute,
+            num_pages=num_pages,
+            page_size=cfg.page_size,
+            vocab_size=vocab,
+            grammars=grammars,
+        )
         return Worker(
-            cfg,
-            runner,
-            "simulated",
-            None,
-            num_pages,
-            device,
-            dtype,
-            "simulated",
-            tp,
-            None,
-            cfg.simulated_vocab,
-            ConfigOnlyLoader(),
+            config=cfg,
+            runner=runner,
+            model_name="simulated",
+            model_config=None,
+            num_pages=num_pages,
+            device=device,
+            dtype=dtype,
+            attention_backend="simulated",
+            tp=tp,
+            source=None,
+            vocab_size=cfg.simulated_vocab,
+            adapter_loader=ConfigOnlyLoader(),
         )
 
     source = open_model(None if cfg.model == "default" else cfg.model)
     mcfg = source.config
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
-    model = build_model(mcfg, tp, dtype, device, select_kernels(device, dtype, cfg.kernels))
+    kernels = select_kernels(device, dtype, cfg.kernels)
+    model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
@@ -119,20 +127,20 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # what the decode graphs and a step's activations take comes out of the
     # share of free memory the pool leaves (GPU_KV_FRACTION).
     attn = _attention(cfg, spec, device)
-    sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, None, cfg.kernels))
-    num_pages = _num_pages(cfg, mcfg, tp, dtype, device)
+    sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, choice=cfg.kernels))
+    num_pages = _num_pages(cfg, mcfg, tp=tp, dtype=dtype, device=device)
     # One page more than the scheduler is told about: decode CUDA graphs pad
     # their batch with rows that write and read only this scratch page.
     kv = KvCache(
-        mcfg.num_layers,
-        num_pages + 1,
-        cfg.page_size,
-        model.num_local_kv_heads,
-        mcfg.head_dim,
-        dtype,
-        device,
+        num_layers=mcfg.num_layers,
+        num_pages=num_pages + 1,
+        page_size=cfg.page_size,
+        num_kv_heads=model.num_local_kv_heads,
+        head_dim=mcfg.head_dim,
+        dtype=dtype,
+        device=device,
     )
-    compute = ModelCompute(model, attn, kv, sampler, tp, device)
+    compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     max_context = model.rope.max_positions
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
@@ -149,10 +157,10 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         )
     runner = ModelRunner(
         compute,
-        num_pages,
-        cfg.page_size,
-        mcfg.vocab_size,
-        max_context,
+        num_pages=num_pages,
+        page_size=cfg.page_size,
+        vocab_size=mcfg.vocab_size,
+        max_context=max_context,
         overlap=overlap,
         grammars=grammars,
     )
@@ -165,18 +173,18 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         kernels=model.kernels.name,
     )
     return Worker(
-        cfg,
-        runner,
-        str(source.path),
-        mcfg,
-        num_pages,
-        device,
-        dtype,
-        attn.name,
-        tp,
-        source,
-        mcfg.vocab_size,
-        ModelAdapterLoader(model, device),
+        config=cfg,
+        runner=runner,
+        model_name=str(source.path),
+        model_config=mcfg,
+        num_pages=num_pages,
+        device=device,
+        dtype=dtype,
+        attention_backend=attn.name,
+        tp=tp,
+        source=source,
+        vocab_size=mcfg.vocab_size,
+        adapter_loader=ModelAdapterLoader(model, device),
     )
 
 
@@ -199,6 +207,7 @@ def _attention(cfg: WorkerConfig, spec: AttentionSpec, device: torch.device) -> 
 def _num_pages(
     cfg: WorkerConfig,
     mcfg: ModelConfig,
+    *,
     tp: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
@@ -213,7 +222,12 @@ def _num_pages(
     else:
         budget = CPU_KV_MEMORY
     pages = KvCache.pages_for_budget(
-        budget, mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads // tp.size, mcfg.head_dim, dtype
+        budget,
+        num_layers=mcfg.num_layers,
+        page_size=cfg.page_size,
+        num_kv_heads=mcfg.num_kv_heads // tp.size,
+        head_dim=mcfg.head_dim,
+        dtype=dtype,
     )
     if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
         pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())

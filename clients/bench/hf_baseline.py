@@ -50,7 +50,7 @@ from transformers import (
 )
 
 from clients.bench.records import BenchRequest, RequestRecord
-from worker_service.dtypes import resolve_dtype
+from worker_service.device.dtypes import resolve_dtype
 from worker_service.weights import open_model
 from worker_service.weights.random_shapes import PREFIX as RANDOM_PREFIX
 

@@ -8,8 +8,8 @@ from common.simulated_model import absorb, expected_output, simulated_token, tok
 from scheduler_service.core import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.support.sim_driver import drive
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import runner_for
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.worker_factory import runner_for
 
 VOCAB = 500
 PROMPTS = [list(range(3, 40)), [7] * 5, list(range(400, 480, 3))]

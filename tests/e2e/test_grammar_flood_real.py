@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.tokenizer_bundle import TokenizerBundle
 from tests.e2e.support.system import stub
-from tests.worker_service.grammar_load import TINY_SCHEMA, nested_schema
+from tests.worker_service.support.grammar_load import TINY_SCHEMA, nested_schema
 
 pytestmark = pytest.mark.slow
 

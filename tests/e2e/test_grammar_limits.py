@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from tests.e2e.support.system import BIN, process
-from tests.worker_service.grammar_load import TINY_SCHEMA, descendants, nested_schema, state
+from tests.worker_service.support.grammar_load import TINY_SCHEMA, descendants, nested_schema, state
 
 TIMEOUT_S = 3  # --grammar-compile-timeout
 KEYS = ("alice-key", "bob-key")

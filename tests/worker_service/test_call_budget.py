@@ -16,15 +16,15 @@ import pytest
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from worker_service.call_budget import (
+from worker_service.rpc.call_budget import (
     ADAPTER_LOADS,
     EVICTED,
     TOKENIZER_STREAMS,
     UnopenedStreams,
     worker_threads,
 )
-from worker_service.call_guard import WorkerCallGuard
-from worker_service.server import SERVICE_NAME
+from worker_service.rpc.call_guard import WorkerCallGuard
+from worker_service.rpc.server import SERVICE_NAME
 from worker_service.telemetry.metrics import WorkerMetrics
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker_service.test_flashinfer_backend import make_batch
+from tests.worker_service.support.attention_batches import make_batch
 from worker_service.attention import cpu_paged_kernel
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import KERNEL_MAX_QUERIES, TorchAttention
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 CPU = torch.device("cpu")
 NUM_PAGES = 320
@@ -33,13 +33,21 @@ def attend(
     attn = TorchAttention(spec, kernel)
     assert (attn.decode_kernel is not None) == (kernel is not None)
     attn.begin_step(batch)
-    return attn.forward(0, q, k, v, kv)
+    return attn.forward(0, q, k, v, kv=kv)
 
 
 def case(page_size, heads, kv_heads, head_dim, window, dtype, extends, decodes, seed=0):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(heads, kv_heads, head_dim, page_size, window, dtype, CPU)
-    kv = KvCache(1, NUM_PAGES, page_size, kv_heads, head_dim, dtype, CPU)
+    kv = KvCache(
+        num_layers=1,
+        num_pages=NUM_PAGES,
+        page_size=page_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=CPU,
+    )
     kv.layers[0].copy_(torch.randn(kv.layers[0].shape, generator=gen))
     batch = make_batch(extends, decodes, page_size, NUM_PAGES, gen)
     t = batch.num_tokens

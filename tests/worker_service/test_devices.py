@@ -15,9 +15,9 @@ import torch
 from protos import worker_pb2 as pb
 from scheduler_service.config import ServiceConfig
 from scheduler_service.serve import _worker_args
-from worker_service.api import EXIT_DEVICE_FAILURE, WorkerServicer
 from worker_service.config import WorkerConfig, rank_device
-from worker_service.devices import is_sticky_device_error, resolve_device, use_device
+from worker_service.device.context import is_sticky_device_error, resolve_device, use_device
+from worker_service.rpc.servicer import EXIT_DEVICE_FAILURE, WorkerServicer
 from worker_service.worker import build_worker
 
 

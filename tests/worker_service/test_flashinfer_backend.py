@@ -19,17 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from worker_service.attention.base import AttentionBatch, AttentionSpec, SequenceSlice
+from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
+from worker_service.attention.base import AttentionSpec, SequenceSlice
 from worker_service.attention.flashinfer_backend import (
     FlashInferAttention,
     check_token_order,
     kv_rows,
     paged_layout,
+    pick_graph_size,
     store_kv,
 )
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.cuda_graphs import DecodeGraphs, pick_graph_size
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,38 +42,6 @@ def flashinfer_ok() -> None:
         if os.environ.get("RADIXSERVE_REQUIRE_FLASHINFER") == "1":
             pytest.fail("flashinfer is not importable (is .fi_bundle/env.sh sourced?)")
         pytest.skip("flashinfer is not installed")
-
-
-def make_batch(
-    extends: list[tuple[int, int]],
-    decodes: list[int],
-    page_size: int,
-    num_pages: int,
-    gen: torch.Generator,
-    device: str = "cpu",
-) -> AttentionBatch:
-    """Sequences as (q_len, kv_len) on distinct random pages; page num_pages - 1 stays
-    free (the CUDA-graph scratch page)."""
-    free = torch.randperm(num_pages - 1, generator=gen).tolist()
-    seqs, positions, row = [], [], 0
-    for q_len, kv_len in [*extends, *((1, n) for n in decodes)]:
-        n = -(-kv_len // page_size)
-        assert len(free) >= n, "test batch needs more pages"
-        seqs.append(SequenceSlice(row, q_len, kv_len, free[:n]))
-        free, row = free[n:], row + q_len
-        positions += range(kv_len - q_len, kv_len)
-    pos = torch.tensor(positions, dtype=torch.int64)
-    table = torch.tensor([p for s in seqs for p in s.page_table], dtype=torch.int64)
-    first = np.cumsum([0] + [len(s.page_table) for s in seqs])
-    pages = pos  # no sequences: empty
-    if seqs:
-        q_lens = torch.tensor([s.q_len for s in seqs])
-        seq_of = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        pages = table[torch.from_numpy(first[:-1])[seq_of] + pos // page_size]
-    offsets = pos % page_size
-    return AttentionBatch(
-        seqs, len(extends), *(t.to(device) for t in (pos, pages, offsets)), page_size=page_size
-    )
 
 
 # ---- host side (CPU) ------------------------------------------------------------------
@@ -112,10 +82,11 @@ def test_check_token_order() -> None:
 def test_store_kv_matches_kv_cache_write(page_size: int) -> None:
     gen = torch.Generator().manual_seed(1)
     batch = make_batch([(7, 20)], [3, 30], page_size, 64, gen)
-    a = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
-    b = KvCache(1, 64, page_size, 2, 8, torch.float32, "cpu")
+    shape = {"num_layers": 1, "num_pages": 64, "page_size": page_size, "num_kv_heads": 2}
+    a = KvCache(**shape, head_dim=8, dtype=torch.float32, device="cpu")
+    b = KvCache(**shape, head_dim=8, dtype=torch.float32, device="cpu")
     k, v = torch.randn(2, batch.num_tokens, 2, 8, generator=gen)
-    a.write(0, batch.write_pages, batch.write_offsets, k, v)
+    a.write(0, k, v, pages=batch.write_pages, offsets=batch.write_offsets)
     rows = kv_rows(batch.write_pages, batch.write_offsets, page_size)
     store_kv(b.layers[0], torch.stack([rows, rows + page_size]), k, v)
     assert torch.equal(a.layers[0], b.layers[0])
@@ -128,12 +99,6 @@ def test_pick_graph_size() -> None:
     assert pick_graph_size(1, ()) is None
 
 
-def spec_for(
-    heads: tuple[int, int, int], page_size: int, window: int | None, dtype: torch.dtype, dev: str
-) -> AttentionSpec:
-    return AttentionSpec(*heads, page_size, window, dtype, torch.device(dev))
-
-
 def test_construction_refuses_cpu_and_fp32() -> None:
     with pytest.raises(ValueError, match="fp16/bf16"):
         FlashInferAttention(spec_for((4, 2, 64), 16, None, torch.float32, "cpu"))
@@ -143,7 +108,8 @@ def test_construction_refuses_cpu_and_fp32() -> None:
 
 def test_module_does_not_import_flashinfer() -> None:
     code = (
-        "import sys, worker_service.attention.flashinfer_backend, worker_service.cuda_graphs\n"
+        "import sys, worker_service.attention.flashinfer_backend\n"
+        "import worker_service.execution.cuda_graphs\n"
         "assert 'flashinfer' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
@@ -151,18 +117,18 @@ def test_module_does_not_import_flashinfer() -> None:
 
 # ---- GPU: FlashInfer vs the torch reference ---------------------------------------------
 
-HEADS = [(8, 2, 128), (4, 4, 64), (12, 2, 64)]  # GQA group 4, 1 and 6
-BATCHES = {
-    "mixed": ([(17, 17), (5, 40), (1, 23)], [1, 9, 33, 70]),
-    "extend_only": ([(30, 30), (16, 50)], []),
-    "decode_only": ([], [5, 16, 17, 100, 64]),
-}
-
 
 def random_caches(spec: AttentionSpec, num_pages: int, gen: torch.Generator):
     """A bf16 cache with random contents and an exact fp32 copy for the reference."""
-    shape = (2, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    fi, ref = KvCache(*shape, spec.dtype, "cuda"), KvCache(*shape, torch.float32, "cuda")
+    shape = {
+        "num_layers": 2,
+        "num_pages": num_pages,
+        "page_size": spec.page_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "device": "cuda",
+    }
+    fi, ref = KvCache(**shape, dtype=spec.dtype), KvCache(**shape, dtype=torch.float32)
     for a, b in zip(fi.layers, ref.layers, strict=True):
         a.copy_(torch.randn(a.shape, generator=gen).to(a.dtype))
         b.copy_(a.float())
@@ -197,8 +163,8 @@ def test_flashinfer_matches_torch(page_size, heads, window, kind, tensor_cores) 
     ref.begin_step(batch)
     for layer in range(2):
         q, k, v = random_qkv(spec, batch.num_tokens, gen)
-        out = fi.forward(layer, q, k, v, fi_kv)
-        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_kv)
+        out = fi.forward(layer, q, k, v, kv=fi_kv)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), kv=ref_kv)
         assert torch.equal(fi_kv.layers[layer].float(), ref_kv.layers[layer])
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
@@ -224,7 +190,7 @@ def test_graph_decode_equals_eager(page_size, heads, window) -> None:
     bufs = dict(zip("qkv", random_qkv(spec, 8, gen), strict=True))
 
     def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        outs = [graphed.forward(i, x["q"], x["k"], x["v"], graph_kv) for i in range(2)]
+        outs = [graphed.forward(i, x["q"], x["k"], x["v"], kv=graph_kv) for i in range(2)]
         return torch.stack(outs, dim=1)
 
     graphs = DecodeGraphs(graphed, forward, bufs, page_size)
@@ -236,7 +202,7 @@ def test_graph_decode_equals_eager(page_size, heads, window) -> None:
         out = graphs.replay(batch, {"q": q, "k": k, "v": v})
         assert out is not None
         eager.begin_step(batch)
-        expected = torch.stack([eager.forward(i, q, k, v, eager_kv) for i in range(2)], 1)
+        expected = torch.stack([eager.forward(i, q, k, v, kv=eager_kv) for i in range(2)], 1)
         torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
         for a, b in zip(graph_kv.layers, eager_kv.layers, strict=True):
             assert torch.equal(a[:scratch], b[:scratch])

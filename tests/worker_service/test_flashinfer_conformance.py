@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_cpu_harness as harness
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.test_flashinfer_backend import BATCHES, HEADS, make_batch, spec_for
+from tests.worker_service.support import flashinfer_cpu_harness as harness
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
 from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,
@@ -35,8 +35,8 @@ from worker_service.attention.base import (
 )
 from worker_service.attention.flashinfer_backend import FlashInferAttention
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs
 
 flashinfer = pytest.importorskip(
     "flashinfer",
@@ -71,8 +71,15 @@ def random_caches(
     spec: AttentionSpec, num_pages: int, gen: torch.Generator
 ) -> tuple[KvCache, KvCache]:
     """A bf16 cache with random contents and an exact fp32 copy for TorchAttention."""
-    shape = (LAYERS, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    fi, ref = KvCache(*shape, spec.dtype, "cpu"), KvCache(*shape, torch.float32, "cpu")
+    shape = {
+        "num_layers": LAYERS,
+        "num_pages": num_pages,
+        "page_size": spec.page_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "device": "cpu",
+    }
+    fi, ref = KvCache(**shape, dtype=spec.dtype), KvCache(**shape, dtype=torch.float32)
     for a, b in zip(fi.layers, ref.layers, strict=True):
         a.copy_(torch.randn(a.shape, generator=gen).to(a.dtype))
         b.copy_(a.float())
@@ -105,8 +112,8 @@ def compare_step(
     ref.begin_step(batch)
     for layer in range(layers):
         q, k, v = random_qkv(fi.spec, batch.num_tokens, gen)
-        out = fi.forward(layer, q, k, v, fi_kv)
-        expected = ref.forward(layer, q.float(), k.float(), v.float(), ref_kv)
+        out = fi.forward(layer, q, k, v, kv=fi_kv)
+        expected = ref.forward(layer, q.float(), k.float(), v.float(), kv=ref_kv)
         assert torch.equal(fi_kv.layers[layer].float(), ref_kv.layers[layer]), "KV cache differs"
         torch.testing.assert_close(out.float(), expected, **TOL)
 
@@ -261,7 +268,7 @@ def graph_setup(
     bufs = dict(zip("qkv", random_qkv(spec, max(sizes), gen), strict=True))
 
     def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
-        outs = [graphed.forward(i, x["q"], x["k"], x["v"], kv) for i in range(layers)]
+        outs = [graphed.forward(i, x["q"], x["k"], x["v"], kv=kv) for i in range(layers)]
         res = torch.empty(outs[0].shape[0], layers, *outs[0].shape[1:], dtype=outs[0].dtype)
         # The model's own op, captured like the attention kernels.
         harness.launch(lambda: torch.stack(outs, dim=1, out=res))
@@ -277,7 +284,7 @@ def eager_outputs(
 ) -> torch.Tensor:
     attn.begin_step(batch)
     layers = len(kv.layers)
-    return torch.stack([attn.forward(i, *qkv, kv) for i in range(layers)], dim=1)
+    return torch.stack([attn.forward(i, *qkv, kv=kv) for i in range(layers)], dim=1)
 
 
 @pytest.mark.usefixtures("fi_cpu")
@@ -293,8 +300,16 @@ def test_graph_decode_conforms(monkeypatch, page_size, heads, window) -> None:
     scratch = num_pages - 1
     graphs, graph_kv = graph_setup(monkeypatch, spec, num_pages, gen)
     assert set(graphs.graphs) == set(GRAPH_SIZES)
-    eager_kv = KvCache(LAYERS, num_pages, page_size, heads[1], heads[2], spec.dtype, "cpu")
-    ref_kv = KvCache(LAYERS, num_pages, page_size, heads[1], heads[2], torch.float32, "cpu")
+    shape = {
+        "num_layers": LAYERS,
+        "num_pages": num_pages,
+        "page_size": page_size,
+        "num_kv_heads": heads[1],
+        "head_dim": heads[2],
+        "device": "cpu",
+    }
+    eager_kv = KvCache(**shape, dtype=spec.dtype)
+    ref_kv = KvCache(**shape, dtype=torch.float32)
     for g, e, r in zip(graph_kv.layers, eager_kv.layers, ref_kv.layers, strict=True):
         e.copy_(g)
         r.copy_(g.float())

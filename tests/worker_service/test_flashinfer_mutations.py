@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.flashinfer_reference import KernelContractError
-from tests.worker_service.test_flashinfer_backend import BATCHES, make_batch, spec_for
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.attention_batches import BATCHES, make_batch, spec_for
+from tests.worker_service.support.flashinfer_reference import KernelContractError
 from tests.worker_service.test_flashinfer_conformance import (  # helpers and the fixture
     backends,
     compare_step,
@@ -32,7 +32,7 @@ from worker_service.attention.base import (
     AttentionBatch,
 )
 from worker_service.attention.flashinfer_backend import FlashInferAttention
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 flashinfer = pytest.importorskip(
     "flashinfer",
@@ -257,7 +257,16 @@ def graph_scenario(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = seed("graph mutation")
     num_pages = 512 // page_size
     graphs, graph_kv = graph_setup(monkeypatch, spec, num_pages, gen, sizes=(4,), layers=1)
-    eager_kv = KvCache(1, num_pages, page_size, *MUTATION_HEADS[1:], spec.dtype, "cpu")
+    _, kv_heads, head_dim = MUTATION_HEADS
+    eager_kv = KvCache(
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=spec.dtype,
+        device="cpu",
+    )
     eager_kv.layers[0].copy_(graph_kv.layers[0])
     eager, _ = backends(MUTATION_HEADS, page_size, MUTATION_WINDOW)
     batch = like_the_runner(make_batch([], [40, 3, 17], page_size, num_pages, gen))

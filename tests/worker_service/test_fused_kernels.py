@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker_service import flashinfer_fakes as fakes
-from tests.worker_service.kernel_cases import (
+from tests.worker_service.support import flashinfer_fakes as fakes
+from tests.worker_service.support.kernel_cases import (
     CPU,
     MODELS,
     check_model,
@@ -35,18 +35,18 @@ from tests.worker_service.kernel_cases import (
     qkv_views,
     tiny_model,
 )
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
+from worker_service.execution.model_compute import ModelCompute
+from worker_service.execution.model_runner import ModelRunner
 from worker_service.kernels import Kernels, SamplingFilters, TorchKernels, select_kernels
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
-from worker_service.kv_cache import KvCache
-from worker_service.model_compute import ModelCompute
-from worker_service.model_runner import ModelRunner
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.sampler import Sampler
 
 # (how FlashInfer's kernels are replaced, model dtype); "kernels" checks dtypes as
@@ -175,18 +175,39 @@ def test_runner_tokens_and_logprobs_match_torch(api_fakes) -> None:
         spec = AttentionSpec(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4, None, model.dtype, CPU
         )
-        kv = KvCache(cfg.num_layers, 257, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype, CPU)
+        kv = KvCache(
+            num_layers=cfg.num_layers,
+            num_pages=257,
+            page_size=4,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=model.dtype,
+            device=CPU,
+        )
         sampler = Sampler(cfg.vocab_size, CPU, seed=1, kernels=kernels)
-        compute = ModelCompute(model, TorchAttention(spec), kv, sampler, TensorParallel(), CPU)
-        runner = ModelRunner(compute, 256, 4, cfg.vocab_size, model.rope.max_positions)
+        compute = ModelCompute(
+            model,
+            attn=TorchAttention(spec),
+            kv=kv,
+            sampler=sampler,
+            tp=TensorParallel(),
+            device=CPU,
+        )
+        runner = ModelRunner(
+            compute,
+            num_pages=256,
+            page_size=4,
+            vocab_size=cfg.vocab_size,
+            max_context=model.rope.max_positions,
+        )
         gen = torch.Generator().manual_seed(9)
         shared = torch.randint(0, cfg.vocab_size, (14,), generator=gen).tolist()
-        lp = LogprobSpec(return_logprob=True)
+        lp = LogprobOptions(return_logprob=True)
         specs = [
-            SamplingSpec(temperature=0.0),
-            SamplingSpec(temperature=0.9, top_k=20, top_p=0.9, seed=3),
-            SamplingSpec(temperature=1.2, min_p=0.05, seed=4),
-            SamplingSpec(temperature=0.7, top_p=0.8, seed=5, repetition_penalty=1.3),
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3),
+            SamplingParams(temperature=1.2, min_p=0.05, seed=4),
+            SamplingParams(temperature=0.7, top_p=0.8, seed=5, repetition_penalty=1.3),
         ]
         reqs = [
             DriverRequest(shared + [i] * (3 + 5 * i), 12, arrive=i, sampling=s, logprobs=lp)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker_service.kernel_cases import (
+from tests.worker_service.support.kernel_cases import (
     CPU,
     MODELS,
     VOCAB,

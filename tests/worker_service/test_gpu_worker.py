@@ -14,7 +14,8 @@ import torch
 
 from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.config import WorkerConfig
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, SamplingSpec
+from worker_service.execution.plan import Extend, ForwardMode, Join, Plan
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.worker import Worker, build_worker
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,16 +23,16 @@ PAGE = 16
 PROMPTS = [37, 5, 70]  # three requests of different lengths
 
 
-def start(worker: Worker, sampling: SamplingSpec) -> list[int]:
+def start(worker: Worker, sampling: SamplingParams) -> list[int]:
     """Prefill the PROMPTS (one plan); the positions their first decode computes."""
     gen = torch.Generator().manual_seed(0)
-    plan = Plan(1, Mode.PREFILL)
+    plan = Plan(1, ForwardMode.PREFILL)
     for slot, n in enumerate(PROMPTS):
         prompt = torch.randint(0, worker.vocab_size, (n,), generator=gen).tolist()
         pages = list(range(slot * 8, slot * 8 + 8))  # 128 positions each
-        lp = LogprobSpec()
-        plan.joins.append(JoinSpec(slot, f"r{slot}", sampling, lp, n, []))
-        plan.extends.append(ExtendSpec(slot, 0, prompt, pages, True))
+        lp = LogprobOptions()
+        plan.joins.append(Join(slot, f"r{slot}", sampling, lp, n, []))
+        plan.extends.append(Extend(slot, 0, prompt, pages, True))
     result = worker.runner.execute(plan)
     assert not result.error, result.error
     assert all(0 <= t < worker.vocab_size for t in result.token_ids)
@@ -39,7 +40,7 @@ def start(worker: Worker, sampling: SamplingSpec) -> list[int]:
 
 
 def decode(worker: Worker, step_id: int, positions: list[int]) -> list[int]:
-    plan = Plan(step_id, Mode.DECODE)
+    plan = Plan(step_id, ForwardMode.DECODE)
     plan.decode_slots = list(range(len(positions)))
     plan.decode_positions = positions
     plan.decode_new_pages = [0] * len(positions)
@@ -65,7 +66,7 @@ def test_decode_step_waits_only_for_its_tokens(graphs: bool, temperature: float)
     worker = build_worker(cfg)
     assert worker.dtype == torch.bfloat16  # "auto" on CUDA
     assert (worker.runner.compute.graphs is not None) == graphs
-    sampling = SamplingSpec(temperature=temperature, seed=1 if temperature else None)
+    sampling = SamplingParams(temperature=temperature, seed=1 if temperature else None)
     positions = start(worker, sampling)
     for step in range(2):  # warm: pinned-memory pools, lazy module loads
         decode(worker, 10 + step, positions)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.worker_service.grammar_load import nested_schema, state, wait_for, wait_gone
+from tests.worker_service.support.grammar_load import nested_schema, state, wait_for, wait_gone
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError, simulated_tokenizer_info
 from worker_service.sampling.grammar_pool import CompilePool, PoolFull
 

@@ -13,7 +13,7 @@ import pytest
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from tests.worker_service.grammar_load import (
+from tests.worker_service.support.grammar_load import (
     descendants,
     nested_schema,
     state,
@@ -21,7 +21,7 @@ from tests.worker_service.grammar_load import (
     wait_for,
     wait_gone,
 )
-from tests.worker_service.worker_process import WorkerProc
+from tests.worker_service.support.worker_process import WorkerProc
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server

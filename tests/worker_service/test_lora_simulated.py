@@ -9,10 +9,10 @@ import json
 import pytest
 
 from common.simulated_model import expected_output
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import worker_for
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.worker_factory import worker_for
+from worker_service.execution.plan import AdapterSlot
 from worker_service.lora.peft_config import AdapterError
-from worker_service.plan import AdapterSlotSpec
 
 VOCAB = 32000
 
@@ -40,7 +40,7 @@ def test_simulated_adapters_follow_their_own_rule(tmp_path):
         DriverRequest(prompt, 6),
         DriverRequest(prompt, 6, arrive=2, adapter_slot=1, share_from=0),
     ]
-    slots = [AdapterSlotSpec(1, "alpha"), AdapterSlotSpec(2, "beta")]
+    slots = [AdapterSlot(1, "alpha"), AdapterSlot(2, "beta")]
     PlanDriver(worker.runner, 4, chunk=3).run(reqs, adapter_slots=slots)
     for r, adapter in zip(reqs, ["alpha", "beta", None, "alpha"], strict=True):
         assert r.outputs == expected_output(prompt, 6, VOCAB, adapter=adapter)

@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 
 from tests.support.lora_adapters import STANDARD
-from tests.worker_service.lora_workers import default_worker, max_logprob_gap, prompts, reference
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from worker_service.plan import AdapterSlotSpec
+from tests.worker_service.support.lora_workers import (
+    default_worker,
+    max_logprob_gap,
+    prompts,
+    reference,
+)
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from worker_service.execution.plan import AdapterSlot
 
 # Out of make test-fast: PEFT references of the default model.
 pytestmark = pytest.mark.slow
@@ -25,7 +30,7 @@ def test_each_adapter_matches_peft(adapter):
     prompt = list(prompts()[0])
     (req,) = PlanDriver(worker.runner, 16).run(
         [DriverRequest(prompt, STEPS, adapter_slot=1)],
-        adapter_slots=[AdapterSlotSpec(1, adapter)],
+        adapter_slots=[AdapterSlot(1, adapter)],
     )
     tokens, logprobs = reference(adapter, tuple(prompt), STEPS)
     assert req.outputs == tokens
@@ -38,7 +43,7 @@ def test_mixed_batch_of_adapters_and_base_rows_with_chunks_and_cached_prefixes()
     worker = default_worker()
     p = [list(x) for x in prompts()]
     names = sorted(STANDARD)  # slots 1..4
-    slots = [AdapterSlotSpec(k + 1, n) for k, n in enumerate(names)]
+    slots = [AdapterSlot(k + 1, n) for k, n in enumerate(names)]
     reqs = [
         DriverRequest(p[0], STEPS, arrive=0, adapter_slot=1),
         DriverRequest(p[0], STEPS, arrive=0),  # base, same prompt

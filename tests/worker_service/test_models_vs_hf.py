@@ -23,10 +23,10 @@ from transformers import (
 )
 
 from tests.support.hf_reference import hf_greedy
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.worker_factory import runner_for
-from worker_service import model_compute
-from worker_service.plan import LogprobSpec
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.worker_factory import runner_for
+from worker_service.execution import model_compute
+from worker_service.sampling.params import LogprobOptions
 
 STEPS = 34
 VOCAB = 256
@@ -110,7 +110,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, page_size, chunk, tmp_path):
 def test_prompt_logprobs_and_top_logprobs_match_hf(tmp_path):
     hf = tiny_model("llama3-rope-scaling", tmp_path)
     runner = runner_for(tmp_path, page_size=4, num_pages=256)
-    lp = LogprobSpec(return_logprob=True, logprob_start_len=5, top_logprobs_num=3)
+    lp = LogprobOptions(return_logprob=True, logprob_start_len=5, top_logprobs_num=3)
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     (req,) = PlanDriver(runner, 4, chunk=8).run([DriverRequest(prompt, 4, logprobs=lp)])
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_prompt_logprobs_go_through_the_lm_head_a_few_rows_at_a_time(tmp_path, m
         return logits(hidden)
 
     monkeypatch.setattr(model, "logits", spy)
-    lp = LogprobSpec(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    lp = LogprobOptions(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     (req,) = PlanDriver(runner, 4, chunk=None).run([DriverRequest(prompt, 2, logprobs=lp)])
     with torch.no_grad():

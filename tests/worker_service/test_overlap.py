@@ -24,10 +24,10 @@ from scheduler_service.core import (
     SchedulerConfig,
 )
 from scheduler_service.engine.worker_codec import WorkerCodec
+from tests.worker_service.support.worker_factory import worker_for
 from tests.worker_service.test_models_vs_hf import VOCAB, tiny_model
-from tests.worker_service.worker_factory import worker_for
-from worker_service.api import WorkerServicer
-from worker_service.model_runner import PENDING
+from worker_service.execution.model_runner import PENDING
+from worker_service.rpc.servicer import WorkerServicer
 
 LAG = 2  # the scheduler's default overlap depth
 

@@ -19,23 +19,25 @@ import pytest
 import torch
 
 from worker_service.kernels import SamplingFilters, TorchKernels
-from worker_service.plan import LogprobSpec, SamplingSpec
 from worker_service.sampling import filters, processors
 from worker_service.sampling.filters import seeded_uniform, splitmix64
 from worker_service.sampling.logprobs import logprob_tensors, token_logprobs
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.processors import process_logits
 from worker_service.sampling.rows import SampleRow
 from worker_service.sampling.sampler import Sampler
 
 CPU = torch.device("cpu")
-NO_LP = LogprobSpec()
+NO_LP = LogprobOptions()
 
 
-def row(spec: SamplingSpec, prompt=(), output=(), eos=(), lp: LogprobSpec = NO_LP) -> SampleRow:
+def row(
+    spec: SamplingParams, prompt=(), output=(), eos=(), lp: LogprobOptions = NO_LP
+) -> SampleRow:
     return SampleRow(spec, lp, prompt, output, tuple(eos))
 
 
-def reference(logits, spec: SamplingSpec, slack: float = 0.0) -> np.ndarray:
+def reference(logits, spec: SamplingParams, slack: float = 0.0) -> np.ndarray:
     """Filtered, renormalised distribution in float64, written loop-free but independently.
 
     slack > 0 loosens the top-p and min-p thresholds (a superset of the kept
@@ -69,14 +71,14 @@ def bernstein_halfwidth(n: int, p: float, delta: float = 1e-9) -> float:
 
 def test_greedy_is_argmax_with_ties_to_lowest_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 2.0, 2.0]])
-    rows = [row(SamplingSpec(temperature=0.0)) for _ in range(3)]
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(3)]
     assert Sampler(4, CPU).sample(logits, rows).token_ids == [1, 0, 2]
     # top_k == 1 is greedy whatever the temperature; also inside a mixed batch.
-    rows = [row(SamplingSpec(top_k=1)), row(SamplingSpec(seed=3)), row(SamplingSpec(top_k=1))]
+    rows = [row(SamplingParams(top_k=1)), row(SamplingParams(seed=3)), row(SamplingParams(top_k=1))]
     out = Sampler(4, CPU).sample(logits, rows)
     assert out.token_ids[0] == 1 and out.token_ids[2] == 2
     big = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
-    rows = [row(SamplingSpec(temperature=0.0)) for _ in range(64)]
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(64)]
     assert Sampler(1000, CPU).sample(big, rows).token_ids == big.argmax(-1).tolist()
 
 
@@ -87,7 +89,7 @@ def test_greedy_fast_path_skips_processing_and_drawing(monkeypatch):
     monkeypatch.setattr(processors, "process_logits", boom)
     monkeypatch.setattr(filters, "draw", boom)
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
-    rows = [row(SamplingSpec(temperature=0.0), lp=LogprobSpec(return_logprob=True))] * 8
+    rows = [row(SamplingParams(temperature=0.0), lp=LogprobOptions(return_logprob=True))] * 8
     out = Sampler(50, CPU).sample(logits, rows)
     assert out.token_ids == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1).max(-1).values
@@ -99,14 +101,14 @@ PERM = [3, 7, 0, 9, 5, 1, 8, 2, 6, 4]  # token PERM[r] has the r-th largest prob
 LOGITS = np.zeros(10)
 LOGITS[PERM] = np.log(PROBS) + 1.7
 CONFIGS = {
-    "plain": SamplingSpec(),
-    "temperature_low": SamplingSpec(temperature=0.7),
-    "temperature_high": SamplingSpec(temperature=1.5),
-    "top_k": SamplingSpec(top_k=3),
-    "top_p": SamplingSpec(top_p=0.8),
-    "min_p": SamplingSpec(min_p=0.25),
-    "combo": SamplingSpec(temperature=0.8, top_k=6, top_p=0.9, min_p=0.1),
-    "combo_hot": SamplingSpec(temperature=1.3, top_p=0.6, min_p=0.05),
+    "plain": SamplingParams(),
+    "temperature_low": SamplingParams(temperature=0.7),
+    "temperature_high": SamplingParams(temperature=1.5),
+    "top_k": SamplingParams(top_k=3),
+    "top_p": SamplingParams(top_p=0.8),
+    "min_p": SamplingParams(min_p=0.25),
+    "combo": SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.1),
+    "combo_hot": SamplingParams(temperature=1.3, top_p=0.6, min_p=0.05),
 }
 N_DRAWS = 40_000
 
@@ -151,7 +153,7 @@ def test_tokens_outside_the_filtered_set_never_appear():
     rows, logit_rows, allowed = [], [], []
     for _ in range(40):
         logits = (torch.randn(64, generator=gen) * rng.uniform(0.5, 4)).tolist()
-        spec = SamplingSpec(
+        spec = SamplingParams(
             temperature=float(rng.uniform(0.2, 2.0)),
             top_k=int(rng.choice([-1, 1, 2, 5, 20, 100])),
             top_p=float(rng.choice([1.0, 0.95, 0.5, 0.1, 0.0])),
@@ -177,12 +179,12 @@ def test_splitmix64_matches_reference_vector():
 def test_same_seed_same_token_whatever_the_batch():
     gen = torch.Generator().manual_seed(4)
     target_logits = torch.randn(1000, generator=gen) * 0.3
-    target = row(SamplingSpec(temperature=0.9, top_p=0.95, seed=1234), output=[5] * 7)
+    target = row(SamplingParams(temperature=0.9, top_p=0.95, seed=1234), output=[5] * 7)
     others = [
-        row(SamplingSpec(temperature=0.0)),
-        row(SamplingSpec(seed=1234), output=[1, 2]),
-        row(SamplingSpec(top_k=50, frequency_penalty=0.5), output=[3, 3]),
-        row(SamplingSpec()),
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(seed=1234), output=[1, 2]),
+        row(SamplingParams(top_k=50, frequency_penalty=0.5), output=[3, 3]),
+        row(SamplingParams()),
     ]
     other_logits = torch.randn(len(others), 1000, generator=gen)
     tokens = []
@@ -195,41 +197,41 @@ def test_same_seed_same_token_whatever_the_batch():
     assert len(set(tokens)) == 1
 
     flat = target_logits[None].expand(200, -1)
-    by_seed = [row(SamplingSpec(seed=s), output=[5] * 7) for s in range(200)]
-    by_step = [row(SamplingSpec(seed=1234), output=[5] * k) for k in range(200)]
+    by_seed = [row(SamplingParams(seed=s), output=[5] * 7) for s in range(200)]
+    by_step = [row(SamplingParams(seed=1234), output=[5] * k) for k in range(200)]
     assert len(set(Sampler(1000, CPU).sample(flat, by_seed).token_ids)) > 120
     assert len(set(Sampler(1000, CPU).sample(flat, by_step).token_ids)) > 120
 
 
-def processed(values, spec: SamplingSpec, **kw) -> list[float]:
+def processed(values, spec: SamplingParams, **kw) -> list[float]:
     return process_logits(torch.tensor([values]), [row(spec, **kw)])[0].tolist()
 
 
 def test_logit_bias_adds_and_ignores_out_of_range_ids():
-    spec = SamplingSpec(logit_bias=((0, 5.0), (3, -1.5), (99, 1.0), (0, 1.0)))
+    spec = SamplingParams(logit_bias=((0, 5.0), (3, -1.5), (99, 1.0), (0, 1.0)))
     assert processed([1.0, 2.0, 3.0, 4.0], spec) == [7.0, 2.0, 3.0, 2.5]
 
 
 def test_repetition_penalty_over_prompt_and_output():
-    spec = SamplingSpec(repetition_penalty=2.0)
+    spec = SamplingParams(repetition_penalty=2.0)
     got = processed([2.0, -1.0, -2.0, 3.0, 0.5], spec, prompt=(0,), output=(2, 2))
     assert got == [1.0, -1.0, -4.0, 3.0, 0.5]
 
 
 def test_frequency_and_presence_count_output_only():
-    spec = SamplingSpec(frequency_penalty=0.5, presence_penalty=0.25)
+    spec = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
     got = processed([0.0] * 5, spec, prompt=(4, 4), output=(1, 1, 3))
     assert got == [0.0, -1.25, 0.0, -0.75, 0.0]
 
 
 def test_processing_order_bias_then_repetition_then_frequency():
-    spec = SamplingSpec(logit_bias=((0, 2.0),), repetition_penalty=2.0, frequency_penalty=1.0)
+    spec = SamplingParams(logit_bias=((0, 2.0),), repetition_penalty=2.0, frequency_penalty=1.0)
     # token 0: (-1 + 2) / 2 = 0.5, no output occurrence; token 1: 4 / 2 - 1 = 1.
     assert processed([-1.0, 4.0], spec, prompt=(0,), output=(1,)) == [0.5, 1.0]
 
 
 def test_min_new_tokens_masks_eos_and_stop_ids_until_reached():
-    spec = SamplingSpec(min_new_tokens=3, stop_token_ids=(2,), ignore_eos=True)
+    spec = SamplingParams(min_new_tokens=3, stop_token_ids=(2,), ignore_eos=True)
     got = processed([1.0] * 6, spec, output=(0, 1), eos=(5, 77))
     assert got == [1.0, 1.0, -math.inf, 1.0, 1.0, -math.inf]
     logits = torch.ones(1, 6)
@@ -241,10 +243,10 @@ def test_processing_is_per_row_and_leaves_input_alone():
     logits = torch.randn(4, 30, generator=gen)
     before = logits.clone()
     rows = [
-        row(SamplingSpec(repetition_penalty=1.3), prompt=(1, 2), output=(3,)),
-        row(SamplingSpec()),
-        row(SamplingSpec(presence_penalty=0.7, logit_bias=((4, 1.0),)), output=(9, 9)),
-        row(SamplingSpec(min_new_tokens=1), eos=(0,)),
+        row(SamplingParams(repetition_penalty=1.3), prompt=(1, 2), output=(3,)),
+        row(SamplingParams()),
+        row(SamplingParams(presence_penalty=0.7, logit_bias=((4, 1.0),)), output=(9, 9)),
+        row(SamplingParams(min_new_tokens=1), eos=(0,)),
     ]
     batch = process_logits(logits, rows)
     torch.testing.assert_close(logits, before, rtol=0, atol=0)
@@ -256,13 +258,16 @@ def test_processing_is_per_row_and_leaves_input_alone():
 def test_logprobs_come_from_raw_logits():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(3, 40, generator=gen) * 2
-    lp_spec = LogprobSpec(return_logprob=True, top_logprobs_num=4, token_ids_logprob=(0, 5, 39))
+    lp_spec = LogprobOptions(return_logprob=True, top_logprobs_num=4, token_ids_logprob=(0, 5, 39))
     rows = [
         row(
-            SamplingSpec(temperature=0.5, repetition_penalty=1.5, seed=1), (1, 2), (3,), lp=lp_spec
+            SamplingParams(temperature=0.5, repetition_penalty=1.5, seed=1),
+            (1, 2),
+            (3,),
+            lp=lp_spec,
         ),
-        row(SamplingSpec(temperature=0.0, logit_bias=((7, 50.0),))),
-        row(SamplingSpec(top_k=3, seed=2), lp=LogprobSpec(top_logprobs_num=2)),
+        row(SamplingParams(temperature=0.0, logit_bias=((7, 50.0),))),
+        row(SamplingParams(top_k=3, seed=2), lp=LogprobOptions(top_logprobs_num=2)),
     ]
     out = Sampler(40, CPU).sample(logits, rows)
     ref = torch.log_softmax(logits, dim=-1)
@@ -282,7 +287,7 @@ def test_token_logprobs_for_prompts():
     logits = torch.randn(10, 25, generator=gen)
     ref = torch.log_softmax(logits, dim=-1)
     ids = torch.randint(0, 25, (10,), generator=gen)
-    res = token_logprobs(logits, ids, 3, (0, 4, 25), chunk_rows=3)
+    res = token_logprobs(logits, ids, top_n=3, token_ids=(0, 4, 25), chunk_rows=3)
     assert res.logprobs == pytest.approx(ref.gather(1, ids[:, None])[:, 0].tolist(), abs=1e-6)
     vals, top = ref.topk(3, dim=-1)
     assert res.top_ids == top.tolist()
@@ -299,7 +304,7 @@ def test_token_logprobs_for_prompts():
 
 def test_padded_vocab_columns_are_ignored():
     logits = torch.cat([torch.zeros(2, 8), torch.full((2, 2), 100.0)], dim=1)
-    rows = [row(SamplingSpec(temperature=0.0)), row(SamplingSpec(seed=1))]
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(seed=1))]
     out = Sampler(8, CPU).sample(logits, rows)
     assert all(t < 8 for t in out.token_ids)
     assert out.logprobs == pytest.approx([-math.log(8)] * 2, abs=1e-6)
@@ -314,7 +319,8 @@ def test_draw_walks_token_ids_in_order():
     host = filters.filter_arrays([-1] * 3, [1.0] * 3, [0.0] * 3, 3)
     flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 3)
     u = torch.tensor([0.05, 0.55, 0.65])
-    assert filters.draw(logits, torch.ones(3), flt, u, TorchKernels()).tolist() == [0, 1, 2]
+    tokens = filters.draw(logits, torch.ones(3), flt, u, kernels=TorchKernels())
+    assert tokens.tolist() == [0, 1, 2]
 
 
 def test_filters_are_thresholds_that_keep_ties():
@@ -341,5 +347,7 @@ def test_out_of_range_filter_parameters_are_clipped():
     flt = filters.sampling_filters(host, [torch.from_numpy(a) for a in host], 10)
     assert flt.use_top_k and flt.use_top_p and flt.use_min_p
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
-    tokens = filters.draw(logits, torch.ones(4), flt, torch.full((4,), 0.999), TorchKernels())
+    tokens = filters.draw(
+        logits, torch.ones(4), flt, torch.full((4,), 0.999), kernels=TorchKernels()
+    )
     assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()

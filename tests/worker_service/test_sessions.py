@@ -10,7 +10,7 @@ import pytest
 
 from common.worker_token import TokenCheck, TokenFileError, metadata, read_token
 from protos import worker_pb2 as pb
-from worker_service.session import SessionFence, SessionRefused, Undecodable, parse_plan
+from worker_service.rpc.session import SessionFence, SessionRefused, Undecodable, parse_plan
 
 
 def _opening(session_id: str, epoch: int) -> pb.StepPlan:

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.support.hf_reference import chat_ids, default_model_reference, hf_greedy
-from tests.worker_service.plan_driver import DriverRequest, PlanDriver
+from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.config import WorkerConfig
-from worker_service.server import serve
+from worker_service.rpc.server import serve
 from worker_service.worker import build_worker
 
 # Out of make test-fast: the default model against transformers.

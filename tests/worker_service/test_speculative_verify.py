@@ -17,18 +17,19 @@ import pytest
 
 from common.simulated_model import expected_output
 from protos import worker_pb2 as pb
-from tests.worker_service.draft_driver import Decoded, DraftDriver
-from tests.worker_service.worker_factory import runner_for
-from tests.worker_service.worker_process import PlanStream, worker_process
-from worker_service.convert import plan_from_proto, result_to_proto
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, Result, SamplingSpec
+from tests.worker_service.support.draft_driver import Decoded, DraftDriver
+from tests.worker_service.support.worker_factory import runner_for
+from tests.worker_service.support.worker_process import PlanStream, worker_process
+from worker_service.execution.convert import plan_from_proto, result_to_proto
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import Extend, ForwardMode, Join, Plan, Result
+from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
     GrammarCompiler,
     simulated_tokenizer_info,
 )
-from worker_service.simulated import SimulatedCompute
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 # "List the planets of the solar system." in the default model's chat template.
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
@@ -36,11 +37,11 @@ PROMPT += [411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 6106, 260, 9244, 282, 26
 PROMPT += [30, 2, 198, 1, 520, 9531, 198]
 TOKENS = 20
 COUNTS = [1, 1, 1, 9, 1, 3, 1, 1, 2]  # tokens per step of speculated()
-LOGPROBS = LogprobSpec(return_logprob=True, top_logprobs_num=3)
+LOGPROBS = LogprobOptions(return_logprob=True, top_logprobs_num=3)
 SAMPLINGS = {
-    "greedy": SamplingSpec(temperature=0.0),
-    "seeded": SamplingSpec(temperature=0.8, top_p=0.95, seed=1234),
-    "penalties": SamplingSpec(
+    "greedy": SamplingParams(temperature=0.0),
+    "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=1234),
+    "penalties": SamplingParams(
         temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3
     ),
 }
@@ -62,7 +63,7 @@ def overlap_runner() -> ModelRunner:
     return runner_for("default", page_size=4, num_pages=256, overlap="on")
 
 
-def plain(driver: DraftDriver, slot: int, prompt: list[int], sampling: SamplingSpec) -> Decoded:
+def plain(driver: DraftDriver, slot: int, prompt: list[int], sampling: SamplingParams) -> Decoded:
     seq = driver.start(slot, prompt, sampling, LOGPROBS)
     while len(seq.outputs) < TOKENS:
         driver.decode(seq)
@@ -73,7 +74,7 @@ def wrong(token: int) -> int:
     return token + 1
 
 
-def speculated(driver: DraftDriver, slot: int, ref: list[int], sampling: SamplingSpec) -> Decoded:
+def speculated(driver: DraftDriver, slot: int, ref: list[int], sampling: SamplingParams) -> Decoded:
     """Decode with drafts right, wrong and partly right; checks each step's
     tokens and the worker's state after it."""
     seq = driver.start(slot, PROMPT, sampling, LOGPROBS)
@@ -167,7 +168,9 @@ SIM_VOCAB = 50000  # holds the prompt's ids
 
 def simulated_runner(page_size: int, max_context: int = 1 << 30) -> ModelRunner:
     compute = SimulatedCompute(vocab_size=SIM_VOCAB)
-    return ModelRunner(compute, 256, page_size, SIM_VOCAB, max_context=max_context)
+    return ModelRunner(
+        compute, num_pages=256, page_size=page_size, vocab_size=SIM_VOCAB, max_context=max_context
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -207,10 +210,12 @@ def test_grammar_ended_indexes_tokens_in_a_drafted_step():
     its ending token counts the drafted entry's tokens before it."""
     compute = SimulatedCompute(vocab_size=SIM_VOCAB)
     grammars = GrammarCompiler(lambda: simulated_tokenizer_info(SIM_VOCAB))
-    runner = ModelRunner(compute, 256, 4, SIM_VOCAB, grammars=grammars)
+    runner = ModelRunner(
+        compute, num_pages=256, page_size=4, vocab_size=SIM_VOCAB, grammars=grammars
+    )
     driver = DraftDriver(runner)
     a = driver.start(0, PROMPT, SAMPLINGS["greedy"])
-    g = driver.start(1, PROMPT[:6], SamplingSpec(temperature=0.0, grammar=("regex", "a")))
+    g = driver.start(1, PROMPT[:6], SamplingParams(temperature=0.0, grammar=("regex", "a")))
     assert g.outputs == [ord("a")]
     ref_a = expected_output(PROMPT, 5, SIM_VOCAB)
     plan = driver.drafted_plan(a, ref_a[1:4])
@@ -233,8 +238,8 @@ def decoding_runner(page_size: int = 4, max_context: int = 1 << 30):
     driver = DraftDriver(runner)
     seq = driver.start(0, PROMPT[:10], SAMPLINGS["greedy"])
     plan = driver.new_plan()
-    plan.joins.append(JoinSpec(1, "r1", SAMPLINGS["greedy"], LogprobSpec(), 10, []))
-    plan.extends.append(ExtendSpec(1, 0, PROMPT[:5], [100, 101], False))
+    plan.joins.append(Join(1, "r1", SAMPLINGS["greedy"], LogprobOptions(), 10, []))
+    plan.extends.append(Extend(1, 0, PROMPT[:5], [100, 101], False))
     driver.run(plan)
     return runner, driver, seq
 
@@ -252,8 +257,8 @@ def drafted(seq: Decoded, inputs: list[int], draft_len: int, **kw) -> Plan:
     start = kw.pop("start", seq.kv_len)
     slot = kw.pop("slot", seq.slot)
     pages = kw.pop("pages", [50, 51, 52])
-    e = ExtendSpec(slot, start, inputs, pages, kw.pop("sample", True), draft_len=draft_len, **kw)
-    return Plan(99, Mode.MIXED, extends=[e])
+    e = Extend(slot, start, inputs, pages, kw.pop("sample", True), draft_len=draft_len, **kw)
+    return Plan(99, ForwardMode.MIXED, extends=[e])
 
 
 def test_bad_drafted_extends_reject_the_plan_whole():
@@ -283,9 +288,9 @@ def test_bad_drafted_extends_reject_the_plan_whole():
 
 def test_a_drafted_extend_for_a_request_that_joins_in_the_plan_is_refused():
     runner, _, _ = decoding_runner()
-    plan = Plan(99, Mode.MIXED)
-    plan.joins.append(JoinSpec(3, "r3", SAMPLINGS["greedy"], LogprobSpec(), 4, []))
-    plan.extends.append(ExtendSpec(3, 0, [1, 2, 3, 4], [60], True, draft_len=2))
+    plan = Plan(99, ForwardMode.MIXED)
+    plan.joins.append(Join(3, "r3", SAMPLINGS["greedy"], LogprobOptions(), 4, []))
+    plan.extends.append(Extend(3, 0, [1, 2, 3, 4], [60], True, draft_len=2))
     assert "which is not decoding" in refused(runner, plan)
 
 
@@ -299,10 +304,10 @@ def test_drafts_past_the_context_are_refused():
 
 def test_drafts_for_a_grammar_request_are_refused():
     runner, driver, _ = decoding_runner()
-    regex = SamplingSpec(temperature=0.0, grammar=("regex", "[ab]+"))
+    regex = SamplingParams(temperature=0.0, grammar=("regex", "[ab]+"))
     plan = driver.new_plan()
-    plan.joins.append(JoinSpec(2, "r2", regex, LogprobSpec(), 4, []))
-    plan.extends.append(ExtendSpec(2, 0, PROMPT[:4], [70], False))
+    plan.joins.append(Join(2, "r2", regex, LogprobOptions(), 4, []))
+    plan.extends.append(Extend(2, 0, PROMPT[:4], [70], False))
     driver.run(plan)
     message = refused(runner, drafted(Decoded(2, PROMPT[:4], kv_len=4), [PROMPT[3], 5], 1))
     assert "speculative drafts are not supported with a grammar" in message

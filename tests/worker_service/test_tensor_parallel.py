@@ -7,13 +7,13 @@ import socket
 import pytest
 
 from tests.support.hf_reference import hf_greedy
-from tests.worker_service.test_models_vs_hf import tiny_model
-from tests.worker_service.worker_process import (
+from tests.worker_service.support.worker_process import (
     PlanStream,
     greedy_over_grpc,
     worker_process,
     worker_processes,
 )
+from tests.worker_service.test_models_vs_hf import tiny_model
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server

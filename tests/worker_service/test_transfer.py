@@ -1,4 +1,4 @@
-"""worker_service.transfer: packed host -> device copies and the single-wait copy back."""
+"""worker_service.device.transfer: packed host -> device copies and the single-wait copy back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_service.transfer import to_device, to_host
+from worker_service.device.transfer import to_device, to_host
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.e2e.support.system import free_port
+from tests.worker_service.support.worker_process import PlanStream, WorkerProc, next_epoch
 from tests.worker_service.test_sessions import _negative_epoch_opening
-from tests.worker_service.worker_process import PlanStream, WorkerProc, next_epoch
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from worker_service import worker as worker_module
 from worker_service.config import WorkerConfig
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 from worker_service.worker import build_worker
 
 

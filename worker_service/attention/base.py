@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 
 @dataclass
@@ -71,7 +71,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
     ) -> torch.Tensor:
         """q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim). Writes k, v
         into the cache, returns (T, heads, head_dim)."""

@@ -148,6 +148,7 @@ class PagedDecodeKernel:
         q: torch.Tensor,
         cache: torch.Tensor,
         out: torch.Tensor,
+        *,
         layout: DecodeLayout,
         window: int | None,
         scale: float,

@@ -19,7 +19,7 @@ would also need batch indices, positions and a device-side page layout).
 
 Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``.
 
-CUDA graphs for decode (glue: ``worker_service.cuda_graphs.DecodeGraphs``):
+CUDA graphs for decode (glue: ``worker_service.execution.cuda_graphs.DecodeGraphs``):
 1. Give the KvCache one spare page the scheduler never hands out (allocate
    num_pages + 1, keep the last) and call ``enable_decode_graphs(scratch_page,
    max_pages_per_seq)``: padded rows write their K/V there and read only it.
@@ -52,11 +52,16 @@ from worker_service.attention.base import (
     AttentionSpec,
     SequenceSlice,
 )
-from worker_service.cuda_graphs import pick_graph_size
-from worker_service.kv_cache import KvCache
+from worker_service.device.kv_cache import KvCache
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _INT32_MAX = 2**31 - 1
+
+
+def pick_graph_size(n: int, sizes: tuple[int, ...]) -> int | None:
+    """Smallest of ``sizes`` that holds ``n`` rows, None if none does."""
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else None
 
 
 @dataclass
@@ -255,7 +260,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan_done.record()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
     ) -> torch.Tensor:
         cache = kv.layers[layer]
         if cache.dtype != self.spec.dtype:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import DecodeLayout, PagedDecodeKernel
-from worker_service.kv_cache import KvCache
-from worker_service.transfer import to_device
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.transfer import to_device
 
 # Extends of up to this many tokens attend through the CPU kernel, a kernel row
 # per query (each reads the sequence's keys once more); longer ones through
@@ -138,10 +138,10 @@ class TorchAttention(AttentionBackend):
         return _DecodeRows(rows_t, width, kv_rows_t, bias[:, None, None, :])
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KvCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
     ) -> torch.Tensor:
         batch = self._batch
-        kv.write(layer, batch.write_pages, batch.write_offsets, k, v)
+        kv.write(layer, k, v, pages=batch.write_pages, offsets=batch.write_offsets)
         out = torch.empty_like(q)
         groups = self.spec.num_heads // self.spec.num_kv_heads
         if self._layout is not None:
@@ -149,9 +149,9 @@ class TorchAttention(AttentionBackend):
                 q.contiguous(),
                 kv.layers[layer],
                 out,
-                self._layout,
-                self.spec.sliding_window,
-                self.spec.scale,
+                layout=self._layout,
+                window=self.spec.sliding_window,
+                scale=self.spec.scale,
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]

@@ -86,6 +86,7 @@ def load_lora_adapter(
     name: str,
     directory: Path,
     targets: LoraTargets,
+    *,
     dtype: torch.dtype,
     device: torch.device,
     max_rank: int = 0,
@@ -107,7 +108,9 @@ def load_lora_adapter(
         target_modules=tuple(m for m in LORA_MODULES if m in names),
     )
     for layer in range(targets.num_layers):
-        adapter.layers.append(_shard_layer(layer, raw, targets, r, config.scale, dtype, device))
+        adapter.layers.append(
+            _shard_layer(layer, raw, targets, r=r, scale=config.scale, dtype=dtype, device=device)
+        )
     return adapter
 
 
@@ -177,6 +180,7 @@ def _shard_layer(
     layer: int,
     raw: dict[tuple[int, str], dict[str, torch.Tensor]],
     targets: LoraTargets,
+    *,
     r: int,
     scale: float,
     dtype: torch.dtype,

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker_service.device.transfer import to_device
 from worker_service.lora.adapter import ColumnLora, LoraAdapter, RowLora
-from worker_service.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LoraBatch:
             if w is None:
                 continue
             assert isinstance(w, ColumnLora)
-            _add(out[:, w.lo : w.hi], x, g.rows, w.a, w.b)
+            _add(out[:, w.lo : w.hi], x, g.rows, w)
 
     def row(self, layer: int, module: str, x: torch.Tensor, partial: torch.Tensor) -> None:
         """Add a row-parallel module's deltas to this rank's partial sums
@@ -54,20 +54,16 @@ class LoraBatch:
             if w is None:
                 continue
             assert isinstance(w, RowLora)
-            _add(partial, x, g.rows, w.a, w.b)
+            _add(partial, x, g.rows, w)
 
 
 def _add(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    rows: slice | torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    out: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor, w: ColumnLora | RowLora
 ) -> None:
     if isinstance(rows, slice):
-        out[rows] += F.linear(F.linear(x[rows], a), b)
+        out[rows] += F.linear(F.linear(x[rows], w.a), w.b)
     else:
-        out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))
+        out.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), w.a), w.b))
 
 
 @dataclass

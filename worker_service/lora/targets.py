@@ -1,6 +1,6 @@
 """The model side of LoRA: for each projection an adapter may target, its
 shape in the whole model and the shard this tensor-parallel rank holds.
-loaders.lora_targets reads them off the model's own layers, so adapter shards
+models/lora_loader.py reads them off the model's own layers, so adapter shards
 line up with the base weights' shards by construction (this module imports no
 model: the model's layers import the adapters)."""
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.lora.batch import LoraSite
 from worker_service.models import cpu_linear
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
     stream first (one fused kernel on FlashInfer)."""
 
     def __init__(
-        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: Kernels
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device, kernels: Kernels
     ) -> None:
         super().__init__()
         self.weight = _param((dim,), dtype, device)
@@ -64,6 +64,7 @@ class FusedColumnLinear(nn.Module):
         self,
         in_features: int,
         parts: dict[str, int],
+        *,
         bias: bool,
         tp: TensorParallel,
         dtype: torch.dtype,
@@ -111,6 +112,7 @@ class RowLinear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        *,
         bias: bool,
         tp: TensorParallel,
         dtype: torch.dtype,
@@ -130,7 +132,7 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            partial = cpu_linear.linear(x, self.packed, None)
+            partial = cpu_linear.linear(x, self.packed, bias=None)
         else:
             partial = F.linear(x, self.weight)
         if self.lora is not None and (batch := self.lora.context.batch) is not None:
@@ -150,7 +152,7 @@ class VocabEmbedding(nn.Module):
     when embeddings are tied."""
 
     def __init__(
-        self, vocab: int, dim: int, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+        self, vocab: int, dim: int, *, tp: TensorParallel, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -174,7 +176,7 @@ class VocabEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits (gathered across ranks)."""
         if self.packed is not None:
-            local = cpu_linear.linear(hidden, self.packed, None).float()
+            local = cpu_linear.linear(hidden, self.packed, bias=None).float()
         else:
             local = F.linear(hidden, self.weight).float()
         return self.tp.all_gather_last_dim(local)[..., : self.vocab]

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
-from worker_service.kv_cache import KvCache
 from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
 from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding
@@ -47,6 +47,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        *,
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
@@ -59,28 +60,29 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         parts = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
+        on = {"tp": tp, "dtype": dtype, "device": device}
         self.qkv_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
-            cfg.qkv_bias,
-            tp,
-            dtype,
-            device,
-            LoraSite(lora, layer, "qkv_proj"),
+            bias=cfg.qkv_bias,
+            lora=LoraSite(lora, layer, "qkv_proj"),
+            **on,
         )
         self.o_proj = RowLinear(
-            cfg.q_size, cfg.hidden_size, False, tp, dtype, device, LoraSite(lora, layer, "o_proj")
+            cfg.q_size, cfg.hidden_size, bias=False, lora=LoraSite(lora, layer, "o_proj"), **on
         )
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
+            eps = cfg.rms_norm_eps
+            self.q_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
 
     def forward(
         self,
         layer: int,
         positions: torch.Tensor,
         x: torch.Tensor,
+        *,
         rope: RotaryEmbedding,
         attn: AttentionBackend,
         kv: KvCache,
@@ -92,7 +94,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = attn.forward(layer, q, k, v, kv)
+        out = attn.forward(layer, q, k, v, kv=kv)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -100,6 +102,7 @@ class LlamaMLP(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        *,
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
@@ -110,23 +113,20 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        on = {"tp": tp, "dtype": dtype, "device": device}
         self.gate_up_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
-            cfg.mlp_bias,
-            tp,
-            dtype,
-            device,
-            LoraSite(lora, layer, "gate_up_proj"),
+            bias=cfg.mlp_bias,
+            lora=LoraSite(lora, layer, "gate_up_proj"),
+            **on,
         )
         self.down_proj = RowLinear(
             cfg.intermediate_size,
             cfg.hidden_size,
-            cfg.mlp_bias,
-            tp,
-            dtype,
-            device,
-            LoraSite(lora, layer, "down_proj"),
+            bias=cfg.mlp_bias,
+            lora=LoraSite(lora, layer, "down_proj"),
+            **on,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +138,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        *,
         tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
@@ -147,16 +148,18 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, device, kernels, lora, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, kernels, lora, layer)
+        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
+        self.self_attn = LlamaAttention(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
+        self.mlp = LlamaMLP(cfg, tp=tp, lora=lora, layer=layer, **on)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        *,
         tp: TensorParallel | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -173,18 +176,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.dtype = dtype
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        on = {"tp": tp, "dtype": dtype, "device": device}
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         # The running step's LoRA work, shared by every projection.
         self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, device, kernels, self.lora, i)
+            LlamaDecoderLayer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device, kernels=kernels
+        )
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
-            else VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+            else VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         )
         self.rope = RotaryEmbedding(cfg, device, kernels)
 
@@ -197,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        *,
         attn: AttentionBackend,
         kv: KvCache,
         lora: LoraBatch | None = None,
@@ -222,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(residual)
         x = layers[0].input_layernorm(residual)
         for i, layer in enumerate(layers):
-            out = layer.self_attn(i, positions, x, self.rope, attn, kv)
+            out = layer.self_attn(i, positions, x, rope=self.rope, attn=attn, kv=kv)
             x, residual = layer.post_attention_layernorm.add_forward(out, residual)
             out = layer.mlp(x)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm

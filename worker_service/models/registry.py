@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_service.distributed import TensorParallel
+from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.llama import LlamaForCausalLM
@@ -19,6 +19,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 
 def build_model(
     config: ModelConfig,
+    *,
     tp: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
@@ -28,4 +29,4 @@ def build_model(
     cls = MODELS.get(config.architecture)
     if cls is None:
         raise UnsupportedModelError(f"no model class for {config.architecture}")
-    return cls(config, tp, dtype, device, kernels)
+    return cls(config, tp=tp, dtype=dtype, device=device, kernels=kernels)

@@ -87,7 +87,12 @@ def sampling_filters(
     k, p, m = host
     top_k, top_p, min_p = device
     return SamplingFilters(
-        top_k, top_p, min_p, bool((k < vocab).any()), bool((p < 1).any()), bool((m > 0).any())
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        use_top_k=bool((k < vocab).any()),
+        use_top_p=bool((p < 1).any()),
+        use_min_p=bool((m > 0).any()),
     )
 
 
@@ -96,6 +101,7 @@ def draw(
     temperature: torch.Tensor,
     filters: SamplingFilters,
     u: torch.Tensor,
+    *,
     kernels: Kernels,
 ) -> torch.Tensor:
     """(S,) int64 tokens drawn from the filtered distributions (see the module docstring).

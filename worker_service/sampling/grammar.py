@@ -63,7 +63,7 @@ class GrammarCompiler:
     def __init__(
         self,
         tokenizer_info: Callable[[], Any],
-        capacity: int = CACHE_GRAMMARS,
+        *,
         capacity_bytes: int = CACHE_BYTES,
         processes: int = 2,
         max_waiting: int = 16,
@@ -74,7 +74,6 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self._cache_bytes = 0
-        self._capacity = capacity
         self._capacity_bytes = capacity_bytes
         self._loading: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()  # the cache, _loading, the pool's creation
@@ -120,7 +119,7 @@ class GrammarCompiler:
         self._cache[key] = (compiled, size)
         self._cache_bytes += size
         while len(self._cache) > 1 and (
-            len(self._cache) > self._capacity or self._cache_bytes > self._capacity_bytes
+            len(self._cache) > CACHE_GRAMMARS or self._cache_bytes > self._capacity_bytes
         ):
             _, (_, evicted) = self._cache.popitem(last=False)
             self._cache_bytes -= evicted

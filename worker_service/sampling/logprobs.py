@@ -101,6 +101,7 @@ class TokenLogprobs:
 def token_logprobs(
     logits: torch.Tensor,
     ids: torch.Tensor,
+    *,
     top_n: int = 0,
     token_ids: Sequence[int] = (),
     chunk_rows: int = DEFAULT_CHUNK_ROWS,

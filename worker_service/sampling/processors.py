@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from worker_service.device.transfer import to_device
 from worker_service.sampling.rows import SampleRow
-from worker_service.transfer import to_device
 
 
 def min_new_mask_ids(row: SampleRow) -> tuple[int, ...]:
@@ -64,9 +64,7 @@ def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device
     return counts
 
 
-def _pairs(
-    rows: Sequence[SampleRow], per_row: list[Sequence[int]], vocab: int
-) -> tuple[list[int], list[int]]:
+def _pairs(per_row: list[Sequence[int]], vocab: int) -> tuple[list[int], list[int]]:
     """Flatten per-row id lists into (row index, id) lists, dropping out-of-range ids."""
     rr: list[int] = []
     tt: list[int] = []
@@ -127,7 +125,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
                 bias_ids.append(tok)
                 bias_vals.append(val)
     pen_idx = [i for i, row in enumerate(rows) if row.sampling.has_penalties]
-    mask_rows, mask_ids = _pairs(rows, [min_new_mask_ids(r) for r in rows], vocab)
+    mask_rows, mask_ids = _pairs([min_new_mask_ids(r) for r in rows], vocab)
     if not (bias_rows or pen_idx or mask_rows):
         return logits
 

@@ -6,16 +6,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker_service.plan import LogprobSpec, PromptLogprobOut, SamplingSpec
 from worker_service.sampling.grammar import GrammarState
+from worker_service.sampling.params import LogprobOptions, SamplingParams
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    slot: int
+    start: int
+    logprobs: list[float]  # NaN for position 0
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    ids_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
 class SampleRow:
     """One request that samples this step."""
 
-    sampling: SamplingSpec
-    logprobs: LogprobSpec
+    sampling: SamplingParams
+    logprobs: LogprobOptions
     prompt_ids: Sequence[int]  # the prompt (repetition penalty)
     output_ids: Sequence[int]  # generated so far (penalties)
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids
@@ -49,7 +59,7 @@ class SampleOutput:
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     ids_logprobs: list[list[float]] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
-    # Tokens per sampling entry once drafts are accepted (drafts.py); empty:
-    # one row per entry.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Tokens per sampling entry once drafts are accepted (draft_acceptance.py);
+    # empty: one row per entry.
     token_counts: list[int] = field(default_factory=list)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_service.device.transfer import to_device, to_host
 from worker_service.kernels import Kernels, select_kernels
 from worker_service.sampling import filters, grammar, processors
 from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.rows import SampleOutput, SampleRow
-from worker_service.transfer import to_device, to_host
 
 
 def _is_plain_greedy(row: SampleRow) -> bool:

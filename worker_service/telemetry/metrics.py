@@ -73,7 +73,7 @@ class WorkerMetrics(Collector):
             )
 
     def refused(self, method: str, code: str) -> None:
-        """A Worker call refused by the worker's guards (call_guard.py) or an
+        """A Worker call refused by the worker's guards (rpc/call_guard.py) or an
         Execute stream refused its session."""
         with self._refused_lock:
             self._refused[(method, code)] += 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.worker_service.weights.gguf_build import CHAT_TEMPLATE, write_model_gguf
+from tests.worker_service.weights.support.gguf_build import CHAT_TEMPLATE, write_model_gguf
 from tests.worker_service.weights.test_hf_dir import (
     CONFIGS,
     assert_same_tensors,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker_service.weights.gguf_build import llama_cpp_permute
+from tests.worker_service.weights.support.gguf_build import llama_cpp_permute
 from worker_service.weights.gguf_names import hf_name, unpermute_rotary_rows
 
 HEADS, HEAD_DIM, HIDDEN, POSITIONS = 3, 8, 16, 5

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 from protos import worker_pb2 as pb
-from worker_service.plan import (
-    AdapterSlotSpec,
-    ExtendSpec,
-    JoinSpec,
-    LogprobSpec,
-    Mode,
-    Plan,
-    Result,
-    SamplingSpec,
-)
+from worker_service.execution.plan import AdapterSlot, Extend, ForwardMode, Join, Plan, Result
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 _MODES = {
-    pb.FORWARD_MODE_PREFILL: Mode.PREFILL,
-    pb.FORWARD_MODE_DECODE: Mode.DECODE,
-    pb.FORWARD_MODE_MIXED: Mode.MIXED,
-    pb.FORWARD_MODE_IDLE: Mode.IDLE,
-    pb.FORWARD_MODE_UNSPECIFIED: Mode.IDLE,
+    pb.FORWARD_MODE_PREFILL: ForwardMode.PREFILL,
+    pb.FORWARD_MODE_DECODE: ForwardMode.DECODE,
+    pb.FORWARD_MODE_MIXED: ForwardMode.MIXED,
+    pb.FORWARD_MODE_IDLE: ForwardMode.IDLE,
+    pb.FORWARD_MODE_UNSPECIFIED: ForwardMode.IDLE,
 }
 
 
-def sampling_from_proto(m: pb.SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
+def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
         temperature=m.temperature,
         top_p=m.top_p,
         top_k=m.top_k,
@@ -55,8 +47,8 @@ def grammar_from_proto(m: pb.Grammar) -> tuple[str, str]:
     return _GRAMMAR_KINDS[m.kind], m.text
 
 
-def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobSpec:
-    return LogprobSpec(
+def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobOptions:
+    return LogprobOptions(
         return_logprob=m.return_logprob,
         logprob_start_len=m.logprob_start_len,
         top_logprobs_num=m.top_logprobs_num,
@@ -67,10 +59,10 @@ def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobSpec:
 def plan_from_proto(m: pb.StepPlan) -> Plan:
     return Plan(
         step_id=m.step_id,
-        mode=_MODES.get(m.mode, Mode.IDLE),
+        mode=_MODES.get(m.mode, ForwardMode.IDLE),
         leaves=list(m.leaves),
         joins=[
-            JoinSpec(
+            Join(
                 slot=j.slot,
                 rid=j.rid,
                 sampling=sampling_from_proto(j.sampling),
@@ -85,7 +77,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
             for j in m.joins
         ],
         extends=[
-            ExtendSpec(
+            Extend(
                 slot=e.slot,
                 start_pos=e.start_pos,
                 input_ids=list(e.input_ids),
@@ -99,7 +91,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
         decode_slots=list(m.decode_slots),
         decode_positions=list(m.decode_positions),
         decode_new_pages=list(m.decode_new_pages),
-        adapter_slots=[AdapterSlotSpec(a.slot, a.name) for a in m.adapter_slots],
+        adapter_slots=[AdapterSlot(a.slot, a.name) for a in m.adapter_slots],
     )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker_service.plan import JoinSpec, LogprobSpec, SamplingSpec
+from worker_service.execution.plan import Join
 from worker_service.sampling.grammar import GrammarState
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 if TYPE_CHECKING:
     from worker_service.lora.store import LoadedAdapter
@@ -15,8 +16,8 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class SlotState:
     rid: str
-    sampling: SamplingSpec
-    logprobs: LogprobSpec
+    sampling: SamplingParams
+    logprobs: LogprobOptions
     prompt_len: int
     # The whole sequence as far as the worker knows it: cached prefix, inputs
     # computed, and the last sampled token (whose KV is not computed yet).
@@ -34,7 +35,7 @@ class SlotState:
     adapter: LoadedAdapter | None = None
 
     @classmethod
-    def from_join(cls, join: JoinSpec, adapter: LoadedAdapter | None = None) -> SlotState:
+    def from_join(cls, join: Join, adapter: LoadedAdapter | None = None) -> SlotState:
         tokens = list(join.prefix_ids)
         return cls(
             rid=join.rid,

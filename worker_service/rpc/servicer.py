@@ -1,7 +1,7 @@
 """The worker's gRPC servicer: GetInfo, Execute (plans in, results out),
 GetTokenizer, CompileGrammar and LoadAdapter / UnloadAdapter. Thin:
-conversion lives in convert.py, execution in model_runner.py, adapters in
-lora/."""
+conversion lives in execution/convert.py, execution in
+execution/model_runner.py, adapters in lora/."""
 
 from __future__ import annotations
 
@@ -20,22 +20,22 @@ import structlog
 from common import tokenizer_archive
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
-from worker_service.call_budget import (
+from worker_service.device.context import DeviceFailure, use_device
+from worker_service.execution.convert import grammar_from_proto, plan_from_proto, result_to_proto
+from worker_service.execution.model_runner import StartedStep
+from worker_service.execution.plan import Result
+from worker_service.lora.peft_config import AdapterError
+from worker_service.rpc.call_budget import (
     EVICTED,
     OPEN_TIMEOUT_S,
     REPLACED_GRACE_S,
     UNOPENED_STREAMS,
     UnopenedStreams,
 )
-from worker_service.convert import grammar_from_proto, plan_from_proto, result_to_proto
-from worker_service.devices import DeviceFailure, use_device
-from worker_service.lora.peft_config import AdapterError
-from worker_service.model_runner import StartedStep
-from worker_service.plan import Result
-from worker_service.request_decoding import Undecodable
+from worker_service.rpc.request_decoding import Undecodable
+from worker_service.rpc.session import Session, SessionFence, SessionRefused
 from worker_service.sampling.grammar import CompileFailed, CompileTimeout, GrammarError
 from worker_service.sampling.grammar_pool import PoolFull
-from worker_service.session import Session, SessionFence, SessionRefused
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker
@@ -237,8 +237,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan = plan_from_proto(msg)
         except ValueError as e:
             error = Result(msg.step_id, error=f"malformed plan: {e}")
-            return _Running(msg, None, error, start_ns)
-        return _Running(msg, self.worker.runner.start(plan), None, start_ns)
+            return _Running(msg, step=None, error=error, start_ns=start_ns)
+        step = self.worker.runner.start(plan)
+        return _Running(msg, step=step, error=None, start_ns=start_ns)
 
     def _complete(self, running: _Running, clock: _StepClock) -> pb.StepResult:
         """The step's result message; forward_ms is this thread's time since the

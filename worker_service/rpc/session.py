@@ -30,7 +30,7 @@ import grpc
 
 from common.session_epoch import MAX_SESSION_EPOCH, MAX_SESSION_EPOCH_TEXT
 from protos import worker_pb2 as pb
-from worker_service.request_decoding import Undecodable
+from worker_service.rpc.request_decoding import Undecodable
 
 MAX_SESSION_ID = 256
 # How far an opening's epoch may lead the worker's clock and its highest

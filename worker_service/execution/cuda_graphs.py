@@ -41,6 +41,7 @@ import torch
 from worker_service.attention.base import AttentionBatch
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+WARMUP_RUNS = 2  # eager runs of a size before its capture
 
 
 class GraphAttention(Protocol):
@@ -50,12 +51,6 @@ class GraphAttention(Protocol):
     def graph_size_for(self, batch: AttentionBatch) -> int | None: ...
 
     def begin_graph_step(self, batch: AttentionBatch, size: int) -> None: ...
-
-
-def pick_graph_size(n: int, sizes: tuple[int, ...]) -> int | None:
-    """Smallest of ``sizes`` that holds ``n`` rows, None if none does."""
-    fits = [s for s in sizes if s >= n]
-    return min(fits) if fits else None
 
 
 def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
@@ -94,7 +89,7 @@ class DecodeGraphs:
     def _views(self, size: int) -> dict[str, torch.Tensor]:
         return {name: buf[:size] for name, buf in self.inputs.items()}
 
-    def capture(self, warmup: int = 2) -> None:
+    def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (a smaller
         graph reuses the larger one's intermediate buffers)."""
         pool = torch.cuda.graph_pool_handle()
@@ -107,7 +102,7 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(warmup):
+                for _ in range(WARMUP_RUNS):
                     self.forward(views)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()

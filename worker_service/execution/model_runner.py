@@ -3,7 +3,7 @@
 ``ModelRunner`` owns what a plan means: leaves before joins, pages appended
 to tables, extends before decodes, each decode computing the request's last
 sampled token. The arithmetic is delegated to a ``Compute``: ``ModelCompute``
-(model_compute.py, the real model) or ``SimulatedCompute`` (simulated.py).
+(model_compute.py, the real model) or ``SimulatedCompute`` (simulated_compute.py).
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from worker_service.devices import DeviceFailure, is_sticky_device_error
+from worker_service.device.context import DeviceFailure, is_sticky_device_error
+from worker_service.execution.plan import Plan, Result
+from worker_service.execution.request_state import SlotState
+from worker_service.execution.validation import PlanError, validate_plan
 from worker_service.lora.store import AdapterStore, LoadedAdapter
-from worker_service.plan import Plan, Result
-from worker_service.request_state import SlotState
 from worker_service.sampling.draft_acceptance import accept_drafts
 from worker_service.sampling.grammar import GrammarCompiler, GrammarError
 from worker_service.sampling.rows import SampleOutput
-from worker_service.validation import PlanError, validate_plan
 
 logger = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SeqWork:
     """One request's share of a step."""
 
@@ -49,7 +49,8 @@ class SeqWork:
 
 class Compute(Protocol):
     """``run`` gives one sampled row per sampling ``SeqWork``, draft_len + 1
-    for a drafted one; ``ModelRunner`` accepts the drafts (drafts.py)."""
+    for a drafted one; ``ModelRunner`` accepts the drafts
+    (sampling/draft_acceptance.py)."""
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
 
@@ -113,17 +114,17 @@ class ModelRunner:
     def __init__(
         self,
         compute: Compute,
+        *,
         num_pages: int,
         page_size: int,
         vocab_size: int,
         max_context: int = 1 << 30,
         overlap: bool = False,
         grammars: GrammarCompiler | None = None,
-        adapters: AdapterStore | None = None,
     ) -> None:
         self.compute = compute
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
-        self.adapters = adapters or AdapterStore()
+        self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
         self.grammars = grammars
         self.num_pages = num_pages
@@ -160,12 +161,12 @@ class ModelRunner:
             validate_plan(
                 plan,
                 self.slots,
-                self.num_pages,
-                self.page_size,
-                self.vocab_size,
-                self.max_context,
-                self.adapters.slots,
-                loaded,
+                num_pages=self.num_pages,
+                page_size=self.page_size,
+                vocab_size=self.vocab_size,
+                max_context=self.max_context,
+                adapter_slots=self.adapters.slots,
+                loaded=loaded,
             )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
@@ -273,12 +274,12 @@ class ModelRunner:
                 state.tokens.extend(e.input_ids)
             work.append(
                 SeqWork(
-                    e.slot,
-                    state,
-                    e.start_pos,
-                    e.input_ids,
-                    e.sample,
-                    e.next_token,
+                    slot=e.slot,
+                    state=state,
+                    start=e.start_pos,
+                    inputs=e.input_ids,
+                    sample=e.sample,
+                    next_token=e.next_token,
                     draft_len=e.draft_len,
                 )
             )
@@ -288,7 +289,9 @@ class ModelRunner:
             state = slots[slot]
             if new_page:
                 state.pages.append(new_page - 1)
-            work.append(SeqWork(slot, state, pos, [state.tokens[-1]], True))
+            work.append(
+                SeqWork(slot=slot, state=state, start=pos, inputs=[state.tokens[-1]], sample=True)
+            )
         return work
 
     @staticmethod

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker_service.plan import ExtendSpec, Plan
-from worker_service.request_state import SlotState
+from worker_service.execution.plan import Extend, Plan
+from worker_service.execution.request_state import SlotState
 
 
 class PlanError(ValueError):
@@ -20,6 +20,7 @@ class PlanError(ValueError):
 def validate_plan(
     plan: Plan,
     slots: dict[int, SlotState],
+    *,
     num_pages: int,
     page_size: int,
     vocab_size: int,
@@ -98,7 +99,7 @@ def validate_plan(
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
 
 
-def _check_drafted(e: ExtendSpec, state: SlotState | None, sampled: bool) -> None:
+def _check_drafted(e: Extend, state: SlotState | None, sampled: bool) -> None:
     """A drafted extend (speculative decoding) verifies drafts after a decoding
     request's last sampled token: ``input_ids`` = that token, then the drafts.
     ``state``: the slot's state before the plan (None: it joins in this plan);

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.flashinfer_reference import (
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.flashinfer_reference import (
     _DECODE_TAG,
     _PREFILL_TAG,
     DECODE_GROUP_SIZES,

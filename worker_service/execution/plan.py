@@ -1,62 +1,30 @@
 """The worker's view of a step plan and its result (converted from and to the
-protocol in convert.py, the only module that knows both)."""
+protocol in convert.py, the only module that knows both). A join's sampling
+and logprob options, and a result's prompt logprobs, are the sampler's words
+(sampling/params.py, sampling/rows.py)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
+from worker_service.sampling.params import LogprobOptions, SamplingParams
+from worker_service.sampling.rows import PromptLogprobs
 
-class Mode(enum.Enum):
+
+class ForwardMode(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
     IDLE = "idle"
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    temperature: float = 1.0  # < 1e-6 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no limit
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    grammar: tuple[str, str] | None = None  # (kind, text): structured generation
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LogprobSpec:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
-
-
 @dataclass(slots=True)
-class JoinSpec:
+class Join:
     slot: int
     rid: str
-    sampling: SamplingSpec
-    logprobs: LogprobSpec
+    sampling: SamplingParams
+    logprobs: LogprobOptions
     prompt_len: int
     prefix_ids: list[int]
     num_output_tokens: int = 0
@@ -68,7 +36,7 @@ class JoinSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterSlotSpec:
+class AdapterSlot:
     """Adapter slot ``slot`` (1..N) holds adapter ``name`` from this plan on;
     "" empties it."""
 
@@ -77,7 +45,7 @@ class AdapterSlotSpec:
 
 
 @dataclass(slots=True)
-class ExtendSpec:
+class Extend:
     slot: int
     start_pos: int
     input_ids: list[int]
@@ -85,33 +53,23 @@ class ExtendSpec:
     sample: bool
     next_token: int | None = None
     # Speculative decoding: the last draft_len input_ids are drafts to verify
-    # (see ExtendSpec in protos/worker.proto).
+    # (see Extend in protos/worker.proto).
     draft_len: int = 0
 
 
 @dataclass(slots=True)
 class Plan:
     step_id: int
-    mode: Mode
+    mode: ForwardMode
     leaves: list[int] = field(default_factory=list)
-    joins: list[JoinSpec] = field(default_factory=list)
-    extends: list[ExtendSpec] = field(default_factory=list)
+    joins: list[Join] = field(default_factory=list)
+    extends: list[Extend] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
     # page appended to the slot's table, plus one; 0 = none
     decode_new_pages: list[int] = field(default_factory=list)
     # applied after the leaves, before the joins
-    adapter_slots: list[AdapterSlotSpec] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class PromptLogprobOut:
-    slot: int
-    start: int
-    logprobs: list[float]  # NaN for position 0
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-    ids_logprobs: list[float] = field(default_factory=list)
+    adapter_slots: list[AdapterSlot] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -126,7 +84,7 @@ class Result:
     top_logprobs: list[float] = field(default_factory=list)
     ids_counts: list[int] = field(default_factory=list)
     ids_logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     forward_ms: float = 0.0
     idle_ms: float = 0.0
     grammar_ended: list[int] = field(default_factory=list)  # indices into token_ids

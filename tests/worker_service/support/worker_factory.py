@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from worker_service.config import WorkerConfig
-from worker_service.model_runner import ModelRunner
+from worker_service.execution.model_runner import ModelRunner
 from worker_service.worker import Worker, build_worker
 
 

@@ -14,10 +14,10 @@ from common.worker_token import TokenCheck, TokenFileError, read_token
 from observability import health_port, tracing
 from observability.metrics_server import new_registry, serve_metrics
 from protos import worker_pb2, worker_pb2_grpc
-from worker_service.api import WorkerServicer
-from worker_service.call_budget import worker_threads
-from worker_service.call_guard import WorkerCallGuard
 from worker_service.config import WorkerConfig
+from worker_service.rpc.call_budget import worker_threads
+from worker_service.rpc.call_guard import WorkerCallGuard
+from worker_service.rpc.servicer import WorkerServicer
 from worker_service.telemetry.metrics import WorkerMetrics
 from worker_service.telemetry.step_tracing import StepTracer
 from worker_service.worker import Worker

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from common.simulated_model import SIMULATED_VOCAB, absorb, initial_state, token_of
-from worker_service.model_runner import SeqWork
+from worker_service.execution.model_runner import SeqWork
 from worker_service.sampling.grammar import allocate_bitmask
 from worker_service.sampling.rows import SampleOutput
 
@@ -82,7 +82,8 @@ class SimulatedCompute:
                     token = allowed[token_of(state, len(allowed))]
                 _emit(out, token)
                 # A drafted extend: a sample after each draft, as if the drafts
-                # before it were accepted (the runner accepts them, drafts.py).
+                # before it were accepted (the runner accepts them,
+                # sampling/draft_acceptance.py).
                 if w.draft_len:
                     for draft in w.inputs[len(w.inputs) - w.draft_len :]:
                         state = absorb(state, (draft,))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import ExtendSpec, JoinSpec, LogprobSpec, Mode, Plan, Result, SamplingSpec
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import Extend, ForwardMode, Join, Plan, Result
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 
 @dataclass
@@ -40,7 +41,7 @@ class DraftDriver:
 
     def new_plan(self) -> Plan:
         self.step_id += 1
-        return Plan(self.step_id, Mode.MIXED)
+        return Plan(self.step_id, ForwardMode.MIXED)
 
     def _pages_to(self, seq: Decoded, end: int) -> list[int]:
         new = [self.free.pop() for _ in range(-(-end // self.page_size) - len(seq.pages))]
@@ -51,14 +52,14 @@ class DraftDriver:
         self,
         slot: int,
         prompt: list[int],
-        sampling: SamplingSpec,
-        logprobs: LogprobSpec = LogprobSpec(),  # noqa: B008 (frozen)
+        sampling: SamplingParams,
+        logprobs: LogprobOptions = LogprobOptions(),  # noqa: B008 (frozen)
     ) -> Decoded:
         """Join and prefill: the first output token."""
         seq = Decoded(slot, list(prompt))
         plan = self.new_plan()
-        plan.joins.append(JoinSpec(slot, f"r{slot}", sampling, logprobs, len(prompt), []))
-        plan.extends.append(ExtendSpec(slot, 0, seq.prompt, self._pages_to(seq, len(prompt)), True))
+        plan.joins.append(Join(slot, f"r{slot}", sampling, logprobs, len(prompt), []))
+        plan.extends.append(Extend(slot, 0, seq.prompt, self._pages_to(seq, len(prompt)), True))
         seq.kv_len = len(prompt)
         self.take(seq, self.run(plan))
         return seq
@@ -78,7 +79,7 @@ class DraftDriver:
         new = self._pages_to(seq, end)
         last = seq.last if last is None else last
         plan.extends.append(
-            ExtendSpec(seq.slot, seq.kv_len, [last, *drafts], new, True, draft_len=len(drafts))
+            Extend(seq.slot, seq.kv_len, [last, *drafts], new, True, draft_len=len(drafts))
         )
         return plan
 

@@ -1,7 +1,7 @@
 """Reference implementations, in torch on the CPU, of the compiled FlashInfer modules
 that ``BatchPrefillWithPagedKVCacheWrapper`` and ``BatchDecodeWithPagedKVCacheWrapper``
 (flashinfer-python 0.7.2.post1, FA2 backend) call, so that the wrappers' own Python
-runs unchanged on a machine without a GPU (tests/worker_service/flashinfer_cpu_harness.py
+runs unchanged on a machine without a GPU (tests/worker_service/support/flashinfer_cpu_harness.py
 installs them).
 
 Each entry point takes the positional arguments of the real one (its C++ signature

@@ -10,15 +10,15 @@ import functools
 import numpy as np
 import torch
 
-from tests.worker_service.test_flashinfer_backend import make_batch
+from tests.worker_service.support.attention_batches import make_batch
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.torch_backend import TorchAttention
+from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, TorchKernels
-from worker_service.kv_cache import KvCache
 from worker_service.models.config import ModelConfig, RopeConfig
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope import inverse_frequencies
-from worker_service.plan import LogprobSpec, SamplingSpec
+from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.rows import SampleRow
 from worker_service.sampling.sampler import Sampler
 
@@ -127,12 +127,20 @@ def forward(model: LlamaForCausalLM, device: torch.device = CPU) -> tuple[torch.
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, None, model.dtype, device
     )
     attn = TorchAttention(spec)
-    kv = KvCache(cfg.num_layers, 64, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    kv = KvCache(
+        num_layers=cfg.num_layers,
+        num_pages=64,
+        page_size=16,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=model.dtype,
+        device=device,
+    )
     for layer in kv.layers:  # the prefixes the decodes read
         layer.copy_(torch.randn(layer.shape, generator=gen).to(layer))
     attn.begin_step(batch)
     ids = torch.randint(0, cfg.vocab_size, (batch.num_tokens,), generator=gen).to(device)
-    hidden = model(ids, batch.positions, attn, kv)
+    hidden = model(ids, batch.positions, attn=attn, kv=kv)
     return hidden, model.logits(hidden), kv.layers[0]
 
 
@@ -154,7 +162,7 @@ def sampler_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, list[SampleRow]]
     rng = np.random.default_rng(seed)
     rows, logits = [], []
     for i in range(n):
-        spec = SamplingSpec(
+        spec = SamplingParams(
             temperature=float(rng.choice([0.0, 0.3, 0.8, 1.0, 1.7])),
             top_k=int(rng.choice([-1, 1, 5, 40, 500, VOCAB, VOCAB + 7])),
             top_p=float(rng.choice([1.0, 0.95, 0.7, 0.2, 0.0])),
@@ -163,7 +171,7 @@ def sampler_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, list[SampleRow]]
             frequency_penalty=float(rng.choice([0.0, 0.5])),
         )
         output = rng.integers(0, VOCAB, size=int(rng.integers(0, 9))).tolist()
-        rows.append(SampleRow(spec, LogprobSpec(), (), output))
+        rows.append(SampleRow(spec, LogprobOptions(), (), output))
         logits.append(torch.randn(VOCAB, generator=gen) * float(rng.uniform(0.5, 6.0)))
     return torch.stack(logits), rows
 

@@ -3,8 +3,8 @@
 Only the rows that need logits reach the LM head: the last token of every
 sampling request (the last draft_len + 1 of a drafted extend, speculative
 decoding: one sampled row each, in one sampler call with the others; the
-runner accepts the drafts, drafts.py), and the prompt positions whose
-logprobs were asked for (the logits at position p score the prompt token at
+runner accepts the drafts, sampling/draft_acceptance.py), and the prompt
+positions whose logprobs were asked for (the logits at position p score the prompt token at
 p + 1). ``ModelRunner`` (model_runner.py) hands it each step's work in plan
 order; it runs a drafted step to its end (``run``), never overlapped, so no
 later step gathers its inputs from a drafted step's tokens.
@@ -22,17 +22,17 @@ import structlog
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
-from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.distributed import TensorParallel
-from worker_service.kv_cache import KvCache
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.transfer import to_device
+from worker_service.execution.cuda_graphs import DecodeGraphs
+from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
-from worker_service.model_runner import SeqWork
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.plan import LogprobSpec, PromptLogprobOut
 from worker_service.sampling.logprobs import token_logprobs
-from worker_service.sampling.rows import SampleOutput, SampleRow
+from worker_service.sampling.params import LogprobOptions
+from worker_service.sampling.rows import PromptLogprobs, SampleOutput, SampleRow
 from worker_service.sampling.sampler import SampleLaunch, Sampler
-from worker_service.transfer import to_device
 
 logger = structlog.get_logger(__name__)
 
@@ -55,7 +55,7 @@ class ModelStep:
     """A model step queued on the device (ModelCompute.launch)."""
 
     sample: SampleLaunch | None
-    prompt_logprobs: list[PromptLogprobOut] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -70,6 +70,7 @@ class ModelCompute:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        *,
         attn: AttentionBackend,
         kv: KvCache,
         sampler: Sampler,
@@ -96,14 +97,14 @@ class ModelCompute:
         }
 
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            hidden = self.model(inputs["ids"], inputs["positions"], self.attn, self.kv)
+            hidden = self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
             return self.model.logits(hidden)
 
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
         self.graphs.capture()
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
-        return self.finish(self.launch(work, num_extends, None))
+        return self.finish(self.launch(work, num_extends, previous=None))
 
     def launch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
@@ -121,7 +122,7 @@ class ModelCompute:
             if logits is not None:  # every row of a decode step samples
                 return ModelStep(self._sample(logits, work))
         self.attn.begin_step(batch)
-        hidden = self.model(input_ids, batch.positions, self.attn, self.kv, lora)
+        hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
         drafted = any(w.draft_len for w in work[:num_extends])
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
@@ -135,7 +136,7 @@ class ModelCompute:
             sample_rows = [
                 s.q_start + s.q_len - 1 for s, w in zip(batch.seqs, work, strict=True) if w.sample
             ]
-        step = ModelStep(None)
+        step = ModelStep(sample=None)
         if sample_rows:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
@@ -241,7 +242,7 @@ class ModelCompute:
         else:  # the tokens come from rank 0; the logprobs are rank 0's to report
             n = len(rows)
             tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            plain = [SampleRow(r.sampling, LogprobSpec(), (), ()) for r in rows]
+            plain = [SampleRow(r.sampling, LogprobOptions(), (), ()) for r in rows]
             zeros = torch.zeros((n, 1), dtype=torch.float32, device=self.device)
             launched = SampleLaunch(tokens, [zeros], plain)
         if self.tp.enabled:
@@ -287,7 +288,7 @@ class ModelCompute:
             for j in range(1, w.draft_len + 1)
         ]
 
-    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobOut:
+    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobs:
         """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:
         a long prompt's full float32 logits (rows x vocabulary) would not fit."""
         w, state = span.work, span.work.state
@@ -301,7 +302,7 @@ class ModelCompute:
             dtype=np.int64,
         )
         head = [math.nan] if span.start == 0 else []
-        out = PromptLogprobOut(w.slot, span.start, head)
+        out = PromptLogprobs(w.slot, span.start, head)
         rows = np.array(span.rows, dtype=np.int64)
         for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
             index, ids = to_device(
@@ -309,7 +310,9 @@ class ModelCompute:
                 self.device,
             )
             logits = self.model.logits(hidden.index_select(0, index))
-            scored = token_logprobs(logits, ids, lp.top_logprobs_num, lp.token_ids_logprob)
+            scored = token_logprobs(
+                logits, ids, top_n=lp.top_logprobs_num, token_ids=lp.token_ids_logprob
+            )
             out.logprobs += scored.logprobs
             if lp.top_logprobs_num:
                 out.top_ids += [i for ids_ in scored.top_ids for i in ids_]

@@ -29,6 +29,7 @@ def parse_bytes(text: str | int) -> int:
 class KvCache:
     def __init__(
         self,
+        *,
         num_layers: int,
         num_pages: int,
         page_size: int,
@@ -53,7 +54,7 @@ class KvCache:
 
     @staticmethod
     def bytes_per_page(
-        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
@@ -62,22 +63,30 @@ class KvCache:
     def pages_for_budget(
         cls,
         budget_bytes: int,
+        *,
         num_layers: int,
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
     ) -> int:
-        per_page = cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        per_page = cls.bytes_per_page(
+            num_layers=num_layers,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
         return budget_bytes // per_page
 
     def write(
         self,
         layer: int,
-        pages: torch.Tensor,
-        offsets: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
     ) -> None:
         """Store k, v (T, kv_heads, head_dim) of T positions at (pages[i], offsets[i])."""
         cache = self.layers[layer]

@@ -27,7 +27,7 @@ What is replaced, and why:
   the tensors in ``Placement`` (the device copy is a real copy), the plan event is a
   no-op.
 * For CUDA graphs (``install_graph_stand_ins``): ``torch.cuda.CUDAGraph`` /
-  ``graph`` / streams / ``synchronize`` as used by worker_service/cuda_graphs.py,
+  ``graph`` / streams / ``synchronize`` as used by worker_service/execution/cuda_graphs.py,
   backed by flashinfer_reference.GraphTape; our ``store_kv`` launches through the
   tape too, since under a real graph its ``index_copy_`` is a captured kernel.
 """
@@ -44,13 +44,13 @@ import pytest
 import torch
 
 import worker_service.attention.flashinfer_backend as backend
-from tests.worker_service import flashinfer_reference as reference
-from tests.worker_service.flashinfer_reference import (
+from tests.worker_service.support import flashinfer_reference as reference
+from tests.worker_service.support.flashinfer_reference import (
     GraphTape,
     KernelContractError,
     Placement,
 )
-from tests.worker_service.flashinfer_reference_modules import (
+from tests.worker_service.support.flashinfer_reference_modules import (
     ReferenceDecodeModule,
     ReferencePrefillModule,
 )
@@ -236,7 +236,7 @@ class _Stream:
 
 
 def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let worker_service.cuda_graphs.DecodeGraphs capture and replay on the CPU."""
+    """Let worker_service.execution.cuda_graphs.DecodeGraphs capture and replay on the CPU."""
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())

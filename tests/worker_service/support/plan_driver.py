@@ -11,19 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_service.model_runner import ModelRunner
-from worker_service.plan import (
-    AdapterSlotSpec,
-    ExtendSpec,
-    JoinSpec,
-    LogprobSpec,
-    Mode,
-    Plan,
-    PromptLogprobOut,
-    SamplingSpec,
-)
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import AdapterSlot, Extend, ForwardMode, Join, Plan
+from worker_service.sampling.params import LogprobOptions, SamplingParams
+from worker_service.sampling.rows import PromptLogprobs
 
-GREEDY = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -32,8 +25,8 @@ class DriverRequest:
     max_new: int
     arrive: int = 0  # step at which it joins
     share_from: int | None = None  # index of an earlier request whose pages it reuses
-    sampling: SamplingSpec = GREEDY
-    logprobs: LogprobSpec = field(default_factory=LogprobSpec)
+    sampling: SamplingParams = GREEDY
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     adapter_slot: int = 0  # LoRA: 0 = base model
     # filled in while running
     slot: int = -1
@@ -65,7 +58,7 @@ class PlanDriver:
         self,
         reqs: list[DriverRequest],
         max_steps: int = 10_000,
-        adapter_slots: list[AdapterSlotSpec] | None = None,
+        adapter_slots: list[AdapterSlot] | None = None,
     ) -> list[DriverRequest]:
         """``adapter_slots`` ride on the first plan that runs."""
         for i, r in enumerate(reqs):
@@ -73,7 +66,7 @@ class PlanDriver:
         step = 0
         assign = list(adapter_slots or [])
         while not all(r.done for r in reqs):
-            plan = Plan(self.step_id, Mode.MIXED)
+            plan = Plan(self.step_id, ForwardMode.MIXED)
             decoding: list[DriverRequest] = []
             for r in reqs:
                 if r.done or r.arrive > step:
@@ -114,7 +107,7 @@ class PlanDriver:
             r.kv_len = n_pages * self.page_size
             prefix = r.prompt[: r.kv_len]
         plan.joins.append(
-            JoinSpec(
+            Join(
                 r.slot,
                 f"r{r.slot}",
                 r.sampling,
@@ -134,7 +127,7 @@ class PlanDriver:
         pages = r.pages[:known] + new if known is not None else new
         nxt = r.prompt[end] if end < len(r.prompt) else None
         plan.extends.append(
-            ExtendSpec(r.slot, start, r.prompt[start:end], pages, end == len(r.prompt), nxt)
+            Extend(r.slot, start, r.prompt[start:end], pages, end == len(r.prompt), nxt)
         )
         r.kv_len = end
 
@@ -158,9 +151,9 @@ class PlanDriver:
 
     def _leave(self, slot: int) -> None:
         """Leaves ride on the next plan; pages are not reused by this driver."""
-        self.runner.execute(Plan(self.step_id + 100_000 + slot, Mode.IDLE, leaves=[slot]))
+        self.runner.execute(Plan(self.step_id + 100_000 + slot, ForwardMode.IDLE, leaves=[slot]))
 
     @staticmethod
-    def _take_prompt_logprobs(r: DriverRequest, p: PromptLogprobOut) -> None:
+    def _take_prompt_logprobs(r: DriverRequest, p: PromptLogprobs) -> None:
         for i, lp in enumerate(p.logprobs):
             r.prompt_logprobs[p.start + i] = lp

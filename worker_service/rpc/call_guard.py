@@ -17,9 +17,9 @@ import grpc
 import structlog
 
 from common.worker_token import TokenCheck
-from worker_service.call_budget import ADAPTER_LOADS, TOKENIZER_STREAMS, CallSlots
-from worker_service.request_decoding import Undecodable, tolerant
-from worker_service.session import parse_plan
+from worker_service.rpc.call_budget import ADAPTER_LOADS, TOKENIZER_STREAMS, CallSlots
+from worker_service.rpc.request_decoding import Undecodable, tolerant
+from worker_service.rpc.session import parse_plan
 from worker_service.telemetry.metrics import WorkerMetrics
 
 logger = structlog.get_logger(__name__)
