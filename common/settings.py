@@ -143,6 +143,7 @@ def add_flags(
     cls: type,
     env: Mapping[str, str] | None,
     prefix: str,
+    *,
     only: frozenset[str] | None = None,
     rename: Mapping[str, str] | None = None,
 ) -> None:

@@ -255,7 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="radixserve", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model: a worker group and the scheduler")
-    add_flags(s, WorkerConfig, os.environ, WORKER_ENV_PREFIX, WORKER_FLAGS, WORKER_FLAG_NAMES)
+    add_flags(
+        s, WorkerConfig, os.environ, WORKER_ENV_PREFIX, only=WORKER_FLAGS, rename=WORKER_FLAG_NAMES
+    )
     add_service_flags(s, os.environ)
     e = sub.add_parser("export-tokenizer", help="write the model's tokenizer files to DIR")
     e.add_argument("dir")

@@ -1,9 +1,10 @@
 """Sampling parameters are declared in four families: the client's
 ``Sampling``, the core's ``SamplingParams``, the worker protocol's
-``SamplingParams`` message and the worker's ``SamplingParams`` (worker_service/sampling/params.py). This test
-fails when a knob is added to one and not carried by the others (or
-declared here as deliberately not carried, with why), and checks that every
-knob the worker samples with survives the trip core -> wire -> worker."""
+``SamplingParams`` message and the worker's ``SamplingParams``
+(worker_service/sampling/params.py). This test fails when a knob is added
+to one and not carried by the others (or declared here as deliberately not
+carried, with why), and checks that every knob the worker samples with
+survives the trip core -> wire -> worker."""
 
 from __future__ import annotations
 
