@@ -64,11 +64,13 @@ class AdapterLoader:
 
     def _done(self, token: int) -> ipc.AdapterReply:
         """The load or unload of ``token`` succeeded."""
-        return ipc.AdapterReply(token, True, "", self.snapshot(), "OK")
+        return ipc.AdapterReply(token, ok=True, message="", adapters=self.snapshot())
 
     def _refused(self, token: int, message: str, code: str) -> ipc.AdapterReply:
         """It failed: ``code`` is the gRPC status the API answers with."""
-        return ipc.AdapterReply(token, False, message, self.snapshot(), code)
+        return ipc.AdapterReply(
+            token, ok=False, message=message, adapters=self.snapshot(), code=code
+        )
 
     # ------------------------------------------------------------------ load
     def preload(self, entries: list[tuple[str, str]]) -> None:
