@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 
 import pytest
 import torch
@@ -98,18 +97,17 @@ def serve(
     for r in reqs:
         sched.add_request(r)
     logprobs: dict[str, list] = {r.rid: [] for r in reqs}
-    inflight: deque[int] = deque()
+    inflight = sched.in_flight()  # the plans sent, oldest first (the scheduler's record)
     while not sched.is_idle() or inflight:
         plan = sched.step()
         sched.check_integrity()
         if plan is not None:
             plans.put(codec.encode(plan))
-            inflight.append(plan.step_id)
         if inflight and (len(inflight) > LAG or plan is None):
             msg = results.get(timeout=60)
             assert not msg.error, msg.error
-            assert msg.step_id == inflight.popleft()
-            sched.update(codec.decode(msg))
+            assert msg.step_id == inflight[0].step_id
+            sched.update(codec.decode(msg, inflight[0]))
             sched.check_integrity()
         for d in sched.drain():
             logprobs[d.req.rid] += [lp.logprob if lp else None for lp in d.logprobs]
