@@ -6,9 +6,10 @@ token after a prompt's last chunk and each token of a drafted row (the
 accepted drafts and the sample after them) all go through it, with the
 finish check after each; tokens after a finish are dropped.
 
-``apply_result`` changes the requests' own token state and queues their
-deltas; it moves no request anywhere: it returns the ones that finished,
-with why, for the scheduler to finish (release, leave the worker, forget).
+``apply_result`` changes the requests' own token state and writes nothing
+of the scheduler's: it returns a ``Receipt`` (the deltas, the requests that
+finished and why, token counts) for the scheduler to take in (finish them
+through the request table, queue the deltas, count).
 
 Finish order, for the token just appended (SGLang's update_finish_state
 order): the end of its grammar (structured generation), stop string, then
@@ -21,10 +22,10 @@ enforces the same rule for stop strings and for workers that do not mask
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_service.core.outputs import RequestDelta, SchedulerStats
+from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.plan import (
     PlanEntry,
     ProtocolError,
@@ -49,13 +50,20 @@ class StopStringChecker(Protocol):
 
 @dataclass(slots=True)
 class Receipt:
-    """What receiving tokens needs besides the tokens: one per result."""
+    """What one result brought: the deltas for the clients, the requests it
+    finished (in order, their finish delta among the deltas) and the token
+    counts for the statistics. ``apply_result`` fills and returns it; the
+    scheduler takes it in."""
 
     now: float
-    stats: SchedulerStats
-    outbox: list[RequestDelta]
     eos_ids: frozenset[int]
     stop_strings: StopStringChecker | None
+    deltas: list[RequestDelta] = field(default_factory=list)
+    finished: list[tuple[Request, FinishReason]] = field(default_factory=list)
+    generated: int = 0
+    discarded: int = 0  # sampled for requests that had moved on, or after a finish
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def check_finish(
@@ -102,7 +110,7 @@ def receive_token(
     output_ids.append(token)
     delta.new_token_ids.append(token)
     delta.logprobs.append(lp)
-    r.stats.generated_tokens += 1
+    r.generated += 1
     sp = req.sampling
     n = len(output_ids)
     if (
@@ -124,14 +132,20 @@ def receive_token(
 
 
 def apply_result(
-    plan: StepPlan, result: StepResult, r: Receipt
-) -> list[tuple[Request, FinishReason]]:
-    """Apply ``result`` (the answer to ``plan``); return the requests it
-    finished, in order, their finish delta already queued.
+    plan: StepPlan,
+    result: StepResult,
+    *,
+    now: float,
+    eos_ids: frozenset[int],
+    stop_strings: StopStringChecker | None,
+) -> Receipt:
+    """Apply ``result`` (the answer to ``plan``) to its requests' tokens; what
+    it brought (``Receipt``).
 
     A result answers its plan in plan order: one output per sampling entry
     (extends, then decodes), then outputs for extends that sampled nothing
     but scored prompt positions (prompt logprobs), in any order."""
+    r = Receipt(now, eos_ids, stop_strings)
     step = plan.step_id
     extends = plan.extends
     sampling = [e for e in extends if e.sample] + plan.decodes if extends else plan.decodes
@@ -140,8 +154,7 @@ def apply_result(
     if len(outputs) < n or (len(outputs) > n and outputs[n].token_id is not None):
         tokens = sum(1 for out in outputs if out.token_id is not None)
         raise ProtocolError(f"step {step}: {tokens} sampled tokens for {n} sampling entries")
-    finished: list[tuple[Request, FinishReason]] = []
-    now, outbox = r.now, r.outbox
+    finished, deltas = r.finished, r.deltas
     for entry, out in zip(sampling, outputs, strict=False):  # the rest: after the loop
         req = entry.req
         token = out.token_id
@@ -162,7 +175,7 @@ def apply_result(
             if req.times.first_token is None:
                 req.times.first_token = now
             delta = RequestDelta(req, [], [])
-            outbox.append(delta)
+            deltas.append(delta)
             reason = receive_token(
                 req, token, out.logprobs, delta, r=r, grammar_ended=out.grammar_ended
             )
@@ -175,7 +188,7 @@ def apply_result(
             if entry is None or out.token_id is not None:
                 raise ProtocolError(f"step {step} has no entry without a sample for {out.rid!r}")
             _receive(entry, out, r, step)
-    return finished
+    return r
 
 
 def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> FinishReason | None:
@@ -191,13 +204,13 @@ def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> Fin
         raise ProtocolError(f"step {step}: prompt logprobs for drafted {out.rid}")
     if req.epoch != entry.epoch:  # it moved on since: what it sampled is stale
         if token is not None:
-            r.stats.discarded_tokens += 1 + len(out.more_tokens or ())
+            r.discarded += 1 + len(out.more_tokens or ())
         return None
     if token is None:  # a prefill chunk: only prompt logprobs can come back
         delta = RequestDelta(req, [], [])
         take_prompt_logprobs(req, out, delta)
         if delta.prompt_logprobs:
-            r.outbox.append(delta)
+            r.deltas.append(delta)
         return None
     delta = RequestDelta(req, [], [])
     if out.prompt_logprobs:
@@ -205,7 +218,7 @@ def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> Fin
     req.pending -= 1
     if req.times.first_token is None:
         req.times.first_token = r.now
-    r.outbox.append(delta)
+    r.deltas.append(delta)
     if drafts is None:
         return receive_token(req, token, out.logprobs, delta, r=r, grammar_ended=out.grammar_ended)
     return _receive_drafted(entry, out, delta, r)
@@ -233,15 +246,14 @@ def _receive_drafted(
     req.kv_len = entry.start_pos + accepted + 1
     req.spec_draft_tokens += len(drafts)
     req.spec_accepted_tokens += accepted
-    stats = r.stats
-    stats.spec_draft_tokens += len(drafts)
-    stats.spec_accepted_tokens += accepted
+    r.draft_tokens += len(drafts)
+    r.accepted_tokens += accepted
     last = len(tokens) - 1
     for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         ended = out.grammar_ended and i == last  # it is about the entry's last token
         reason = receive_token(req, token, lp, delta, r=r, grammar_ended=ended)
         if reason is not None:
-            stats.discarded_tokens += last - i
+            r.discarded += last - i
             return reason
     return None
 

@@ -57,7 +57,7 @@ from scheduler_service.core.request import (
     Request,
 )
 from scheduler_service.core.request_table import RequestTable
-from scheduler_service.core.results import Receipt, StopStringChecker, apply_result
+from scheduler_service.core.results import StopStringChecker, apply_result
 from scheduler_service.core.spec.drafts import Drafter, NgramDrafter
 from scheduler_service.core.spec.rows import DraftWatch
 from scheduler_service.core.spec.settle import settle_drafts
@@ -429,13 +429,22 @@ class Scheduler:
             expected = inflight[0].step_id if inflight else None
             raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
         plan = inflight.popleft()
-        receipt = Receipt(
-            self._clock(), self.stats, self._outbox, self.config.eos_token_ids, self._stop_strings
+        got = apply_result(
+            plan,
+            result,
+            now=self._clock(),
+            eos_ids=self.config.eos_token_ids,
+            stop_strings=self._stop_strings,
         )
-        finished = apply_result(plan, result, receipt)
+        self._outbox += got.deltas
+        stats = self.stats
+        stats.generated_tokens += got.generated
+        stats.discarded_tokens += got.discarded
+        stats.spec_draft_tokens += got.draft_tokens
+        stats.spec_accepted_tokens += got.accepted_tokens
         if plan.drafted:
             settle_drafts(plan, self.kv, self._step_id)
-        for req, reason in finished:
+        for req, reason in got.finished:
             self._finish(req, reason, emit=False)  # its delta says it finished
         if self.table.scoring:  # max_new_tokens 0: done once its last chunk is back
             for e in plan.extends:
