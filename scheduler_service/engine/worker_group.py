@@ -327,17 +327,18 @@ class WorkerGroup:
         for rank in self.ranks:
             rank.plans.put(plan)
 
-    def receive(self) -> pb.StepResult:
-        """The next result (rank 0's); blocks until every rank has answered,
-        at most the step deadline. StepFailed if a rank answered an error."""
+    def receive(self, tokens: int = 0) -> pb.StepResult:
+        """The next result (rank 0's), of a step computing ``tokens`` tokens;
+        blocks until every rank has answered, at most the step deadline for
+        that many. StepFailed if a rank answered an error."""
         deadline = self.deadline
         t0 = time.monotonic()
-        self._watchdog.arm(deadline.current_s, "a step result (--worker-step-timeout)")
+        self._watchdog.arm(deadline.for_step(tokens), "a step result (--worker-step-timeout)")
         try:
             results = [self._next(rank) for rank in self.ranks]
         finally:
             self._watchdog.disarm()
-        deadline.observe(time.monotonic() - t0)
+        deadline.observe(time.monotonic() - t0, tokens)
         for rank, r in zip(self.ranks, results, strict=True):
             if r.error:
                 raise StepFailed(

@@ -31,9 +31,7 @@ def _slow_step() -> pb.StepPlan:
     return plan
 
 
-def test_an_opening_taken_after_the_scheduler_gave_up_does_not_lock_it_out(
-    tmp_path, monkeypatch
-):
+def test_an_opening_taken_after_the_scheduler_gave_up_does_not_lock_it_out(tmp_path, monkeypatch):
     monkeypatch.setattr(worker_group, "OPEN_TIMEOUT_S", 0.5)
     args = ("--model", "simulated", "--simulated-step-ms", str(STEP_S * 1000))
     with worker_processes(tmp_path, (*args, "--log-level", "info")) as (address,):
@@ -45,7 +43,9 @@ def test_an_opening_taken_after_the_scheduler_gave_up_does_not_lock_it_out(
             time.sleep(0.3)
             group.drop_streams()  # as after a loss: a new session must take over
             group.try_connect()
-            with pytest.raises(WorkerError, match="within 0.5 s, waiting for the session opening"):
+            with pytest.raises(
+                WorkerError, match=r"within 0\.5 s, waiting for the session opening"
+            ):
                 group.open()
             # The worker takes that abandoned opening when its step ends; the
             # scheduler retries (as recovery does) and must get in.
