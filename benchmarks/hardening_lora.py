@@ -115,6 +115,12 @@ def lora_flood(dep: Deployment, probe: Probe, quiet_s: float, workdir: Path) -> 
     problems: list[str] = []
     ids = [f"a{i}" for i in range(max_loaded)]
     with ProbeLoop(probe) as loop, ThreadPoolExecutor(8) as pool:
+        # the bad paths while there is room (past the limit they are refused for that)
+        tries = [(f"bad{i}", path) for i, path in enumerate(bad.values())]
+        refusals = dict(zip(bad, pool.map(lambda t: _load(dep, *t), tries), strict=True))
+        for label, (code, seconds, details) in refusals.items():
+            if code not in REFUSALS or seconds > 10:
+                problems.append(f"bad path {label}: {code} after {seconds:.1f} s ({details[:100]})")
         loads = list(pool.map(lambda i: _load(dep, ids[i], str(adapters[i])), range(max_loaded)))
         problems += [
             f"load {ids[i]}: {c} {d[:100]}" for i, (c, _, d) in enumerate(loads) if c != "OK"
@@ -122,11 +128,6 @@ def lora_flood(dep: Deployment, probe: Probe, quiet_s: float, workdir: Path) -> 
         past = _load(dep, "past", str(adapters[max_loaded]))
         if past[0] != "RESOURCE_EXHAUSTED":
             problems.append(f"a load past --max-loaded-loras: {past[0]} {past[2][:100]}")
-        tries = [(f"bad{i}", path) for i, path in enumerate(bad.values())]
-        refusals = dict(zip(bad, pool.map(lambda t: _load(dep, *t), tries), strict=True))
-        for label, (code, seconds, details) in refusals.items():
-            if code not in REFUSALS or seconds > 10:
-                problems.append(f"bad path {label}: {code} after {seconds:.1f} s ({details[:100]})")
         reference = {a: _generate(dep, a, 0) for a in ids[:4]}
         # requests on every adapter, and an unload of one of them meanwhile
         gens = [pool.submit(_generate, dep, ids[k % max_loaded], k) for k in range(16)]
