@@ -62,6 +62,7 @@ class Engine:
         self.check_integrity = check_integrity
         self.codec = WorkerCodec()
         self.inflight: deque[int] = deque()  # step ids sent, oldest first
+        self._tokens: dict[int, int] = {}  # step id in flight -> its tokens
         self.running = True
         self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
         self.recovery = WorkerRecovery(
@@ -141,13 +142,14 @@ class Engine:
             if plan is not None:
                 self.group.send(self.codec.encode(plan))
                 self.inflight.append(plan.step_id)
+                self._tokens[plan.step_id] = plan.num_tokens
                 if self.tracer is not None:
                     self.tracer.planned(plan)
             # The last update's outputs go out once the next plan is on its
             # way: publishing is off the path from a result to the next plan.
             self._publish()
             if self.inflight and (len(self.inflight) > self.lag or plan is None):
-                msg = self.group.receive()
+                msg = self.group.receive(self._tokens.pop(self.inflight[0], 0))
                 step_id = self.inflight.popleft()
                 if self.tracer is not None:
                     self.tracer.result(step_id)
@@ -170,6 +172,7 @@ class Engine:
         False if the service is shutting down meanwhile."""
         recovery = self.recovery
         self.inflight.clear()
+        self._tokens.clear()
         self.codec.forget_worker()
         if self.tracer is not None:
             self.tracer.forget_steps()
