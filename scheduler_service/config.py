@@ -186,8 +186,9 @@ class EngineConfig:
     worker_step_timeout_s: float = setting(
         0.0,
         "a step result not back within this many seconds counts as a lost worker group "
-        "(recovery runs); 0: max(60, 20 x the p99 of the last 1024 steps' waits). Raise it "
-        "where one prefill chunk can take longer (a large model on CPU)",
+        "(recovery runs); 0: max(60, 20 x the p99 of the last 1024 steps' waits, the step's "
+        "tokens x 20 x the p99 seconds per token of recent steps of 32+ tokens, at least "
+        "0.05 s a token)",
         flag="--worker-step-timeout",
         metavar="SECONDS",
         parse=_at_least_zero(float),

@@ -194,9 +194,14 @@ class AdminRpcs:
                 "KV event replay cursors are per subscription; resubscribe with zero and rebuild",
             )
         # A cache-aware router (the SMG gateway) subscribes once per scheduler.
-        logger.info("KV event subscriber joined", peer=context.peer())
+        # The peer is read now: this generator may be closed after its call
+        # ended (a cancelled call's generator is finalized later), and
+        # grpc.aio's context then points at a freed call: context.peer() there
+        # crashed the API process with a segfault in cygrpc.
+        peer = context.peer()
+        logger.info("KV event subscriber joined", peer=peer)
         try:
             async for batch in self.publisher.subscribe():
                 yield batch
         finally:
-            logger.info("KV event subscriber left", peer=context.peer())
+            logger.info("KV event subscriber left", peer=peer)

@@ -106,6 +106,11 @@ class CoreClient:
         self._load_listeners: list[Callable[[ipc.Load], None]] = []
         self._change_listeners: list[Callable[[], None]] = []
         self._pipe: Pipe | None = None
+        # New calls wait on it while a successor core is on its way (set: a
+        # core takes work, or nobody may wait any more).
+        self._wake = asyncio.Event()
+        self._holding = True  # False once the server drains
+        self.held = 0  # samples of the calls waiting on it
 
     # ------------------------------------------------------------ up, down
     def attach(self, pipe: Pipe | None) -> None:
@@ -118,12 +123,14 @@ class CoreClient:
         self.ready = ready
         self.adapters = ready.adapters if adapters is None else adapters
         self.failed, self.stuck = None, None
+        self._wake.set()
         self._changed()
 
     def down(self, message: str, failure: type[CoreUnavailable] = CoreUnavailable) -> None:
         """The core stopped: the calls in flight and pending operations end
         with ``failure(message)``, as does new work until ``up``."""
         self.failed, self._failure = message, failure
+        self._sleep()
         error = self.error()
         self.fail_pending(error)
         for call in {id(c): c for c in self._calls.values()}.values():
@@ -137,7 +144,42 @@ class CoreClient:
         """What new work meets from now on (nothing is in flight); ``stuck``:
         why only a restart of this process would help (liveness)."""
         self.failed, self._failure, self.stuck = message, failure, stuck
+        self._sleep()
         self._changed()
+
+    def _sleep(self) -> None:
+        if self._holding:
+            self._wake.clear()
+
+    async def wait_restart(self, samples: int) -> None:
+        """While a successor core is on its way, a new call waits for it (at
+        most --worker-recovery-timeout) instead of failing at once, as
+        requests wait out a lost worker group: a gateway in front retries a refused call a few
+        times within a second and counts each refusal against the unit, so
+        refusing for the seconds of a restart opened its circuit breaker for
+        a minute (docs/design.md section 4, Core loss). Returns at once when
+        the core takes work, or cannot come back by itself (``stuck``), or
+        the server drains; the submit after it then meets what is left."""
+        if not self.failed or self._failure is not CoreRestarting or self.stuck:
+            return
+        limit = self.config.limits.max_queued_requests
+        if limit > 0 and self.queued + self.held + samples > limit:
+            raise QueueFull(
+                f"the server is overloaded: {self.queued + self.held} requests wait, the limit "
+                f"(--max-queued-requests) is {limit}; retry later"
+            )
+        self.held += samples
+        try:
+            with contextlib.suppress(TimeoutError):
+                timeout_s = self.config.engine.worker_recovery_timeout_s
+                await asyncio.wait_for(self._wake.wait(), timeout_s)
+        finally:
+            self.held -= samples
+
+    def stop_holding(self) -> None:
+        """The server drains: calls waiting for a restarting core go now."""
+        self._holding = False
+        self._wake.set()
 
     def fail_pending(self, error: CoreUnavailable) -> None:
         for fut in [*self._flushes.values(), *self._adapter_ops.values()]:

@@ -5,8 +5,10 @@ hands its messages to the CoreClient and, when a core that has served dies
 (killed, crashed, or stopped on an internal error), ends the calls in flight
 through the client and spawns a successor with backoff
 (common/restart_backoff.py: 1 s doubling to 30 s, from 1 s again after a
-core that stayed up 60 s). Meanwhile new work is refused UNAVAILABLE with a
-message that names the core, and readiness is NOT_SERVING (readiness.py).
+core that stayed up 60 s). Meanwhile new Generate calls wait for the
+successor (CoreClient.wait_restart, at most --worker-recovery-timeout), other
+new work is refused UNAVAILABLE with a message that names the core, and
+readiness is NOT_SERVING (readiness.py).
 
 A successor opens its worker sessions above its predecessor's epoch (it reads
 the workers' highest; docs/design.md section 4), so it takes the group over

@@ -113,6 +113,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         """From now on HealthCheck says the server is going away and new
         Generate calls end UNAVAILABLE (a gateway retries them elsewhere)."""
         self.shutting_down = True
+        self.core.stop_holding()
 
     # ------------------------------------------------------------ Generate
     async def Generate(
@@ -142,6 +143,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 g = g.traced(obs.accepted(g))
                 await self._check_grammar(g, context)
                 await self.core.wait_free([s.rid for s in g.samples], RID_REUSE_GRACE_S)
+                await self.core.wait_restart(len(g.samples))
+                if self.shutting_down:  # it began while the call waited
+                    code, message = "UNAVAILABLE", SHUTTING_DOWN
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, message)
                 call = self.core.submit(g.samples)
             except (InvalidRequestError, ValueError) as e:
                 code, message = "INVALID_ARGUMENT", str(e)

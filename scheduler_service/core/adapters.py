@@ -76,9 +76,10 @@ class AdapterSlots:
                 f"an adapter named {adapter.name!r} is already loaded", "ALREADY_EXISTS"
             )
         if len(self.loaded) + loading >= self.max_loaded:
+            being = f" and {loading} being loaded" if loading else ""
             raise AdapterError(
-                f"{len(self.loaded)} adapters are loaded, the limit (--max-loaded-loras); "
-                "unload one first",
+                f"{len(self.loaded)} adapters are loaded{being}, the limit "
+                f"(--max-loaded-loras) is {self.max_loaded}; unload one first",
                 "RESOURCE_EXHAUSTED",
             )
         if adapter.pinned and self.pinned_count() >= self.max_per_batch - 1:

@@ -9,6 +9,12 @@ nothing is half-loaded. Unloading is refused while a request (waiting or
 running) uses the adapter; the worker keeps a slot's adapter until a plan
 reassigns the slot, so an unload never races a plan in flight.
 
+At most MAX_LOADS_IN_FLIGHT loads run on the ranks at once, the worker's
+own bound on LoadAdapter calls (past it a worker refuses the call: it bounds
+a stranger's slow reads); more wait here in order. Eight concurrent
+LoadLoRAAdapter calls, --max-loaded-loras' default, used to see four refused
+as "worker unreachable" (issue 27, second hardening round).
+
 After a worker loss the group that comes back has no adapter: ``reload_all``
 loads every registered adapter on it before the first plan, so re-prefilled
 requests run with theirs.
@@ -30,6 +36,8 @@ from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 logger = structlog.get_logger(__name__)
 
 LOAD_TIMEOUT_S = 300.0
+# worker_service/call_budget.py ADAPTER_LOADS (a test keeps the two equal)
+MAX_LOADS_IN_FLIGHT = 4
 # Words of a worker's refusal that mean the directory or a file is missing.
 _MISSING = ("no such", "not found", "does not exist", "missing")
 
@@ -51,10 +59,11 @@ class AdapterLoader:
         self.group = group
         self.max_rank = max_rank
         self._loading: list[_Loading] = []
+        self._queued: list[ipc.LoadAdapter] = []  # waiting for a load to end
 
     @property
     def busy(self) -> bool:
-        return bool(self._loading)
+        return bool(self._loading or self._queued)
 
     def snapshot(self) -> list[ipc.AdapterInfo]:
         return [
@@ -90,7 +99,7 @@ class AdapterLoader:
     def start_load(self, msg: ipc.LoadAdapter) -> ipc.AdapterReply | None:
         """Begin loading; an answer now if it is refused at once."""
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
-        busy = [w.msg for w in self._loading]
+        busy = [w.msg for w in self._loading] + self._queued
         if any(m.lora_id == msg.lora_id or m.name == adapter.name for m in busy):
             return self._refused(
                 msg.token, f"adapter {msg.lora_id!r} is being loaded", "ALREADY_EXISTS"
@@ -99,9 +108,15 @@ class AdapterLoader:
             self.sched.check_adapter(adapter, loading=len(busy))
         except AdapterError as e:
             return self._refused(msg.token, str(e), e.code)
+        if len(self._loading) >= MAX_LOADS_IN_FLIGHT:
+            self._queued.append(msg)
+        else:
+            self._send(msg)
+        return None
+
+    def _send(self, msg: ipc.LoadAdapter) -> None:
         futures = self.group.load_adapter(msg.lora_id, msg.path, self.max_rank, LOAD_TIMEOUT_S)
         self._loading.append(_Loading(msg, futures, time.monotonic()))
-        return None
 
     def poll(self) -> list[ipc.AdapterReply]:
         """Answers for the loads every rank has finished."""
@@ -114,15 +129,16 @@ class AdapterLoader:
             else:
                 still.append(job)
         self._loading = still
+        while self._queued and len(self._loading) < MAX_LOADS_IN_FLIGHT:
+            self._send(self._queued.pop(0))
         return replies
 
     def _finish(self, job: _Loading) -> ipc.AdapterReply:
         msg = job.msg
-        error, unreachable = self._first_error(job.futures)
+        error, code = self._first_error(job.futures)
         if error:
             self.group.unload_adapter(msg.lora_id)  # from the ranks that took it
-            code = "UNAVAILABLE" if unreachable else _code_of(error)
-            return self._refused(msg.token, error, code)
+            return self._refused(msg.token, error, code or _code_of(error))
         adapter = Adapter(msg.lora_id, msg.name or msg.lora_id, msg.path, msg.pinned)
         try:
             self.sched.register_adapter(adapter)
@@ -140,23 +156,28 @@ class AdapterLoader:
         return self._done(msg.token)
 
     @staticmethod
-    def _first_error(futures: list) -> tuple[str, bool]:
+    def _first_error(futures: list) -> tuple[str, str]:
         """The ranks' LoadAdapter answers (waited for): the first refusal ('' if
-        none), and whether it is a rank that could not be reached."""
+        none), and its code when the call itself failed: RESOURCE_EXHAUSTED (the
+        worker's loads are all taken: strangers' on a worker without a token),
+        else UNAVAILABLE ('' for the adapter's own refusal)."""
         for f in futures:
             try:
                 response = f.result()
             except grpc.RpcError as e:
-                return f"worker unreachable: {e.details() if hasattr(e, 'details') else e}", True
+                details = e.details() if hasattr(e, "details") else str(e)
+                if hasattr(e, "code") and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    return f"the worker is busy: {details}", "RESOURCE_EXHAUSTED"
+                return f"worker unreachable: {details}", "UNAVAILABLE"
             if response.error:
-                return response.error, False
-        return "", False
+                return response.error, ""
+        return "", ""
 
     def _load_now(self, name: str, path: str) -> str:
         """Load on every rank and wait; the first refusal ('' if none)."""
         futures = self.group.load_adapter(name, path, self.max_rank, LOAD_TIMEOUT_S)
-        error, unreachable = self._first_error(futures)
-        if unreachable:
+        error, code = self._first_error(futures)
+        if code:  # not the adapter's fault: the caller retries (a reconnect) or stops
             raise WorkerError(f"loading adapter {name!r}: {error}")
         if error:
             self.group.unload_adapter(name)
@@ -188,11 +209,12 @@ class AdapterLoader:
     # ----------------------------------------------------------- worker loss
     def fail_loading(self, why: str) -> list[ipc.AdapterReply]:
         """The group was lost while adapters were loading: refuse them."""
+        waiting = [job.msg for job in self._loading] + self._queued
         replies = [
-            self._refused(job.msg.token, f"the worker group was lost: {why}", "UNAVAILABLE")
-            for job in self._loading
+            self._refused(msg.token, f"the worker group was lost: {why}", "UNAVAILABLE")
+            for msg in waiting
         ]
-        self._loading = []
+        self._loading, self._queued = [], []
         return replies
 
     def reload_all(self) -> list[str]:

@@ -148,8 +148,8 @@ class Engine:
             self._publish()
             inflight = sched.in_flight()
             if inflight and (len(inflight) > self.lag or plan is None):
-                msg = self.group.receive()
                 answered = inflight[0]
+                msg = self.group.receive(answered.num_tokens)
                 if self.tracer is not None:
                     self.tracer.result(answered)
                 self.busy_ms += msg.forward_ms

@@ -11,7 +11,12 @@ connect as max(wall-clock time in ns, the highest epoch any rank reports + 1)
 and goes up by one for each session a rank accepted, so a restarted
 scheduler always opens above its predecessor (even with a clock behind the
 old one's), while a scheduler that was replaced never climbs back over its
-successor: a refused opening does not raise its next epoch. A rank that
+successor: a refused opening does not raise its next epoch. An opening
+that was not refused but not answered in time does: a busy worker takes an
+opening only once its running step ends, possibly after this scheduler gave
+up waiting, and then holds that epoch (reusing it, every later opening was
+refused as stale, by our own abandoned session, until the worker restarted).
+A rank that
 reports an epoch at the protocol's maximum (common/session_epoch.py) leaves
 no room above it: it is refused by name like a rank of another protocol
 version (a starting scheduler stops, a reconnecting one keeps trying, as the
@@ -48,6 +53,16 @@ logger = structlog.get_logger(__name__)
 
 PROTOCOL_VERSION = 3  # the workers' WorkerInfo.protocol_version this scheduler speaks
 OPEN_TIMEOUT_S = 10.0  # a session opening not answered by then fails the attempt
+# How a worker refuses an opening: it decided, and does not hold the epoch.
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 
 class WorkerError(RuntimeError):
@@ -266,21 +281,35 @@ class WorkerGroup:
             rank.plans = queue.SimpleQueue()
             rank.plans.put(opening)
             rank.results = rank.stub.Execute(iter(rank.plans.get, None), metadata=self._metadata)
-        accepted = 0
+        refused, error = 0, None
         self._watchdog.arm(OPEN_TIMEOUT_S, "the session opening")
         try:
             for rank in self.ranks:
-                ack = self._next(rank)
-                accepted += 1
-                if ack.error:  # not a session-speaking worker
-                    raise WorkerError(f"worker {rank.address} refused the session: {ack.error}")
+                try:
+                    ack = self._next(rank)
+                except WorkerError as e:
+                    refused += self._refused(e)
+                    error = error or e
+                    continue
+                if ack.error and error is None:  # not a session-speaking worker
+                    error = WorkerError(f"worker {rank.address} refused the session: {ack.error}")
         finally:
             self._watchdog.disarm()
-            if accepted:  # a rank holds this epoch now: the next session goes above it
+            # A rank that did not refuse this epoch holds it now, or may soon
+            # (it answered late, or not yet): the next session goes above it.
+            if refused < len(self.ranks):
                 self._sessions += 1
+        if error is not None:
+            raise error
         logger.info(
             "worker session opened", session_id=self.session_id, epoch=opening.session.epoch
         )
+
+    def _refused(self, e: WorkerError) -> bool:
+        """Whether a failed opening was the worker's refusal (not a timeout,
+        a cancel or a broken connection, after which it may hold the epoch)."""
+        cause = e.__cause__
+        return not self._hung and isinstance(cause, grpc.RpcError) and cause.code() in REFUSALS
 
     def drop_streams(self) -> None:
         """Abandon the streams and channels after a loss. Every rank's stream
@@ -299,17 +328,18 @@ class WorkerGroup:
         for rank in self.ranks:
             rank.plans.put(plan)
 
-    def receive(self) -> pb.StepResult:
-        """The next result (rank 0's); blocks until every rank has answered,
-        at most the step deadline. StepFailed if a rank answered an error."""
+    def receive(self, tokens: int = 0) -> pb.StepResult:
+        """The next result (rank 0's), of a step computing ``tokens`` tokens;
+        blocks until every rank has answered, at most the step deadline for
+        that many. StepFailed if a rank answered an error."""
         deadline = self.deadline
         t0 = time.monotonic()
-        self._watchdog.arm(deadline.current_s, "a step result (--worker-step-timeout)")
+        self._watchdog.arm(deadline.for_step(tokens), "a step result (--worker-step-timeout)")
         try:
             results = [self._next(rank) for rank in self.ranks]
         finally:
             self._watchdog.disarm()
-        deadline.observe(time.monotonic() - t0)
+        deadline.observe(time.monotonic() - t0, tokens)
         for rank, r in zip(self.ranks, results, strict=True):
             if r.error:
                 raise StepFailed(

@@ -1,9 +1,11 @@
 """A core process SIGKILLed under `radixserve serve`: the streams in flight
-end UNAVAILABLE with a message that names the core (not the workers), new
-calls meanwhile get the same at once, readiness is NOT_SERVING until a new
-core serves (liveness SERVING throughout), and the same requests then give
-the same tokens, LoRA adapters included (one preloaded with --lora-paths,
-one loaded through the API). The worker process is the same throughout."""
+end UNAVAILABLE with a message that names the core (not the workers), a new
+call meanwhile waits for the successor and is served (it used to end
+UNAVAILABLE at once, which behind a gateway opened its circuit breaker:
+test_core_restart_gateway.py), readiness is NOT_SERVING until a new core
+serves (liveness SERVING throughout), and the same requests then give the
+same tokens, LoRA adapters included (one preloaded with --lora-paths, one
+loaded through the API). The worker process is the same throughout."""
 
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def test_a_killed_core_is_restarted_and_serves_the_same_again(tmp_path):
             await asyncio.to_thread(wait_until, lambda: NOT_SERVING in watch.ready, 5, "down")
             t0 = time.monotonic()
             try:
-                await asyncio.to_thread(_generate, s, "meanwhile")
+                tokens = await asyncio.to_thread(_generate, s, "meanwhile")
+                seen["meanwhile"] = (tokens, time.monotonic() - t0)
             except grpc.RpcError as e:
                 seen["meanwhile"] = (e.code(), e.details(), time.monotonic() - t0)
 
@@ -101,8 +104,10 @@ def test_a_killed_core_is_restarted_and_serves_the_same_again(tmp_path):
         assert isinstance(err, grpc.aio.AioRpcError), err
         assert err.code() == grpc.StatusCode.UNAVAILABLE and err.details() == DIED
         assert 0 < len(tokens) < 2000
-    code, details, seconds = seen["meanwhile"]
-    assert code == grpc.StatusCode.UNAVAILABLE and details == DIED and seconds < 1.0
+    tokens, waited = seen["meanwhile"]
+    assert tokens == before[""], seen["meanwhile"]  # held, then served by the successor
+    assert waited > 0.5  # the restart's backoff alone is 1 s
+    print(f"the call sent meanwhile waited {waited:.2f} s")
     assert served_at is not None, log[-3000:]
     print(f"served again {served_at - seen['killed_at']:.2f} s after the kill")
     assert served_at - seen["killed_at"] < 10.0

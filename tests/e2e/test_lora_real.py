@@ -143,3 +143,34 @@ def test_mixed_batches_chunked_prefill_and_cache_hits_match_peft(address, adapte
         assert cached >= 32, [c for _, _, c in again]  # read from its own namespace's cache
         for a, b in zip(lps, lps2, strict=True):
             assert abs(a - b) < LOGPROB_TOLERANCE
+
+
+def test_as_many_adapters_as_may_be_loaded_load_at_once(tmp_path, adapters):
+    """Eight LoadLoRAAdapter calls at once (--max-loaded-loras' default): the
+    core used to send them all to the worker, whose bound of 4 LoadAdapter
+    calls refused the rest ("worker unreachable", UNAVAILABLE); issue 27, the
+    second hardening round. Past the limit is still RESOURCE_EXHAUSTED."""
+    paths = list(adapters.values())
+    with serve(tmp_path, "--log-level", "warning") as addr:
+
+        async def load_all() -> list[str]:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                s = pb_grpc.SglangSchedulerStub(channel)
+
+                async def one(i: int) -> str:
+                    request = pb.LoadLoRAAdapterRequest(
+                        lora_id=f"x{i}", lora_name=f"x{i}", lora_path=str(paths[i % len(paths)])
+                    )
+                    try:
+                        await s.LoadLoRAAdapter(request, timeout=300)
+                        return "OK"
+                    except grpc.aio.AioRpcError as e:
+                        return f"{e.code().name}: {e.details()}"
+
+                return list(await asyncio.gather(*(one(i) for i in range(9))))
+
+        codes = asyncio.run(load_all())
+        listed = stub(addr).ListLoadedLoRAAdapters(pb.ListLoadedLoRAAdaptersRequest())
+    assert sorted(codes)[:8] == ["OK"] * 8, codes
+    assert sorted(codes)[8].startswith("RESOURCE_EXHAUSTED"), codes
+    assert len(listed.loaded_adapters) == 8

@@ -8,6 +8,7 @@ tests/e2e/test_core_restart.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -15,7 +16,7 @@ import pytest
 
 from common.restart_backoff import RestartBackoff
 from scheduler_service import ipc
-from scheduler_service.api.core_client import CoreBroken, CoreClient, CoreRestarting
+from scheduler_service.api.core_client import CoreBroken, CoreClient, CoreRestarting, QueueFull
 from scheduler_service.api.core_supervisor import CoreSupervisor
 from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.servicer import _core_failure
@@ -287,3 +288,67 @@ class _Health:
 
     async def set(self, name: str, status: int) -> None:
         pass
+
+
+def test_a_new_call_waits_for_the_restarting_core_and_is_served():
+    """Not refused at once (a gateway's retries of that refusal opened its
+    circuit breaker for a minute): held until the successor takes work."""
+
+    async def run() -> None:
+        h = Harness()
+        await h.start()
+        h.cores[0].die()
+        waiting = asyncio.create_task(h.client.wait_restart(2))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and h.client.held == 2
+        await h.serves(await h.successor(1))
+        await asyncio.wait_for(waiting, 1)
+        assert h.client.held == 0
+        h.client.submit([_req("b")])
+        assert [type(m) for m in h.cores[1].sent] == [ipc.Submit]
+
+    asyncio.run(run())
+
+
+def test_the_wait_for_a_restart_is_bounded_by_time_the_queue_limit_and_a_drain():
+    async def run() -> None:
+        h = Harness()
+        config = ServiceConfig()
+        h.client.config = dataclasses.replace(
+            config,
+            engine=dataclasses.replace(config.engine, worker_recovery_timeout_s=0.05),
+            limits=dataclasses.replace(config.limits, max_queued_requests=2),
+        )
+        await h.start()
+        h.supervisor.backoff = RestartBackoff(first_s=60, max_s=60)  # no successor yet
+        h.cores[0].die()
+        t0 = time.monotonic()
+        await h.client.wait_restart(1)  # past --worker-recovery-timeout: the submit refuses
+        assert 0.04 < time.monotonic() - t0 < 1.0
+        with pytest.raises(CoreRestarting):
+            h.client.submit([_req("a")])
+        with pytest.raises(QueueFull, match="--max-queued-requests"):
+            await h.client.wait_restart(3)
+        h.client.config = config  # 60 s now: only the drain ends the wait
+        waiting = asyncio.create_task(h.client.wait_restart(1))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        h.client.stop_holding()
+        await asyncio.wait_for(waiting, 1)
+        await h.client.wait_restart(1)  # draining: no waiting any more
+        h.supervisor.stop()
+
+    asyncio.run(run())
+
+
+def test_a_call_does_not_wait_for_a_core_that_cannot_come_back_by_itself():
+    async def run() -> None:
+        h = Harness()
+        await h.start(_ready("m"))
+        h.cores[0].die()
+        (await h.successor(1)).say(_ready("other"))  # the workers serve another model
+        await _until(lambda: h.client.stuck, "the model change noticed")
+        await asyncio.wait_for(h.client.wait_restart(1), 1)  # at once, not the timeout
+        h.supervisor.stop()
+
+    asyncio.run(run())

@@ -123,3 +123,11 @@ def test_slow_calls_past_their_bound_are_refused_at_once(slow_worker):
     # the slots were given back
     assert _call(load) == grpc.StatusCode.OK
     assert _call(tok) == grpc.StatusCode.OK
+
+
+def test_the_core_sends_no_more_adapter_loads_than_a_worker_takes():
+    """The scheduler's core keeps at most the worker's bound of LoadAdapter
+    calls in flight (past it the worker refuses them)."""
+    from scheduler_service.engine.adapter_loader import MAX_LOADS_IN_FLIGHT
+
+    assert MAX_LOADS_IN_FLIGHT == ADAPTER_LOADS

@@ -9,6 +9,8 @@ import time
 from scheduler_service.engine.step_deadline import (
     FACTOR,
     FLOOR_S,
+    PER_TOKEN_MIN_TOKENS,
+    PRIOR_S_PER_TOKEN,
     RECOMPUTE_EVERY,
     WINDOW,
     StepDeadline,
@@ -69,3 +71,20 @@ def test_the_watchdog_fires_once_past_the_deadline_and_not_when_disarmed():
         assert fired == [("a step result", 0.1)]
     finally:
         dog.close()
+
+
+def test_a_step_of_many_tokens_gets_the_time_its_tokens_take():
+    """A prompt at the context limit prefilled in one step on a CPU took 190 s
+    and was declared hung at the 60 s floor, three times over."""
+    d = StepDeadline()
+    assert d.for_step(1) == FLOOR_S
+    assert d.for_step(8192) == 8192 * PRIOR_S_PER_TOKEN  # before any big step was seen
+    for _ in range(RECOMPUTE_EVERY):
+        d.observe(0.5, tokens=PER_TOKEN_MIN_TOKENS - 1)  # small steps say nothing per token
+    assert d.per_token_s == PRIOR_S_PER_TOKEN
+    for _ in range(RECOMPUTE_EVERY):
+        d.observe(1.0, tokens=100)  # 10 ms a token
+    assert d.per_token_s == FACTOR * 0.01
+    assert d.for_step(8192) == 8192 * FACTOR * 0.01
+    assert d.for_step(100) == FLOOR_S  # the floor still rules the usual steps
+    assert StepDeadline(fixed_s=2.5).for_step(8192) == 2.5  # the flag is the flag
