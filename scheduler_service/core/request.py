@@ -116,7 +116,7 @@ class Request:
     finish_reason: FinishReason | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
-    # --- KV holdings, owned by the scheduler (see kv_manager.py) ---
+    # --- KV holdings, owned by the scheduler (see kv/manager.py) ---
     # Page table: page i holds positions [i * page_size, (i + 1) * page_size),
     # packed 32-bit page ids (radix_node.id_array).
     pages: array = field(default_factory=id_array)

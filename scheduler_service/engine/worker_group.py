@@ -5,7 +5,7 @@ the tokens, the others' are checked for errors only. Sending never blocks
 (plans queue in the stream), so plan N+1 can be on its way while the worker
 computes N.
 
-Each stream opens a fenced session (worker_service/session.py): this
+Each stream opens a fenced session (worker_service/rpc/session.py): this
 scheduler's session id and an epoch. The epoch is fixed at the first
 connect as max(wall-clock time in ns, the highest epoch any rank reports + 1)
 and goes up by one for each session a rank accepted, so a restarted

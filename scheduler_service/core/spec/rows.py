@@ -34,7 +34,7 @@ def draft_limit(req: Request, state: SpecState, context_len: int | None) -> int:
 class DraftWatch:
     """Which running requests want drafts, without looking at every request
     every step: active ones (k > 0) are asked each step; dormant ones wait in
-    a heap by the step they look for a match again (spec_state.py), so a
+    a heap by the step they look for a match again (state.py), so a
     batch of random text costs nothing in the steps between."""
 
     def __init__(self, drafter: Drafter, context_len: int | None) -> None:

@@ -71,7 +71,7 @@ class SimGroup:
     def open(self) -> None:
         if self.refuse_open:
             raise WorkerError(self.refuse_open)
-        # A new session starts from no request state (worker_service/session.py).
+        # A new session starts from no request state (worker_service/rpc/session.py).
         self.worker = SimulatedWorker(
             self.num_pages, self.page_size, self.vocab_size, adapter_slots=self.slots
         )
