@@ -10,7 +10,7 @@ statement, those inside functions and under TYPE_CHECKING included):
 - the shared package (common/) imports neither service;
 - the worker's parts import only their own part and the parts below them
   (WORKER_LEVELS: the gRPC face, the assembly, plan execution, the model's
-  parts, the device);
+  parts, the device), and the scheduler core's likewise (CORE_LEVELS);
 - no mixin classes in the services.
 """
 
@@ -34,6 +34,20 @@ WORKER_LEVELS = (
     ("models",),
     ("attention", "lora", "sampling"),
     ("kernels", "device", "config", "telemetry"),
+)
+# The scheduler core's parts (core/'s folders and top-level modules), top to
+# bottom, as for the worker: the Scheduler plans over its deciders, which sit
+# on the KV metadata, the plan types and the request table, which sit on the
+# request and its parameters.
+CORE_LEVELS = (
+    ("__init__",),
+    ("scheduler",),
+    ("results",),
+    ("admission", "decode", "integrity", "intake"),
+    ("spec", "worker_loss", "outputs"),
+    ("kv", "plan", "request_table"),
+    ("request",),
+    ("ids", "config", "adapters", "sampling"),
 )
 
 
@@ -179,6 +193,30 @@ def test_the_workers_imports_run_down_its_levels():
     # The rule reads real edges: the gRPC face converts plans, the model applies LoRA.
     assert "worker_service.execution.convert" in graph["worker_service.rpc.servicer"]
     assert "worker_service.lora.batch" in graph["worker_service.models.llama"]
+
+
+def _core_part(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_the_cores_imports_run_down_its_levels():
+    level = {part: i for i, parts in enumerate(CORE_LEVELS) for part in parts}
+    graph = _graph()
+    core = {n: deps for n, deps in graph.items() if n.startswith("scheduler_service.core")}
+    assert {_core_part(name) for name in core} <= set(level), "a part CORE_LEVELS misses"
+    upward = [
+        (name, d)
+        for name, deps in core.items()
+        for d in deps
+        if d.startswith("scheduler_service.core.")
+        and _core_part(d) != _core_part(name)
+        and level[_core_part(d)] <= level[_core_part(name)]
+    ]
+    assert upward == []
+    # The rule reads real edges: the scheduler asks admission, the KV manager holds requests.
+    assert "scheduler_service.core.admission.decision" in graph["scheduler_service.core.scheduler"]
+    assert "scheduler_service.core.request" in graph["scheduler_service.core.kv.manager"]
 
 
 def test_no_mixins_in_the_services():
