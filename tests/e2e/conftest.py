@@ -1,11 +1,11 @@
-"""One `radixserve serve` of the default model for all end-to-end tests, and an
-SMG gateway in front of it for the tests of the OpenAI API."""
+"""One `radixserve serve` of the default model for all end-to-end tests, an
+SMG gateway in front of it for the tests of the OpenAI API, and the default
+model's tokenizer for simulated units that the gateway serves chat through."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.support.system import free_port, serve, stub
+from tests.e2e.support.smg_gateway import SMG
+from tests.e2e.support.system import BIN, free_port, serve, stub
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,14 @@ def smollm2_address(tmp_path_factory):
         yield address
 
 
-SMG = Path(sys.executable).parent / "smg"
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The default model's tokenizer, exported once a module (test_security.py
+    exports its own)."""
+    path = tmp_path_factory.mktemp("tok") / "tokenizer"
+    cmd = [str(BIN / "radixserve"), "export-tokenizer", str(path)]
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    return path
 
 
 @pytest.fixture(scope="session")

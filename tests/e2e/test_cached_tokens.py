@@ -12,10 +12,10 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from tests.e2e.support.metrics import scrape
 from tests.e2e.support.sim_server import simulated_server
-from tests.e2e.support.system import BIN, free_port, greedy, process, wait_until
-from tests.e2e.test_metrics import scrape
-from tests.e2e.test_worker_loss import wait_for_progress, worker_on_port
+from tests.e2e.support.streams import wait_for_progress
+from tests.e2e.support.system import BIN, free_port, greedy, process, wait_until, worker_on_port
 
 
 def _request(rid: str, ids: list[int], max_new: int) -> pb.GenerateRequest:

@@ -17,10 +17,10 @@ import time
 
 import grpc
 
+from tests.e2e.support.simulated_lora import adapter_dir, ask, load, tokens_of
+from tests.e2e.support.streams import run_streams, wait_for_progress
 from tests.e2e.support.system import free_port, serve_process, stub, wait_until
 from tests.e2e.support.units import NOT_SERVING, SERVING, health_status
-from tests.e2e.test_lora_simulated import adapter_dir, ask, load, tokens_of
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress
 from tests.support.process_tree import Proc, descendants
 
 DIED = "the scheduler's core process died (killed by signal 9, SIGKILL); restarting it"

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.e2e.support.smg_gateway import start_gateway
 from tests.e2e.support.system import serve_process
-from tests.e2e.test_rolling_restart import _gateway, tokenizer_dir  # noqa: F401 (a fixture)
 from tests.support.process_tree import descendants
 
 pytestmark = pytest.mark.slow
@@ -49,11 +49,11 @@ def _chat(base: str, client: int, n: int) -> str:
         return json.loads(resp.read())["choices"][0]["message"]["content"]
 
 
-def test_a_core_restart_behind_the_gateway_costs_seconds_not_a_minute(tmp_path, tokenizer_dir):  # noqa: F811
+def test_a_core_restart_behind_the_gateway_costs_seconds_not_a_minute(tmp_path, tokenizer_dir):
     args = ["--model", "simulated", "--tokenizer", str(tokenizer_dir)]
     args += ["--served-model-name", "sim", "--log-level", "info"]
     with serve_process(tmp_path, *args, env=ENV) as (proc, address):
-        gateway, base = _gateway(tmp_path, [SimpleNamespace(address=address)])
+        gateway, base = start_gateway(tmp_path, [SimpleNamespace(address=address)])
         answers: list[tuple[float, float, bool, str]] = []  # (sent, done, ok, error)
         stop = threading.Event()
 

@@ -14,8 +14,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.simulated_model import SIMULATED_VOCAB, expected_output
+from tests.e2e.support.streams import run_streams
 from tests.e2e.support.system import BIN, free_port, greedy, process, scrape_metric, stub
-from tests.e2e.test_worker_loss import run_streams
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from tests.e2e.support.streams import wait_for_progress
 from tests.e2e.support.system import BIN, free_port, greedy, process
-from tests.e2e.test_worker_loss import wait_for_progress
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.e2e.support.system import BIN, free_port, greedy, process
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
+from tests.e2e.support.streams import run_streams, wait_for_progress
+from tests.e2e.support.system import BIN, free_port, greedy, process, worker_on_port
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,8 @@ model's adapters are checked against transformers + PEFT elsewhere
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,48 +21,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.simulated_model import expected_output
 from tests.e2e.support.sim_server import VOCAB, simulated_server
-from tests.e2e.support.system import BIN, free_port, greedy, process, stub
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
-
-
-def adapter_dir(root: Path, name: str, r: int = 8) -> Path:
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "r": r,
-                "lora_alpha": 2 * r,
-                "target_modules": ["q_proj", "v_proj"],
-                "bias": "none",
-            }
-        )
-    )
-    return d
-
-
-def load(s, lora_id: str, path: Path, pinned: bool = False) -> pb.LoadLoRAAdapterResponse:
-    return s.LoadLoRAAdapter(
-        pb.LoadLoRAAdapterRequest(
-            lora_id=lora_id, lora_name=f"name-{lora_id}", lora_path=str(path), pinned=pinned
-        ),
-        timeout=30,
-    )
-
-
-def ask(rid: str, prompt: list[int], max_new: int, lora_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=rid,
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=greedy(max_new, ignore_eos=True),
-        lora_id=lora_id,
-        stream=True,
-    )
-
-
-def tokens_of(responses) -> list[int]:
-    return [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+from tests.e2e.support.simulated_lora import adapter_dir, ask, load, tokens_of
+from tests.e2e.support.streams import run_streams, wait_for_progress
+from tests.e2e.support.system import BIN, free_port, process, stub, worker_on_port
 
 
 def code_of(call) -> tuple[grpc.StatusCode, str]:

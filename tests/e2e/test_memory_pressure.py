@@ -20,8 +20,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.simulated_model import simulated_token
+from tests.e2e.support.metrics import scrape
 from tests.e2e.support.system import free_port, greedy, separate, stub, used_tokens, wait_until
-from tests.e2e.test_metrics import scrape
 
 pytestmark = pytest.mark.slow
 

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import threading
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from tests.e2e.support.metrics import scrape
 from tests.e2e.support.system import free_port, separate, stub, wait_until
 
 pytestmark = pytest.mark.slow
 
 NUM_PAGES = 48  # page size 16: 768 tokens for 8 x (20 + 80): retractions
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def test_metrics_count_what_happened(tmp_path):

@@ -15,9 +15,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from clients.cli import _sampling, build_parser
 from clients.results import Sampling
+from tests.e2e.support.metrics import scrape
 from tests.e2e.support.sim_server import assert_idle_and_clean, simulated_server
 from tests.e2e.support.system import free_port, stub
-from tests.e2e.test_metrics import scrape
 
 
 def _request(rid: str, prompt: list[int], max_new: int, **custom) -> pb.GenerateRequest:

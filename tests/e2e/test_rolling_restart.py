@@ -17,15 +17,11 @@ import re
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import SMG
-from tests.e2e.support.system import BIN, free_port
+from tests.e2e.support.smg_gateway import start_gateway, stream_chat
 from tests.e2e.support.units import Unit
 
 pytestmark = pytest.mark.slow
@@ -40,74 +36,6 @@ WORKER = ["--model", "simulated", "--simulated-vocab", "49152", "--simulated-ste
 WORKER += ["--log-level", "warning"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok") / "tokenizer"
-    cmd = [str(BIN / "radixserve"), "export-tokenizer", str(path)]
-    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
-    return path
-
-
-def _gateway(tmp: Path, units: list[Unit]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp / "smg.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--worker-urls", *[f"grpc://{u.address}" for u in units]]
-        + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        + ["--shutdown-grace-period-secs", "0", "--worker-startup-check-interval", "1"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
-                if json.loads(r.read()).get("data"):
-                    break
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp / "smg.log").read_text()
-        time.sleep(0.3)
-    while True:  # the gateway fetches each unit's tokenizer after it lists the model
-        try:
-            _chat(base, -1, -1)
-            return proc, base
-        except urllib.error.HTTPError:
-            assert time.monotonic() < deadline, (tmp / "smg.log").read_text()
-            time.sleep(0.3)
-
-
-def _chat(base: str, client: int, rnd: int) -> tuple[str, str | None]:
-    """One streamed chat completion: (text, finish reason); raises on failure."""
-    body = {
-        "model": "sim",
-        "messages": [{"role": "user", "content": f"Client {client}, question {rnd}: go on."}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
-    req = urllib.request.Request(
-        base + "/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    text, finish = [], None
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"error event: {event}")
-            for choice in event.get("choices", []):
-                text.append(choice.get("delta", {}).get("content") or "")
-                finish = choice.get("finish_reason") or finish
-    return "".join(text), finish
-
-
 def _load(base: str) -> dict[tuple[int, int], object]:
     """CLIENTS clients, ROUNDS requests each: (client, round) -> result or error."""
     results: dict[tuple[int, int], object] = {}
@@ -116,7 +44,7 @@ def _load(base: str) -> dict[tuple[int, int], object]:
     def client(c: int) -> None:
         for r in range(ROUNDS):
             try:
-                result: object = _chat(base, c, r)
+                result: object = stream_chat(base, c, r, MAX_TOKENS)
             except Exception as e:  # every failure is counted and shown
                 result = e
             with lock:
@@ -135,7 +63,7 @@ def test_a_unit_restarted_mid_load_behind_the_gateway_drops_no_request(tmp_path,
     try:
         for u in units:
             u.start()
-        gateway, base = _gateway(tmp_path, units)
+        gateway, base = start_gateway(tmp_path, units, MAX_TOKENS)
         baseline = _load(base)
         failed = {k: v for k, v in baseline.items() if not isinstance(v, tuple)}
         assert not failed, failed

@@ -16,9 +16,9 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from tests.e2e.support.streams import run_streams, wait_for_progress
 from tests.e2e.support.system import BIN, greedy, stub, wait_until
 from tests.e2e.support.units import NOT_SERVING, SERVING, Unit, health_status, wait_for_file
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress
 
 SIM_WORKER = ["--model", "simulated", "--log-level", "warning"]
 

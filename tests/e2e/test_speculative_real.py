@@ -13,8 +13,8 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from clients.bench.passages import PASSAGES
-from tests.e2e.support.system import BIN, free_port, greedy, process, stub
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
+from tests.e2e.support.streams import run_streams, wait_for_progress
+from tests.e2e.support.system import BIN, free_port, greedy, process, stub, worker_on_port
 from tests.support.hf_reference import chat_ids, default_model_reference, greedy_with_logprobs
 
 

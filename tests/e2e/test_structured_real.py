@@ -18,8 +18,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from tokenizers import Tokenizer
 
 from clients.tokenizer_bundle import TokenizerBundle
+from tests.e2e.support.openai_http import post
 from tests.e2e.support.system import stub
-from tests.e2e.test_gateway import post
 
 pytestmark = pytest.mark.slow
 

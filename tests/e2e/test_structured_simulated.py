@@ -29,8 +29,7 @@ from hypothesis_jsonschema import from_schema
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.support.system import BIN, free_port, process, separate, stub
-from tests.e2e.test_worker_loss import worker_on_port
+from tests.e2e.support.system import BIN, free_port, process, separate, stub, worker_on_port
 
 EOS = 256
 WORKER = ["--model", "simulated", "--simulated-vocab", "1024", "--log-level", "warning"]

@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from observability.otlp_receiver import OtlpReceiver
 from tests.e2e.support.system import BIN, free_port, greedy, separate, serve_process, stub
-from tests.e2e.test_tracing import tracing_env
+from tests.e2e.support.tracing import tracing_env
 from tests.support.process_tree import Proc, descendants, still_running
 
 SIM = ("--model", "simulated", "--log-level", "info")

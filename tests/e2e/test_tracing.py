@@ -14,6 +14,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from observability.otlp_receiver import OtlpReceiver
 from tests.e2e.support.system import separate, stub
+from tests.e2e.support.tracing import tracing_env
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
@@ -21,20 +22,6 @@ OTHER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PROMPT = list(range(1, 41))
 
 pytestmark = pytest.mark.slow
-
-
-def tracing_env(receiver: OtlpReceiver, **extra: str) -> dict:
-    return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": receiver.protocol,
-        "OTEL_BSP_SCHEDULE_DELAY": "600000",  # only the shutdown flush exports
-        "OTEL_SERVICE_NAME": None,
-        "OTEL_TRACES_SAMPLER": None,
-        "OTEL_TRACES_EXPORTER": None,
-        "OTEL_SDK_DISABLED": None,
-        **extra,
-    }
-
 
 WORKER = ["--model", "simulated", "--simulated-step-ms", "3", "--log-format", "json"]
 SCHEDULER = ["--log-format", "json"]

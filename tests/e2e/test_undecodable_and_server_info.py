@@ -13,9 +13,9 @@ from google.protobuf.json_format import MessageToDict
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from tests.e2e.support.metrics import scrape
 from tests.e2e.support.sim_server import assert_idle_and_clean, simulated_server
 from tests.e2e.support.system import free_port, greedy, stub
-from tests.e2e.test_metrics import scrape
 
 SERVICE = "/sglang.grpc.scheduler.SglangScheduler/"
 GARBAGE = b"\xff\xff\xff\xff\x0f\x00garbage"  # a truncated varint: no message parses from it

@@ -9,48 +9,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.e2e.support.system import BIN, free_port, greedy, process, stub
+from tests.e2e.support.streams import run_streams, wait_for_progress
+from tests.e2e.support.system import BIN, free_port, greedy, process, stub, worker_on_port
 
 pytestmark = pytest.mark.slow
 
 STREAMS = 32
-
-
-@contextmanager
-def worker_on_port(tmp: Path, port: int, args: list[str], name: str) -> Iterator[subprocess.Popen]:
-    """radixserve-worker on a fixed port (a restart must come back where it was)."""
-    port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "radixserve-worker"), *args, "--port", str(port)]
-            + ["--port-file", str(port_file)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while not (port_file.exists() and port_file.read_text()):
-                assert proc.poll() is None, f"worker exited:\n{log.read_text()}"
-                assert time.monotonic() < deadline, f"worker did not start:\n{log.read_text()}"
-                time.sleep(0.2)
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def requests(prefix: str, n: int = STREAMS) -> list[pb.GenerateRequest]:
@@ -66,38 +38,6 @@ def requests(prefix: str, n: int = STREAMS) -> list[pb.GenerateRequest]:
         )
         for i in range(n)
     ]
-
-
-async def run_streams(address: str, reqs: list[pb.GenerateRequest], on_progress=None) -> list:
-    """Each stream's (tokens, finish reason or the gRPC error)."""
-    progress = [0] * len(reqs)
-
-    async def one(s, i: int, req: pb.GenerateRequest):
-        tokens: list[int] = []
-        try:
-            async for r in s.Generate(req, timeout=240):
-                if r.HasField("chunk"):
-                    tokens.extend(r.chunk.token_ids)
-                    progress[i] = len(tokens)
-                if r.HasField("complete"):
-                    return tokens, r.complete.finish_reason
-        except grpc.aio.AioRpcError as e:
-            return tokens, e
-        return tokens, None
-
-    async with grpc.aio.insecure_channel(address) as ch:
-        s = pb_grpc.SglangSchedulerStub(ch)
-        tasks = [asyncio.create_task(one(s, i, r)) for i, r in enumerate(reqs)]
-        if on_progress is not None:
-            await on_progress(progress)
-        return await asyncio.gather(*tasks)
-
-
-async def wait_for_progress(progress: list[int], streams: int, tokens: int = 3) -> None:
-    deadline = time.monotonic() + 180
-    while sum(p >= tokens for p in progress) < streams:
-        assert time.monotonic() < deadline, f"no progress: {progress}"
-        await asyncio.sleep(0.02)
 
 
 def test_sigkill_mid_decode_with_32_streams_resumes_with_identical_outputs(tmp_path):

@@ -19,8 +19,16 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc
-from tests.e2e.support.system import BIN, free_port, greedy, process, scrape_metric, stub
-from tests.e2e.test_worker_loss import run_streams, wait_for_progress, worker_on_port
+from tests.e2e.support.streams import run_streams, wait_for_progress
+from tests.e2e.support.system import (
+    BIN,
+    free_port,
+    greedy,
+    process,
+    scrape_metric,
+    stub,
+    worker_on_port,
+)
 
 pytestmark = pytest.mark.slow
 

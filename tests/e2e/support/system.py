@@ -112,6 +112,31 @@ def separate(
             yield f"127.0.0.1:{port}"
 
 
+@contextmanager
+def worker_on_port(tmp: Path, port: int, args: list[str], name: str) -> Iterator[subprocess.Popen]:
+    """radixserve-worker on a fixed port (a restart must come back where it was)."""
+    port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "radixserve-worker"), *args, "--port", str(port)]
+            + ["--port-file", str(port_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while not (port_file.exists() and port_file.read_text()):
+                assert proc.poll() is None, f"worker exited:\n{log.read_text()}"
+                assert time.monotonic() < deadline, f"worker did not start:\n{log.read_text()}"
+                time.sleep(0.2)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def stub(address: str) -> pb_grpc.SglangSchedulerStub:
     return pb_grpc.SglangSchedulerStub(grpc.insecure_channel(address))
 
