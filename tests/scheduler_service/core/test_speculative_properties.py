@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core import Scheduler
+from tests.scheduler_service.core.support.random_workloads import VOCAB, scenarios
 from tests.scheduler_service.core.support.sim_driver import (
     check_drained,
     check_outputs,
@@ -21,7 +22,6 @@ from tests.scheduler_service.core.support.sim_driver import (
     toy_stop_strings,
 )
 from tests.scheduler_service.core.support.spec_support import OracleDrafter, RecordingWorker
-from tests.scheduler_service.core.test_scheduler_properties import VOCAB, scenarios
 
 EXAMPLES = max(1, int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120")) // 2)
 

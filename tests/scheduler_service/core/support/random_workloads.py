@@ -1,0 +1,95 @@
+"""Random scheduler workloads for the property tests: a hypothesis strategy
+that draws a configuration (page size 1 or 16, tiny pools, chunking, policies,
+priorities, mixed steps) and a workload (shared prefixes, arrival times,
+lengths, aborts, extra keys, prompt logprobs) over a vocabulary of VOCAB
+tokens that ends sequences with EOS."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
+from scheduler_service.core.config import POLICIES
+
+VOCAB = 40
+EOS = 0
+
+
+@st.composite
+def scenarios(draw, pressure: bool = False):
+    """A config and workload; with ``pressure`` many long requests arrive at
+    once into a pool that fits only a few, and admission over-commits."""
+    page_size = draw(st.sampled_from([1, 16]))
+    chunk_opts = [None, 16, 32, 64] if page_size == 16 else [None, 3, 8, 32]
+    n_prefixes = draw(st.integers(1, 4))
+    prefixes = [
+        draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=3 * page_size + 5))
+        for _ in range(n_prefixes)
+    ]
+    n_reqs = draw(st.integers(8, 20) if pressure else st.integers(1, 20))
+    arrivals: list[tuple[int, Request]] = []
+    aborts: dict[int, list[str]] = {}
+    aborted: set[str] = set()
+    for i in range(n_reqs):
+        prefix = prefixes[draw(st.integers(0, n_prefixes - 1))]
+        suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+        max_new = draw(st.integers(16, 48) if pressure else st.integers(0, 48))
+        min_new = draw(st.integers(0, max_new)) if draw(st.booleans()) else 0
+        rid = f"r{i}"
+        # A request that wants its prompt's logprobs reads nothing of them
+        # from the cache, so it computes cached pages again (duplicates).
+        logprobs = LogprobOptions()
+        if draw(st.integers(0, 3)) == 0:
+            start = draw(st.integers(0, len(prefix) + len(suffix) - 1))
+            logprobs = LogprobOptions(return_logprob=True, logprob_start_len=start)
+        req = Request(
+            rid,
+            prefix + suffix,
+            SamplingParams(
+                max_new_tokens=max_new,
+                min_new_tokens=min_new,
+                ignore_eos=draw(st.sampled_from([False, False, False, True])),
+                stop_token_ids=frozenset(draw(st.lists(st.integers(1, VOCAB - 1), max_size=2))),
+                stop_strs=tuple(
+                    "".join(
+                        f"<{t}>" for t in draw(st.lists(st.integers(0, 7), min_size=1, max_size=2))
+                    )
+                    for _ in range(draw(st.integers(0, 2)))
+                ),
+            ),
+            priority=draw(st.sampled_from([0, 0, 5, 20, 40])),
+            extra_key=draw(st.sampled_from([None, None, None, "a", "b"])),
+            routing_key=draw(st.sampled_from([None, "x", "y"])),
+            logprobs=logprobs,
+        )
+        arrival = draw(st.integers(0, 4 if pressure else 40))
+        arrivals.append((arrival, req))
+        if draw(st.integers(0, 9)) == 0:
+            at = arrival + draw(st.integers(0, 30))
+            aborts.setdefault(at, []).append(rid)
+            aborted.add(rid)
+    # Every request fits the pool on its own; beyond that the pool is small
+    # enough that eviction and retraction happen.
+    need = max(
+        -(-(len(r.prompt_ids) + r.sampling.max_new_tokens + 1) // page_size) for _, r in arrivals
+    )
+    num_pages = need + draw(st.integers(0, need // 2 if pressure else 2 * need))
+    chunk = draw(st.sampled_from(chunk_opts))
+    config = SchedulerConfig(
+        page_size=page_size,
+        max_running_requests=draw(st.integers(4, 8) if pressure else st.integers(1, 8)),
+        max_prefill_tokens=draw(st.sampled_from([16, 48, 256])),
+        chunked_prefill_size=chunk,
+        schedule_policy=draw(st.sampled_from(POLICIES)),
+        enable_mixed_chunk=draw(st.booleans()),
+        enable_priority_scheduling=draw(st.booleans()),
+        schedule_low_priority_values_first=draw(st.booleans()),
+        eos_token_ids=frozenset({EOS}),
+        vocab_size=VOCAB,
+        random_seed=draw(st.integers(0, 3)),
+        # A low ratio over-admits, so decode runs out of pages and retracts.
+        init_new_token_ratio=0.01 if pressure else draw(st.sampled_from([0.7, 0.1, 0.01])),
+        new_token_ratio_decay_steps=draw(st.sampled_from([600, 10])),
+        enable_kv_events=draw(st.booleans()),
+    )
+    return config, num_pages, arrivals, aborts, aborted
