@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.support.system import free_port, greedy, serve, stub
 from tests.support.hf_reference import hf_greedy
-from tests.worker_service.test_models_vs_hf import tiny_model
+from tests.worker_service.support.tiny_hf_models import tiny_model
 
 BIN = Path(sys.executable).parent
 

@@ -8,8 +8,6 @@ flashinfer is a broken bundle, not a reason to skip)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 import zlib
@@ -34,14 +32,6 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.execution.cuda_graphs import DecodeGraphs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture
-def flashinfer_ok() -> None:
-    if importlib.util.find_spec("flashinfer") is None:
-        if os.environ.get("RADIXSERVE_REQUIRE_FLASHINFER") == "1":
-            pytest.fail("flashinfer is not importable (is .fi_bundle/env.sh sourced?)")
-        pytest.skip("flashinfer is not installed")
 
 
 # ---- host side (CPU) ------------------------------------------------------------------

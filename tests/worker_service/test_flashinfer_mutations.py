@@ -1,7 +1,7 @@
 """FlashInfer conformance, the mutation tests: each breaks one thing our backend
 hands FlashInfer's wrappers (an argument's order, dtype, value or placement) and
-requires the comparison of test_flashinfer_conformance.py to fail, so that check
-has teeth.
+requires the comparison of test_flashinfer_conformance.py
+(support/flashinfer_conformance.py) to fail, so that check has teeth.
 """
 
 from __future__ import annotations
@@ -15,18 +15,17 @@ import torch
 
 from tests.worker_service.support import flashinfer_reference as reference
 from tests.worker_service.support.attention_batches import BATCHES, make_batch, spec_for
-from tests.worker_service.support.flashinfer_reference import KernelContractError
-from tests.worker_service.test_flashinfer_conformance import (  # helpers and the fixture
+from tests.worker_service.support.flashinfer_conformance import (
     backends,
     compare_step,
     eager_outputs,
-    fi_cpu,  # noqa: F401  (a fixture the tests name)
     graph_setup,
     like_the_runner,
     random_caches,
     random_qkv,
     seed,
 )
+from tests.worker_service.support.flashinfer_reference import KernelContractError
 from worker_service.attention import flashinfer_backend as backend
 from worker_service.attention.base import (
     AttentionBatch,

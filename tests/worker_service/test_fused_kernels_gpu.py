@@ -23,7 +23,6 @@ from tests.worker_service.support.kernel_cases import (
     sampler_batch,
     tiny_model,
 )
-from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.kernels import Kernels, TorchKernels
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
 from worker_service.sampling.sampler import Sampler

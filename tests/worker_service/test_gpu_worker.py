@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from tests.worker_service.test_flashinfer_backend import flashinfer_ok  # noqa: F401
 from worker_service.config import WorkerConfig
 from worker_service.execution.plan import Extend, ForwardMode, Join, Plan
 from worker_service.sampling.params import LogprobOptions, SamplingParams

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.support.lora_adapters import ALL, make_adapter
+from tests.worker_service.support.tiny_hf_models import tiny_model
 from tests.worker_service.support.worker_factory import worker_for
-from tests.worker_service.test_models_vs_hf import tiny_model
 from worker_service.rpc.server import serve
 
 

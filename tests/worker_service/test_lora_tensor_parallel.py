@@ -9,14 +9,14 @@ import pytest
 
 from protos import worker_pb2 as pb
 from tests.support.lora_adapters import ALL, ATTENTION, make_adapter, peft_greedy
+from tests.worker_service.support.tiny_hf_models import tiny_model
 from tests.worker_service.support.worker_process import (
     PlanStream,
+    free_port,
     greedy_over_grpc,
     worker_process,
     worker_processes,
 )
-from tests.worker_service.test_models_vs_hf import tiny_model
-from tests.worker_service.test_tensor_parallel import free_port
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server

@@ -23,8 +23,8 @@ from scheduler_service.core import (
     SchedulerConfig,
 )
 from scheduler_service.engine.worker_codec import WorkerCodec
+from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import worker_for
-from tests.worker_service.test_models_vs_hf import VOCAB, tiny_model
 from worker_service.execution.model_runner import PENDING
 from worker_service.rpc.servicer import WorkerServicer
 

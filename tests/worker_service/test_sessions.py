@@ -10,6 +10,7 @@ import pytest
 
 from common.worker_token import TokenCheck, TokenFileError, metadata, read_token
 from protos import worker_pb2 as pb
+from tests.worker_service.support.raw_plans import negative_epoch_opening
 from worker_service.rpc.session import SessionFence, SessionRefused, Undecodable, parse_plan
 
 
@@ -80,18 +81,10 @@ NOW = 1_800_000_000 * 10**9  # the worker's clock in these tests (ns)
 LEAD = 1 << 40
 
 
-def _negative_epoch_opening() -> bytes:
-    """An opening whose epoch is int64 -1 on the wire: Python's protobuf cannot
-    set a negative uint64, so the varint is written by hand (ten bytes)."""
-    session_open = b"\x0a\x01x" + b"\x10" + b"\xff" * 9 + b"\x01"  # session_id "x", epoch -1
-    field = pb.StepPlan.DESCRIPTOR.fields_by_name["session"].number
-    return bytes([field << 3 | 2, len(session_open)]) + session_open
-
-
 def test_epochs_out_of_range_or_too_far_ahead_are_refused_and_change_nothing():
     fence = SessionFence(clock=lambda: NOW)
     fence.take(_opening("a", NOW - 5), "p")
-    negative = parse_plan(_negative_epoch_opening())
+    negative = parse_plan(negative_epoch_opening())
     assert negative.session.epoch == 2**64 - 1  # what a negative int64 arrives as
     top = "above the protocol's maximum 9223372036854775807 (2**63 - 1)"
     ahead = "more than 2**40 ns (18.3 min) ahead of"

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from tests.support.hf_reference import hf_greedy
+from tests.worker_service.support.tiny_hf_models import tiny_model
 from tests.worker_service.support.worker_process import (
     PlanStream,
+    free_port,
     greedy_over_grpc,
     worker_process,
     worker_processes,
 )
-from tests.worker_service.test_models_vs_hf import tiny_model
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_gloo_ranks_match_one_rank_and_hf(tmp_path):

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.e2e.support.system import free_port
+from tests.worker_service.support.raw_plans import negative_epoch_opening
 from tests.worker_service.support.worker_process import PlanStream, WorkerProc, next_epoch
-from tests.worker_service.test_sessions import _negative_epoch_opening
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server
@@ -105,7 +105,7 @@ def test_bad_session_epochs_are_refused_before_anything_changes(worker):
         "an hour ahead": (_opening(time.time_ns() + 3600 * 10**9), AHEAD),
         "0": (_opening(0), "the session epoch must be > 0"),
         # an int64 -1 on the wire arrives as 2**64 - 1 (uint64 varints wrap)
-        "negative": (_negative_epoch_opening(), "session epoch 18446744073709551615 is " + TOP),
+        "negative": (negative_epoch_opening(), "session epoch 18446744073709551615 is " + TOP),
     }
     for name, (opening, says) in cases.items():
         e = _execute(worker, [opening])

@@ -13,8 +13,8 @@ from common.simulated_model import simulated_token
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from tests.support.hf_reference import hf_greedy
+from tests.worker_service.support.tiny_hf_models import tiny_model
 from tests.worker_service.support.worker_process import PlanStream, greedy_over_grpc, worker_process
-from tests.worker_service.test_models_vs_hf import tiny_model
 
 # Starts worker processes (tests/support/process_guard.py).
 pytestmark = pytest.mark.server

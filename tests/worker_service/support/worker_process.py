@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,13 @@ import grpc
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
+
+
+def free_port() -> int:
+    """A loopback port free now (a --dist-addr for the ranks to meet on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class WorkerProc:

@@ -10,7 +10,7 @@ import gguf
 import pytest
 
 from tests.worker_service.weights.support.gguf_build import write_model_gguf
-from tests.worker_service.weights.test_hf_dir import tiny_model
+from tests.worker_service.weights.support.tiny_checkpoints import tiny_model
 from worker_service.models.config import UnsupportedModelError
 from worker_service.weights import default_model_path, open_model
 

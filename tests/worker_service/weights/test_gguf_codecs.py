@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tests.worker_service.weights.support.gguf_build import write_model_gguf, write_tensors_gguf
-from tests.worker_service.weights.test_hf_dir import expected_state, tiny_model
+from tests.worker_service.weights.support.tiny_checkpoints import expected_state, tiny_model
 from worker_service.models.config import UnsupportedModelError
 from worker_service.weights import open_model
 from worker_service.weights.gguf_file import _dequantize

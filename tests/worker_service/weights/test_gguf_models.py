@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.worker_service.weights.support.gguf_build import CHAT_TEMPLATE, write_model_gguf
-from tests.worker_service.weights.test_hf_dir import (
+from tests.worker_service.weights.support.tiny_checkpoints import (
     CONFIGS,
     assert_same_tensors,
     expected_state,
