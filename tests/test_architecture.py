@@ -11,7 +11,10 @@ statement, those inside functions and under TYPE_CHECKING included):
 - the worker's parts import only their own part and the parts below them
   (WORKER_LEVELS: the gRPC face, the assembly, plan execution, the model's
   parts, the device), and the scheduler core's likewise (CORE_LEVELS);
-- no mixin classes in the services.
+- no mixin classes in the services;
+- no module under tests/ or benchmarks/ imports a test module (``test_*``,
+  ``conftest``): what two test files share lives in a ``support/`` module
+  beside them, a fixture they share in their folder's conftest.py.
 """
 
 from __future__ import annotations
@@ -362,3 +365,72 @@ def test_the_signature_checks_see_what_they_look_for():
     tree = ast.parse("def f(a, b, c, d, e):\n    g(1, True)\n\ndef g(a, *, b): ...\n")
     assert _long_positional(tree) == ["f(a, b, c, d, e)"]
     assert _bare_flags(tree, {"g"}) == ["line 2: g(1, True)"]
+
+
+# Test modules are pytest's to collect: a helper in one that another imports
+# makes a test file a support module in disguise, a fixture imported with it
+# shadows the conftest's, and a ``test_*`` name imported is collected twice.
+TEST_TREES = ("tests", "benchmarks")
+
+
+def _test_module_imports(tree: ast.AST, package: str) -> list[str]:
+    """The project's test modules (``tests.**.test_*``, ``tests.**.conftest``)
+    that a module in ``package`` imports (a ``test_*`` name imported from a
+    support module counts too)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] == "tests" and any(
+                p.startswith("test_") or p == "conftest" for p in parts[1:]
+            ):
+                found.append(f"line {node.lineno}: {target}")
+                break
+    return found
+
+
+def test_no_test_module_imports_another():
+    offenders = {}
+    for tree_root in TEST_TREES:
+        for path in sorted((ROOT / tree_root).rglob("*.py")):
+            name = _module_name(path)
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            if found := _test_module_imports(ast.parse(path.read_text()), package):
+                offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, (
+        f"test modules imported (move the helper to a support/ module): {offenders}"
+    )
+
+
+def test_the_test_import_check_sees_each_form():
+    code = (
+        "from tests.e2e.test_metrics import scrape\n"
+        "from tests.e2e import test_tracing\n"
+        "import tests.worker_service.test_sessions as sessions\n"
+        "from tests.e2e.conftest import SMG\n"
+        "from .test_gateway import post\n"
+        "def f():\n"
+        "    from ..test_scheduler_properties import scenarios\n"
+        "from tests.e2e.support.system import stub\n"
+        "from tests.e2e.support import streams\n"
+        "from tests.scheduler_service.testing import x\n"
+    )
+    assert _test_module_imports(ast.parse(code), "tests.e2e") == [
+        "line 1: tests.e2e.test_metrics",
+        "line 2: tests.e2e.test_tracing",
+        "line 3: tests.worker_service.test_sessions",
+        "line 4: tests.e2e.conftest",
+        "line 5: tests.e2e.test_gateway",
+        "line 7: tests.test_scheduler_properties",
+    ]
