@@ -61,6 +61,11 @@ class PublicApiConfig:
     tokenizer: str | None = setting(
         None, "local tokenizer directory (default: fetched from the worker)"
     )
+    weight_version: str = setting(
+        "default",
+        "the weights' version reported as GetModelInfo.weight_version (SGLang's "
+        "--weight-version; e.g. a checkpoint revision)",
+    )
     drain_timeout_s: float = setting(
         30.0,
         "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "

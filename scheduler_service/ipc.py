@@ -97,6 +97,12 @@ class Ready:
     worker_info: dict
     sampling_worker: str = ""  # HOST:PORT of rank 0, which compiles grammars
     adapters: list[AdapterInfo] = field(default_factory=list)  # loaded at start
+    # rank 0's device memory (GetLoads' memory section) and grammar backend
+    # ("xgrammar" or "none"; "" from a worker that does not say)
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    graph_bytes: int = 0
+    grammar_backend: str = ""
 
 
 @dataclass
@@ -120,6 +126,8 @@ class DeltaOut(NamedTuple):
     prompt_logprobs_start: int = 0
     cached_tokens: int = 0
     finish: Finish | None = None
+    # prefill-only scoring: the requested ids' logprobs after the prompt
+    next_token_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -150,6 +158,14 @@ class Load:
     # requests the core holds any state for (the scheduler's request table,
     # which includes held n > 1 siblings): 0 when idle, or something leaked
     tracked: int = 0
+    # tokens the waiting requests still have to prefill (core/outputs.py
+    # LoadFigures), the worker's adapter slots in use and in all, and the
+    # drafted rows verified since start (speculative acceptance length)
+    waiting_uncached_tokens: int = 0
+    retracted_waiting: int = 0
+    adapter_slots_used: int = 0
+    adapter_slots_total: int = 0
+    spec_rows: int = 0
 
 
 _new_delta = tuple.__new__  # DeltaOut without the Python-level __new__
@@ -178,7 +194,7 @@ class Outputs:
         return [
             others()
             if token is None
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None))
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None))
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -53,6 +55,14 @@ class Worker:
     vocab_size: int
     # LoadAdapter's reader: this rank's shard of the weights, or (simulated) the config.
     adapter_loader: AdapterLoader
+    # Device memory this rank holds (reported by GetInfo; 0: none).
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    graph_bytes: int = 0
+
+    @property
+    def grammar_backend(self) -> str:
+        return "xgrammar" if self.runner.grammars is not None else "none"
 
     def tokenizer_files(self) -> dict[str, bytes]:
         if self.source is None:
@@ -111,6 +121,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model.init_random_weights(seed=0)
     else:
         model.load_weights(source.tensors(dtype))
+    # Counted before oneDNN packing, which re-lays the same weights out.
+    weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
     if device.type == "cpu" and cfg.onednn_linears:
         logger.info("packed linears for oneDNN", layers=model.pack_linears_for_cpu())
     spec = AttentionSpec(
@@ -142,9 +154,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     max_context = model.rope.max_positions
+    graph_bytes = 0
     if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
+        before = torch.cuda.memory_reserved(device)
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
+        graph_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")
     grammars = None
     if tp.rank == 0 and source.kind != "random":  # the rank that samples; a vocabulary
@@ -185,7 +200,14 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         source=source,
         vocab_size=mcfg.vocab_size,
         adapter_loader=ModelAdapterLoader(model, device),
+        weight_bytes=weight_bytes,
+        kv_cache_bytes=_tensor_bytes(kv.layers),
+        graph_bytes=graph_bytes,
     )
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _attention(cfg: WorkerConfig, spec: AttentionSpec, device: torch.device) -> AttentionBackend:

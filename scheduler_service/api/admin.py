@@ -19,6 +19,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common import tokenizer_archive
 from common.settings import flatten
+from scheduler_service import ipc
+from scheduler_service.api.convert import loads
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable
 from scheduler_service.api.kv_publisher import KvEventPublisher
 from scheduler_service.api.model_info import ModelContext
@@ -26,7 +28,6 @@ from scheduler_service.api.throughput import Throughput
 
 VERSION = "radixserve-0.1.0"
 TOKENIZER_CHUNK = 64 << 10
-LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 logger = structlog.get_logger(__name__)
 
@@ -54,7 +55,7 @@ class AdminRpcs:
         self.started = time.time()
         self.throughput = Throughput()
         core.on_load(self.throughput.observe)
-        self.publisher = KvEventPublisher(core, self.throughput)
+        self.publisher = KvEventPublisher(core, self._full_load)
 
     def model_info(self) -> pb.GetModelInfoResponse:
         m, r = self.model, self.model.ready
@@ -64,6 +65,7 @@ class AdminRpcs:
             tokenizer_path=m.tokenizer_dir,
             is_generation=True,
             served_model_name=m.served_model_name,
+            weight_version=self.core.config.api.weight_version,
             max_context_length=m.limits.context_len,
             vocab_size=r.vocab_size,
             supports_vision=False,
@@ -83,8 +85,12 @@ class AdminRpcs:
             "tp_size": r.tp_size,
             "dp_size": 1,
             "page_size": r.page_size,
-            "grammar_backend": "none",
         }
+        # The backend the sampling worker constrains with, under SGLang's key
+        # (the gateway refuses constraints a "none" backend cannot enforce);
+        # left out when the worker does not say, as SGLang's servicer does.
+        if r.grammar_backend:
+            args["grammar_backend"] = r.grammar_backend
         start = Timestamp(seconds=int(self.started))
         load = self.core.load
         return pb.GetServerInfoResponse(
@@ -115,51 +121,41 @@ class AdminRpcs:
         )
 
     async def loads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
-        include = set(request.include) or {"all"}
-        bad = sorted(include - set(LOAD_SECTIONS))
-        if bad:
+        try:
+            sections = loads.sections_of(list(request.include))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            # SGLang answers an empty list; a rank that does not exist is more
+            # likely a client's mistake than a question.
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"Invalid include sections: {bad}. Valid options: {list(LOAD_SECTIONS)}",
+                f"dp_rank {request.dp_rank}: this scheduler has one data-parallel rank (0)",
             )
-        load, r = self.core.load, self.model.ready
-        total = r.num_pages * r.page_size
-        running = load.running if load else 0
-        waiting = load.waiting if load else 0
-        used = load.used_tokens if load else 0
-        max_running = load.max_running_requests if load else 0
-        s = pb.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=running,
-            num_waiting_reqs=waiting,
-            num_total_reqs=running + waiting,
-            num_used_tokens=used,
-            max_total_num_tokens=total,
-            token_usage=round(used / max(total, 1), 4),
-            gen_throughput=round(self.throughput.rate(), 2),
-            cache_hit_rate=round(load.cache_hit_rate, 4) if load else 0.0,
-            utilization=round(running / max(max_running, 1), 4),
-            max_running_requests=max_running,
-        )
-        every = "all" in include
-        if every or "memory" in include:
-            s.memory.token_capacity = total
-        if every or "queues" in include:
-            s.queues.waiting = waiting
+        s = self.scheduler_load(sections)
         return pb.GetLoadsResponse(
             timestamp=datetime.now(timezone.utc).isoformat(),
             version=VERSION,
             dp_rank_count=1,
             loads=[s],
             aggregate=pb.AggregateMetrics(
-                total_running_reqs=running,
-                total_waiting_reqs=waiting,
-                total_reqs=running + waiting,
+                total_running_reqs=s.num_running_reqs,
+                total_waiting_reqs=s.num_waiting_reqs,
+                total_reqs=s.num_total_reqs,
                 avg_token_usage=s.token_usage,
                 avg_throughput=s.gen_throughput,
                 avg_utilization=s.utilization,
             ),
         )
+
+    def scheduler_load(self, sections: set[str]) -> pb.SchedulerLoad:
+        return loads.scheduler_load(
+            self.core.load, self.model.ready, self.throughput.rate(), sections
+        )
+
+    def _full_load(self, load: ipc.Load | None) -> pb.SchedulerLoad:
+        rate = self.throughput.rate()
+        return loads.scheduler_load(load, self.model.ready, rate, set(loads.SECTIONS))
 
     async def flush_cache(self, request: cpb.FlushCacheRequest, context) -> cpb.FlushCacheResponse:
         """timeout_s 0: flush now (refused while requests are in flight);
@@ -201,7 +197,8 @@ class AdminRpcs:
         peer = context.peer()
         logger.info("KV event subscriber joined", peer=peer)
         try:
-            async for batch in self.publisher.subscribe():
+            records = request.load_records_before_first_batch
+            async for batch in self.publisher.subscribe(records_before_first_batch=records):
                 yield batch
         finally:
             logger.info("KV event subscriber left", peer=peer)

@@ -24,6 +24,25 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
     finished: bool = False
+    # Prefill-only scoring: the requested ids' logprobs after the prompt.
+    next_token_logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFigures:
+    """What a load report needs beyond the table's sizes and the KV pool."""
+
+    # Prompt (and, after a requeue, output) tokens the waiting requests and a
+    # chunked prefill still have to compute: SGLang's
+    # num_waiting_uncached_tokens, the gateway's measure of queued work. A
+    # waiting request counts its last matched prefix as cached (matched each
+    # step under the cache-aware policies; under fcfs a request not yet
+    # matched counts whole). Held n > 1 siblings count nothing: their prompt
+    # is their leader's.
+    waiting_uncached_tokens: int
+    retracted_waiting: int  # waiting requests that were retracted to fit decode
+    adapter_slots_used: int  # worker adapter slots that hold an adapter
+    adapter_slots_total: int
 
 
 @dataclass(slots=True)

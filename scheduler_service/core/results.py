@@ -168,6 +168,7 @@ def apply_result(
             or req.epoch != entry.epoch
             or out.prompt_logprobs
             or out.more_tokens
+            or not req.sampling.max_new_tokens
         ):
             reason = _receive(entry, out, r, step)
         else:  # a plain sampled token (most of them): _receive's last branch
@@ -215,6 +216,12 @@ def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> Fin
     delta = RequestDelta(req, [], [])
     if out.prompt_logprobs:
         take_prompt_logprobs(req, out, delta)
+    if not req.sampling.max_new_tokens:
+        # Prefill-only scoring sampled for its next-token row only: no token;
+        # the scheduler finishes it with the rest of its plan.
+        delta.next_token_logprobs = out.logprobs
+        r.deltas.append(delta)
+        return None
     req.pending -= 1
     if req.times.first_token is None:
         req.times.first_token = r.now

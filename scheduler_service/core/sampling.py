@@ -130,6 +130,13 @@ class LogprobOptions:
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
+    @property
+    def wants_next_token_row(self) -> bool:
+        """Whether prefill-only scoring (max_new_tokens 0) owes the requested
+        ids' logprobs at the position after the prompt, as the public proto
+        promises though no token is generated."""
+        return self.return_logprob and bool(self.token_ids_logprob)
+
 
 DEFAULT_SAMPLING = SamplingParams()
 NO_LOGPROBS = LogprobOptions()

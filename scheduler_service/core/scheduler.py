@@ -47,7 +47,7 @@ from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
-from scheduler_service.core.outputs import RequestDelta, SchedulerStats
+from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats
 from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
     FinishAbort,
@@ -84,6 +84,7 @@ ENGINE_INTERFACE = frozenset(
         "find",
         "table_sizes",
         "kv_snapshot",
+        "load_figures",
         "take_kv_events",
         "flush_cache",
         "loaded_adapters",
@@ -233,6 +234,17 @@ class Scheduler:
         """(pages in use by requests, evictable cached pages, pages in all)."""
         pool = self.pool
         return pool.num_used, self.cache.evictable_pages, pool.num_pages
+
+    def load_figures(self) -> LoadFigures:
+        t, slots = self.table, self.adapters
+        uncached = retracted = 0
+        for r in t.waiting:
+            uncached += max(0, r.num_tokens - r.match_len)
+            retracted += r.retractions > 0
+        if t.chunked is not None:
+            uncached += max(0, t.chunked.num_tokens - t.chunked.kv_len)
+        used = sum(holder is not None for holder in slots.holder[1:])
+        return LoadFigures(uncached, retracted, used, slots.max_per_batch)
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()

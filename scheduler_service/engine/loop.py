@@ -344,6 +344,7 @@ class Engine:
             d.prompt_logprobs_start,
             req.cached_tokens,
             finish,
+            d.next_token_logprobs if req.logprobs.return_logprob else None,
         )
 
     def _cpu_seconds(self) -> float:
@@ -360,6 +361,7 @@ class Engine:
         page = sched.config.page_size
         used_pages, evictable, total_pages = sched.kv_snapshot()
         running, waiting, live = sched.table_sizes()
+        figures = sched.load_figures()
         stats = sched.stats
         queue_time = None
         if self._queue_time_changed:  # only when a request finished since the last snapshot
@@ -388,4 +390,9 @@ class Engine:
             spec_accepted_tokens=stats.spec_accepted_tokens,
             worker_recoveries=recovery.recoveries,
             tracked=live,
+            waiting_uncached_tokens=figures.waiting_uncached_tokens,
+            retracted_waiting=figures.retracted_waiting,
+            adapter_slots_used=figures.adapter_slots_used,
+            adapter_slots_total=figures.adapter_slots_total,
+            spec_rows=stats.spec_rows,
         )

@@ -118,6 +118,10 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             worker_info=json.loads(json.dumps(MessageToDict(info))),
             sampling_worker=group.ranks[0].address,
             adapters=adapters.snapshot(),
+            weight_bytes=info.weight_bytes,
+            kv_cache_bytes=info.kv_cache_bytes,
+            graph_bytes=info.graph_bytes,
+            grammar_backend=info.grammar_backend,
         )
     )
     engine = Engine(

@@ -31,3 +31,16 @@ def test_the_kv_pool_is_sized_after_the_attention_backend_and_the_sampler(monkey
     assert order.index("_num_pages") > max(order.index("_attention"), order.index("Sampler"))
     assert order.index("KvCache") > order.index("_num_pages")
     assert worker.num_pages > 0
+
+
+def test_the_worker_reports_the_memory_it_holds_and_its_grammar_backend():
+    worker = build_worker(WorkerConfig(model="random:smollm2-135m", kv_memory="64MiB"))
+    params = sum(p.numel() for p in worker.runner.compute.model.parameters())
+    assert worker.weight_bytes >= params * 2 and worker.weight_bytes > 100 << 20
+    kv = worker.kv_cache_bytes
+    assert 60 << 20 <= kv <= 68 << 20  # the 64 MiB asked for, one scratch page more
+    assert worker.graph_bytes == 0  # no CUDA graphs on the CPU
+    assert worker.grammar_backend == "none"  # a random model has no vocabulary to compile over
+    simulated = build_worker(WorkerConfig(model="simulated", num_pages=8))
+    assert (simulated.weight_bytes, simulated.kv_cache_bytes) == (0, 0)
+    assert simulated.grammar_backend == "xgrammar"

@@ -97,6 +97,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             attention_backend=w.attention_backend,
             device=str(w.device),
             session_epoch=self.sessions.highest_epoch,
+            weight_bytes=w.weight_bytes,
+            kv_cache_bytes=w.kv_cache_bytes,
+            graph_bytes=w.graph_bytes,
+            grammar_backend=w.grammar_backend,
         )
 
     def Execute(

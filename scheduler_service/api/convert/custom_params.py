@@ -12,7 +12,9 @@ field for them.
 - ``speculative`` (boolean): false turns speculative decoding off for this
   request (it is on wherever the service's ``--speculative-ngram`` is).
 
-Other keys are ignored, as SGLang does.
+Any other key is refused by name (INVALID_ARGUMENT). SGLang hands the
+object to custom logit processors, which radixserve does not run, so another
+key would have no effect; the SMG gateway sends no custom_params at all.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ from scheduler_service.core.sampling import InvalidRequestError
 SEED_LIMIT = 1 << 64  # the worker protocol's seed is a uint64
 PRIORITY_LIMIT = 1 << 31
 MAX_ROUTING_KEY_LEN = 256
+KNOWN_KEYS = ("seed", "priority", "routing_key", "speculative")
+
+
+def check_keys(params: Struct) -> None:
+    """Refuse a key no reader below takes: it would be dropped without a word."""
+    unknown = sorted(set(params.fields) - set(KNOWN_KEYS))
+    if unknown:
+        raise InvalidRequestError(
+            f"custom_params: unknown keys {unknown[:5]}; radixserve reads only "
+            f"{', '.join(KNOWN_KEYS)} (it runs no custom logit processors)"
+        )
 
 
 def _integer(name: str, value: Value, low: int, high: int, *, shown: str) -> int:

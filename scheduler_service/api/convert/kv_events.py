@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from scheduler_service import ipc
 from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
@@ -37,18 +36,3 @@ def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
     elif isinstance(e, AllBlocksCleared):
         m.cleared.SetInParent()
     return m
-
-
-def engine_load(load: ipc.Load, sample: int, throughput: float, load_only: bool) -> cpb.EngineLoad:
-    return cpb.EngineLoad(
-        running_requests=load.running,
-        waiting_requests=load.waiting,
-        token_usage=round(load.used_tokens / max(load.total_tokens, 1), 4),
-        gen_throughput=round(throughput, 2),
-        max_running_requests=load.max_running_requests,
-        sample=sample,
-        load_only=load_only,
-        cache_hit_rate=round(load.cache_hit_rate, 4),
-        num_used_tokens=load.used_tokens,
-        max_total_num_tokens=load.total_tokens,
-    )

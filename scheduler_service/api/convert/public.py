@@ -6,7 +6,12 @@ repetition_penalty 0 mean "unset" (1.0, -1, 1.0); an unset max_new_tokens
 means "until the context is full"; logprob_start_len 0 asks for the whole
 prompt's logprobs (the gateway sends -1 for outputs only). Booleans are
 taken as sent (the gateway sends skip_special_tokens and
-spaces_between_special_tokens explicitly).
+spaces_between_special_tokens explicitly), except ``log_metrics``: every
+call is counted in the metrics whatever it says, because its false is also
+proto3's "unset", which is what the gateway's chat and completions paths
+send for ordinary traffic (SGLang's servicer never reads it either).
+Fields radixserve would otherwise drop are refused by name
+(``_refuse_unsupported``, ``custom_params.check_keys``).
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ def sampling_from_proto(
                 f"{limits.max_grammar_bytes}"
             )
         grammar = (_GRAMMAR_KIND_OF_FIELD[field], text)
+    custom_params.check_keys(m.custom_params)
     seed = custom_params.seed(m.custom_params)
     return SamplingParams(
         max_new_tokens=max_new,
@@ -265,6 +271,13 @@ def _refuse_unsupported(m: pb.GenerateRequest) -> None:
         raise InvalidRequestError(
             f"data_parallel_rank: this scheduler has one data-parallel rank (0), "
             f"got {m.data_parallel_rank}"
+        )
+    if m.HasField("timestamp"):
+        # SGLang's servicer never reads it and no client we know sends it (the
+        # SMG gateway does not); a client that does expects some use of it.
+        raise InvalidRequestError(
+            "timestamp: radixserve does not read a client timestamp (arrival is "
+            "timed on receipt); leave it unset"
         )
     if m.require_reasoning:
         raise InvalidRequestError("require_reasoning: reasoning parsing is not supported")

@@ -34,6 +34,9 @@ class SampleState:
     # streamed and not sent yet (stream_interval > 1 holds tokens back)
     unsent_tokens: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # prefill-only scoring's next-token row, and whether a chunk carried it
+    next_token_row: TokenLogprobs | None = None
+    next_token_row_sent: bool = False
 
     def has_prompt_logprobs(self) -> bool:
         """Every prompt position asked for has its logprob (position 0 has
@@ -57,6 +60,8 @@ class SampleState:
             for i, lp in enumerate(d.prompt_logprobs):
                 self.prompt_logprobs[d.prompt_logprobs_start + i] = lp
         self.cached_tokens = d.cached_tokens
+        if d.next_token_logprobs is not None:
+            self.next_token_row = d.next_token_logprobs
         if d.finish is not None:
             self.finish = d.finish
         return d.token_ids, lps
@@ -74,6 +79,12 @@ def output_logprobs(tokens: list[int], lps: list[TokenLogprobs | None]) -> pb.Ou
         if lp.ids is not None:
             m.token_ids_logprobs.add(values=lp.ids_logprobs, token_ids=lp.ids)
     return m
+
+
+def _add_next_token_row(m: pb.OutputLogProbs, lp: TokenLogprobs) -> None:
+    """Prefill-only scoring's one row: no token, so token_ids_logprobs alone."""
+    if lp.ids is not None:
+        m.token_ids_logprobs.add(values=lp.ids_logprobs, token_ids=lp.ids)
 
 
 def input_logprobs(s: SampleState) -> pb.InputLogProbs:
@@ -108,6 +119,9 @@ def chunk(
     c.index = s.index
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
+        if s.next_token_row is not None and not s.next_token_row_sent:
+            _add_next_token_row(c.output_logprobs, s.next_token_row)
+            s.next_token_row_sent = True
     if wants_input_logprobs(s) and tokens:
         c.input_logprobs.CopyFrom(input_logprobs(s))
         s.prompt_logprobs_sent = True
@@ -134,6 +148,8 @@ def complete(
         c.matched_stop_str = f.matched_str
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
+        if s.next_token_row is not None:  # the complete carries every row
+            _add_next_token_row(c.output_logprobs, s.next_token_row)
     if wants_input_logprobs(s):
         c.input_logprobs.CopyFrom(input_logprobs(s))
         s.prompt_logprobs_sent = True

@@ -59,7 +59,12 @@ def prefill_part(admitted: list[tuple[Request, int]], kv: KvManager, now: float)
         if joining:
             part.joins.append(join_of(req, tokens, start))
         final = end == req.num_tokens
-        sample = final and len(req.output_ids) < req.sampling.max_new_tokens
+        scores = req.sampling.max_new_tokens == 0
+        # Scoring samples only for the next-token row (results.py keeps no token).
+        sample = final and (
+            len(req.output_ids) < req.sampling.max_new_tokens
+            or (scores and req.logprobs.wants_next_token_row)
+        )
         entry = PlanEntry(
             req, req.epoch, start, tokens[start:end], new_pages=new_pages, sample=sample
         )
@@ -67,10 +72,10 @@ def prefill_part(admitted: list[tuple[Request, int]], kv: KvManager, now: float)
             entry.next_token = tokens[end]
         part.extends.append(entry)
         req.kv_len = end
-        if sample:
-            part.moves.append((req, Place.RUNNING))
-        elif final:
+        if final and (scores or not sample):
             part.moves.append((req, Place.SCORING))
+        elif sample:
+            part.moves.append((req, Place.RUNNING))
         else:
             part.moves.append((req, Place.CHUNKED))
     for req, _ in admitted:

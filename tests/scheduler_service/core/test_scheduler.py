@@ -398,3 +398,39 @@ def test_an_aborted_held_sibling_finishes_and_a_leaders_abort_releases_the_rest(
     assert not sched.table.held and other.finished and other.cached_tokens == 0
     check_outputs([other], sched.config, V, log)
     check_drained(sched, worker)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_prefill_only_scoring_with_token_ids_logprob_gets_a_next_token_row_and_no_token(lag):
+    """max_new_tokens 0 with token_ids_logprob: the last chunk samples so the
+    worker computes the requested ids' logprobs after the prompt; the core
+    keeps no token and hands the row on (the public proto promises it). A
+    scoring request that asked for no ids samples nothing, as before."""
+    ids = LogprobOptions(return_logprob=True, token_ids_logprob=(3, 5))
+    scored = req("scored", range(1, 11), max_new=0, logprobs=ids)
+    plain = req("plain", range(2, 12), max_new=0, logprobs=LogprobOptions(return_logprob=True))
+    sched, worker = make_pair(cfg(page_size=4, chunked_prefill_size=8), 64, V)
+    sched.add_request(scored)
+    sched.add_request(plain)
+    rows: dict[str, list] = {"scored": [], "plain": []}
+    sampled: set[str] = set()
+    inflight = []
+    for _ in range(20):
+        plan = sched.step()
+        if plan is not None:
+            sampled |= {e.req.rid for e in plan.extends if e.sample}
+            inflight.append(plan)
+        while inflight and (len(inflight) > lag or plan is None):
+            sched.update(worker.execute(inflight.pop(0)))
+            sched.check_integrity()
+        for d in sched.drain():
+            assert d.new_token_ids == []
+            if d.next_token_logprobs is not None:
+                rows[d.req.rid].append(d.next_token_logprobs)
+        if sched.is_idle() and not inflight:
+            break
+    assert sampled == {"scored"}
+    assert len(rows["scored"]) == 1 and rows["plain"] == []
+    for r in (scored, plain):
+        assert r.output_ids == [] and r.finish_reason == FinishLength(0)
+    check_drained(sched, worker)
