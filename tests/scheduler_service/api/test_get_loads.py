@@ -43,8 +43,13 @@ def with_memory() -> ipc.Ready:
 def test_every_section_is_filled_and_core_alone_has_none():
     async def run() -> None:
         async with api_in_process(first_ready=with_memory()) as api:
-            api.core.say(ipc.Outputs([], load(**BUSY)))
+            api.core.say(ipc.Outputs([], load(waiting_uncached_tokens=9)))
             await until(lambda: api.client.load is not None, "the snapshot")
+            (idle,) = (await api.stub.GetLoads(pb.GetLoadsRequest(include=["spec"]))).loads
+            assert idle.num_waiting_uncached_tokens == 9
+            assert not idle.HasField("speculative")  # as SGLang: once drafts were verified
+            api.core.say(ipc.Outputs([], load(**BUSY)))
+            await until(lambda: api.client.load.running == 3, "the busy snapshot")
             (s,) = (await api.stub.GetLoads(pb.GetLoadsRequest(include=["all"]))).loads
             assert s.num_waiting_uncached_tokens == 700
             assert (s.memory.weight_gb, s.memory.kv_cache_gb) == (1.5, 0.25)
@@ -60,17 +65,6 @@ def test_every_section_is_filled_and_core_alone_has_none():
                 assert not core.HasField(name), name
             (lora,) = (await api.stub.GetLoads(pb.GetLoadsRequest(include=["lora"]))).loads
             assert lora.HasField("lora") and not lora.HasField("memory")
-
-    asyncio.run(run())
-
-
-def test_spec_is_left_out_until_drafts_were_verified():
-    async def run() -> None:
-        async with api_in_process() as api:
-            api.core.say(ipc.Outputs([], load()))
-            await until(lambda: api.client.load is not None, "the snapshot")
-            (s,) = (await api.stub.GetLoads(pb.GetLoadsRequest(include=["spec"]))).loads
-            assert not s.HasField("speculative")
 
     asyncio.run(run())
 
