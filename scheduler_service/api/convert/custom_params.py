@@ -14,7 +14,7 @@ field for them.
 
 Any other key is refused by name (INVALID_ARGUMENT). SGLang hands the
 object to custom logit processors, which radixserve does not run, so another
-key would have no effect; the SMG gateway sends no custom_params at all.
+key would have no effect; the SMG gateway never sets custom_params.
 """
 
 from __future__ import annotations
