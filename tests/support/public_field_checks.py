@@ -209,13 +209,16 @@ def get_loads_include(server: Server) -> None:
 def _first_batches(server: Server, asked: bool, wait_s: float) -> list[cpb.KvEventBatch]:
     req = cpb.SubscribeKvEventsRequest(load_records_before_first_batch=asked)
     got = []
+    stream = stub(server.address).SubscribeKvEvents(req, timeout=wait_s)
     try:
-        for batch in stub(server.address).SubscribeKvEvents(req, timeout=wait_s):
+        for batch in stream:
             got.append(batch)
             if asked:
                 break
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+    finally:
+        stream.cancel()
     return got
 
 
