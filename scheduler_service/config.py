@@ -61,6 +61,13 @@ class PublicApiConfig:
     tokenizer: str | None = setting(
         None, "local tokenizer directory (default: fetched from the worker)"
     )
+    sampling_defaults: str = setting(
+        "model",
+        "model: the sampling defaults the model declares (generation_config.json) are "
+        "reported in GetModelInfo and fill the fields a request leaves unset; openai: "
+        "neither (SGLang's --sampling-defaults)",
+        choices=("model", "openai"),
+    )
     drain_timeout_s: float = setting(
         30.0,
         "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "

@@ -97,6 +97,11 @@ class Ready:
     worker_info: dict
     sampling_worker: str = ""  # HOST:PORT of rank 0, which compiles grammars
     adapters: list[AdapterInfo] = field(default_factory=list)  # loaded at start
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None  # the tokenizer's (None: it declares none)
+    # The model author's sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens: those declared).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +125,9 @@ class DeltaOut(NamedTuple):
     prompt_logprobs_start: int = 0
     cached_tokens: int = 0
     finish: Finish | None = None
+    # The text so far ends with the start of a stop string: a streaming call
+    # sends nothing yet (core/results.py).
+    holding: bool = False
 
 
 @dataclass
@@ -178,7 +186,7 @@ class Outputs:
         return [
             others()
             if token is None
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None))
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, False))
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 

@@ -24,6 +24,9 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
     finished: bool = False
+    # The text so far ends with the start of one of the request's stop
+    # strings: a streaming call holds these tokens back (results.py).
+    holding: bool = False
 
 
 @dataclass(slots=True)

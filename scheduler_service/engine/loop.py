@@ -301,6 +301,7 @@ class Engine:
             add_rid(req.rid)
             if (
                 d.finished
+                or d.holding
                 or len(ids) != 1
                 or d.prompt_logprobs is not None
                 or req.logprobs.return_logprob
@@ -344,6 +345,7 @@ class Engine:
             d.prompt_logprobs_start,
             req.cached_tokens,
             finish,
+            d.holding,
         )
 
     def _cpu_seconds(self) -> float:

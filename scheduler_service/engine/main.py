@@ -118,6 +118,9 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             worker_info=json.loads(json.dumps(MessageToDict(info))),
             sampling_worker=group.ranks[0].address,
             adapters=adapters.snapshot(),
+            bos_token_id=model.bos_token_id if model.HasField("bos_token_id") else None,
+            pad_token_id=model.pad_token_id if model.HasField("pad_token_id") else None,
+            sampling_defaults={f.name: value for f, value in model.sampling_defaults.ListFields()},
         )
     )
     engine = Engine(
