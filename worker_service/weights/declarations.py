@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,14 @@ def sampling_defaults(declared: dict[str, Any]) -> SamplingDefaults:
     return SamplingDefaults(**values)
 
 
-def gguf_sampling_defaults(get) -> SamplingDefaults:
-    """From GGUF metadata (``get(key)`` -> value or None)."""
-    return sampling_defaults({name: get(key) for key, name in GGUF_SAMPLING_KEYS.items()})
+def gguf_sampling_defaults(get: Callable[[str], Any]) -> SamplingDefaults:
+    """From GGUF metadata (``get(key)`` -> value or None). The file holds
+    float32: 7 significant digits give back what was written (0.7, not
+    0.699999988)."""
+    declared = {name: get(key) for key, name in GGUF_SAMPLING_KEYS.items()}
+    return sampling_defaults(
+        {k: float(f"{v:.7g}") if isinstance(v, float) else v for k, v in declared.items()}
+    )
 
 
 def with_hf_declarations(config: ModelConfig, directory: Path) -> ModelConfig:

@@ -72,11 +72,13 @@ def test_gguf_general_sampling_keys(tmp_path: Path) -> None:
     }
     write_model_gguf(path, model.config, model.state_dict(), metadata=sampling)
     cfg = open_model(path).config
-    got = cfg.sampling_defaults
-    assert got.top_k == 40 and got.max_new_tokens is None
-    want = {"temperature": 0.7, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.1}
-    assert {k: round(getattr(got, k), 6) for k in want} == want  # float32 in the file
+    assert cfg.sampling_defaults == SamplingDefaults(
+        temperature=0.7, top_p=0.8, top_k=40, min_p=0.05, repetition_penalty=1.1
+    )  # float32 in the file, read back as written
     assert (cfg.pad_token_id, cfg.bos_token_id) == (2, 1)  # tokenizer.ggml.*
+    # the generation_config.json rebuilt for clients says the same
+    generation = json.loads(open_model(path).tokenizer_files()["generation_config.json"])
+    assert generation["top_k"] == 40 and generation["temperature"] == 0.7
     bare = tmp_path / "bare.gguf"
     write_model_gguf(bare, model.config, model.state_dict())
     assert open_model(bare).config.sampling_defaults == SamplingDefaults()
