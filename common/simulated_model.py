@@ -57,14 +57,15 @@ def expected_output(
     adapter: str | None = None,
 ) -> list[int]:
     """What any correct scheduler makes the simulated model generate for a
-    prompt: it stops after a stop id, or once ``stops(output)`` holds (say a
-    stop string showed up), when more than min_new_tokens tokens exist."""
+    prompt: it stops after a stop id once more than min_new_tokens tokens
+    exist, or as soon as ``stops(output)`` holds (a stop string showed up:
+    min_new_tokens holds back stop ids only, as in SGLang)."""
     state = absorb(initial_state(adapter), prompt)
     out: list[int] = []
     while len(out) < max_new_tokens:
         tok = token_of(state, vocab_size)
         out.append(tok)
         state = absorb(state, (tok,))
-        if len(out) > min_new_tokens and (tok in stop_ids or (stops is not None and stops(out))):
+        if (len(out) > min_new_tokens and tok in stop_ids) or (stops is not None and stops(out)):
             break
     return out

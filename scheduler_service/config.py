@@ -66,6 +66,13 @@ class PublicApiConfig:
         "the weights' version reported as GetModelInfo.weight_version (SGLang's "
         "--weight-version; e.g. a checkpoint revision)",
     )
+    sampling_defaults: str = setting(
+        "model",
+        "model: the sampling defaults the model declares (generation_config.json) are "
+        "reported in GetModelInfo and fill the fields a request leaves unset; openai: "
+        "neither (SGLang's --sampling-defaults)",
+        choices=("model", "openai"),
+    )
     drain_timeout_s: float = setting(
         30.0,
         "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "

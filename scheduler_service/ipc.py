@@ -103,6 +103,11 @@ class Ready:
     kv_cache_bytes: int = 0
     graph_bytes: int = 0
     grammar_backend: str = ""
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None  # the tokenizer's (None: it declares none)
+    # The model author's sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens: those declared).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +133,9 @@ class DeltaOut(NamedTuple):
     finish: Finish | None = None
     # prefill-only scoring: the requested ids' logprobs after the prompt
     next_token_logprobs: TokenLogprobs | None = None
+    # The text so far ends with the start of a stop string: a streaming call
+    # sends nothing yet (core/results.py).
+    holding: bool = False
 
 
 @dataclass
@@ -194,7 +202,8 @@ class Outputs:
         return [
             others()
             if token is None
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None))
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None, False))
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, False))
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 

@@ -6,6 +6,7 @@ over the core's load snapshots and the KV event publisher."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -71,9 +72,16 @@ class AdminRpcs:
             supports_vision=False,
             model_type=r.architecture.removesuffix("ForCausalLM").lower(),
             eos_token_ids=eos,
-            pad_token_id=eos[0] if eos else 0,
+            # 0 where the model declares none, as SGLang's servicer
+            pad_token_id=r.pad_token_id or 0,
+            bos_token_id=r.bos_token_id or 0,
             max_req_input_len=m.limits.context_len - 1,
             architectures=[r.architecture],
+            default_sampling_params_json=(
+                json.dumps(m.declared_defaults, separators=(",", ":"))
+                if m.declared_defaults
+                else ""
+            ),
         )
 
     def server_info(self) -> pb.GetServerInfoResponse:

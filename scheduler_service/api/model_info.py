@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from common import tokenizer_archive
 from scheduler_service import ipc
-from scheduler_service.api.convert.public import Limits
+from scheduler_service.api.convert.public import NO_DEFAULTS, Limits, ModelDefaults
 from scheduler_service.config import ServiceConfig
 
 
@@ -25,6 +25,10 @@ class ModelContext:
     tokenizer: Tokenizer | None
     tokenizer_dir: str  # a local copy of the tokenizer files ("" if none)
     health_timeout_s: float = 20.0
+    # The model's sampling defaults as declared (GetModelInfo reports them) and
+    # those a request's unset fields take; empty under --sampling-defaults openai.
+    declared_defaults: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    defaults: ModelDefaults = NO_DEFAULTS
 
     @property
     def has_tokenizer(self) -> bool:
@@ -49,4 +53,13 @@ class ModelContext:
             tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
             tokenizer_dir = str(target)
         name = config.api.served_model_name or Path(ready.model_name).stem or ready.model_name
-        return cls(ready, limits, name, tokenizer, tokenizer_dir)
+        declared = dict(ready.sampling_defaults) if config.api.sampling_defaults == "model" else {}
+        return cls(
+            ready,
+            limits,
+            name,
+            tokenizer,
+            tokenizer_dir,
+            declared_defaults=declared,
+            defaults=ModelDefaults.of(declared),
+        )

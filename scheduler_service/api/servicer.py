@@ -139,6 +139,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     self.model.encode,
                     has_tokenizer=self.model.has_tokenizer,
                     adapters=self.core.adapter_ids(),
+                    defaults=self.model.defaults,
                 )
                 g = g.traced(obs.accepted(g))
                 await self._check_grammar(g, context)
@@ -233,8 +234,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     deferred[rid] = None
                     continue
                 if g.stream:
-                    # stream_interval: a chunk once that many tokens are unsent
-                    if s.finish is None and len(s.unsent_tokens) < g.stream_interval:
+                    if not s.chunk_due(g.stream_interval):
                         continue
                     tokens, lps = s.take_unsent()
                     if tokens or s.finish is not None:

@@ -34,6 +34,7 @@ from scheduler_service.core.request import (
 from scheduler_service.core.results import StopStringChecker
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
 from scheduler_service.core.scheduler import ENGINE_INTERFACE, Scheduler
+from scheduler_service.core.stop_check import StopCheck, check_stop_text
 
 __all__ = [
     "ENGINE_INTERFACE",
@@ -63,7 +64,9 @@ __all__ = [
     "SchedulerStats",
     "StepPlan",
     "StepResult",
+    "StopCheck",
     "StopStringChecker",
     "Submission",
     "TokenLogprobs",
+    "check_stop_text",
 ]

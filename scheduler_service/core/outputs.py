@@ -26,6 +26,9 @@ class RequestDelta:
     finished: bool = False
     # Prefill-only scoring: the requested ids' logprobs after the prompt.
     next_token_logprobs: TokenLogprobs | None = None
+    # The text so far ends with the start of one of the request's stop
+    # strings: a streaming call holds these tokens back (results.py).
+    holding: bool = False
 
 
 @dataclass(frozen=True, slots=True)

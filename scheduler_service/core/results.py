@@ -13,11 +13,16 @@ through the request table, queue the deltas, count).
 
 Finish order, for the token just appended (SGLang's update_finish_state
 order): the end of its grammar (structured generation), stop string, then
-EOS / stop token id, then length. Stop conditions only count once more than
-``min_new_tokens`` tokens exist: the worker masks EOS and stop ids while
-fewer than ``min_new_tokens`` have been generated, and the scheduler
-enforces the same rule for stop strings and for workers that do not mask
-(the simulated one).
+EOS / stop token id, then length. ``min_new_tokens`` holds back EOS and stop
+ids only, as in SGLang: the worker masks them while fewer than
+``min_new_tokens`` tokens exist, and the scheduler applies the same rule for
+workers that do not mask (the simulated one). Stop strings count from the
+first token.
+
+A request with stop strings has its newest text checked after every token
+(``StopStringChecker``); when the text ends with the start of a stop string
+the delta says ``holding``, and a streaming call sends nothing until a later
+token settles it (SGLang's check_match_stop_str_prefix).
 """
 
 from __future__ import annotations
@@ -35,17 +40,20 @@ from scheduler_service.core.plan import (
     TokenLogprobs,
 )
 from scheduler_service.core.request import FinishLength, FinishReason, FinishStop, Request
+from scheduler_service.core.stop_check import StopCheck
 
 
 class StopStringChecker(Protocol):
-    """Detokenizes and looks for the request's stop strings in its new text.
+    """Decodes the request's newest text and checks it against its stop
+    strings (``stop_check.check_stop_text``).
 
-    Called after each token appended to a request that has stop strings;
-    returns the stop string that matched, or None. The service implements it
-    with its incremental detokenizer.
+    Called after each token appended to a request that has stop strings. The
+    service decodes the tail of the output with special tokens kept (SGLang's
+    tail_str), so a stop string that spells a special token matches whatever
+    the request's skip_special_tokens says.
     """
 
-    def __call__(self, req: Request) -> str | None: ...
+    def __call__(self, req: Request) -> StopCheck: ...
 
 
 @dataclass(slots=True)
@@ -70,11 +78,12 @@ def check_finish(
     req: Request,
     token: int,
     eos_token_ids: frozenset[int],
-    stop_strings: StopStringChecker | None,
+    matched_stop: str | None,
     *,
     grammar_ended: bool = False,
 ) -> FinishReason | None:
-    """Why ``req`` finished with ``token`` (just appended), or None."""
+    """Why ``req`` finished with ``token`` (just appended), or None;
+    ``matched_stop``: the stop string its newest text holds, if any."""
     sp = req.sampling
     n = len(req.output_ids)
     if grammar_ended:
@@ -82,13 +91,14 @@ def check_finish(
         # the grammar allows only where it can end): done, whatever
         # ignore_eos or min_new_tokens say, unless the length ran out with it.
         return FinishLength(sp.max_new_tokens) if n >= sp.max_new_tokens else FinishStop(token)
-    if n > sp.min_new_tokens:
-        if sp.stop_strs and stop_strings is not None:
-            matched = stop_strings(req)
-            if matched is not None:
-                return FinishStop(matched)
-        if not sp.ignore_eos and (token in sp.stop_token_ids or token in eos_token_ids):
-            return FinishStop(token)
+    if matched_stop is not None:
+        return FinishStop(matched_stop)
+    if (
+        n > sp.min_new_tokens
+        and not sp.ignore_eos
+        and (token in sp.stop_token_ids or token in eos_token_ids)
+    ):
+        return FinishStop(token)
     if n >= sp.max_new_tokens:
         return FinishLength(sp.max_new_tokens)
     return None
@@ -113,18 +123,20 @@ def receive_token(
     r.generated += 1
     sp = req.sampling
     n = len(output_ids)
+    matched = None
+    if sp.stop_strs and r.stop_strings is not None:
+        matched, delta.holding = r.stop_strings(req)
     if (
         n >= sp.max_new_tokens
         or grammar_ended
+        or matched is not None
         or (
             n > sp.min_new_tokens
-            and (
-                (sp.stop_strs and r.stop_strings is not None)
-                or (not sp.ignore_eos and (token in sp.stop_token_ids or token in r.eos_ids))
-            )
+            and not sp.ignore_eos
+            and (token in sp.stop_token_ids or token in r.eos_ids)
         )
     ):
-        reason = check_finish(req, token, r.eos_ids, r.stop_strings, grammar_ended=grammar_ended)
+        reason = check_finish(req, token, r.eos_ids, matched, grammar_ended=grammar_ended)
         if reason is not None:
             delta.finished = True
             return reason

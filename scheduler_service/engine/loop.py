@@ -301,6 +301,7 @@ class Engine:
             add_rid(req.rid)
             if (
                 d.finished
+                or d.holding
                 or len(ids) != 1
                 or d.prompt_logprobs is not None
                 or req.logprobs.return_logprob
@@ -345,6 +346,7 @@ class Engine:
             req.cached_tokens,
             finish,
             d.next_token_logprobs if req.logprobs.return_logprob else None,
+            d.holding,
         )
 
     def _cpu_seconds(self) -> float:

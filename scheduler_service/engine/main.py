@@ -122,6 +122,9 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             kv_cache_bytes=info.kv_cache_bytes,
             graph_bytes=info.graph_bytes,
             grammar_backend=info.grammar_backend,
+            bos_token_id=model.bos_token_id if model.HasField("bos_token_id") else None,
+            pad_token_id=model.pad_token_id if model.HasField("pad_token_id") else None,
+            sampling_defaults={f.name: value for f, value in model.sampling_defaults.ListFields()},
         )
     )
     engine = Engine(

@@ -193,6 +193,10 @@ def test_info_tokenizer_health_flush_and_kv_events(hf, server):
     info = server.GetModelInfo(pb.GetModelInfoRequest())
     assert info.architectures == ["LlamaForCausalLM"] and info.vocab_size == 49152
     assert info.eos_token_ids == [2] and info.max_context_length > 1000 and info.is_generation
+    # the tokenizer's BOS and pad (tokenizer.ggml.*: pad is EOS's id in this file);
+    # the GGUF declares no sampling defaults (no general.sampling.* keys)
+    assert (info.bos_token_id, info.pad_token_id) == (tok.bos_token_id, 2) == (1, 2)
+    assert info.default_sampling_params_json == ""
     chunks = list(server.GetTokenizer(cpb.GetTokenizerRequest()))
     files = zipfile.ZipFile(io.BytesIO(b"".join(c.data for c in chunks))).namelist()
     assert "tokenizer.json" in files and "tokenizer_config.json" in files

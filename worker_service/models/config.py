@@ -40,6 +40,20 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The model author's sampling defaults (generation_config.json, or a
+    GGUF file's general.sampling.* keys); None: not declared. Clients get
+    them in GetModelInfo, and requests that leave a field unset get them."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -59,6 +73,8 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    pad_token_id: int | None = None  # the tokenizer's pad token, else config.json's
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -111,6 +127,7 @@ class ModelConfig:
             sliding_window=sliding,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
         )
 
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -84,6 +84,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model.hidden_size = mc.hidden_size
             model.eos_token_ids.extend(mc.eos_token_ids)
             model.max_context_len = mc.max_position_embeddings
+            if mc.bos_token_id is not None:
+                model.bos_token_id = mc.bos_token_id
+            if mc.pad_token_id is not None:
+                model.pad_token_id = mc.pad_token_id
+            for name, value in asdict(mc.sampling_defaults).items():
+                if value is not None:
+                    setattr(model.sampling_defaults, name, value)
         else:
             model.architecture = "simulated"
             model.max_context_len = 1 << 20

@@ -20,6 +20,7 @@ from worker_service.models.config import (
     RopeConfig,
     UnsupportedModelError,
 )
+from worker_service.weights.declarations import gguf_sampling_defaults
 
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -94,6 +95,7 @@ def gguf_model_config(
         if token is not None and int(token) not in eos_ids:
             eos_ids.append(int(token))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id")
 
     names = set(tensor_names)
     return ModelConfig(
@@ -116,6 +118,8 @@ def gguf_model_config(
         qk_norm=traits.get("qk_norm", False) or "blk.0.attn_q_norm.weight" in names,
         eos_token_ids=tuple(eos_ids),
         bos_token_id=None if bos is None else int(bos),
+        pad_token_id=None if pad is None else int(pad),
+        sampling_defaults=gguf_sampling_defaults(meta.get),
     )
 
 

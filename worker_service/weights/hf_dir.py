@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.weights.declarations import with_hf_declarations
 from worker_service.weights.tokenizer_files import hf_tokenizer_files
 
 logger = structlog.get_logger(__name__)
@@ -41,7 +42,8 @@ class HfDirectory:
             config = ModelConfig.from_hf(raw)
         except KeyError as err:
             raise UnsupportedModelError(f"{config_file} lacks the field {err}") from err
-        self.config = _with_generation_eos(config, directory / "generation_config.json")
+        config = _with_generation_eos(config, directory / "generation_config.json")
+        self.config = with_hf_declarations(config, directory)
         self.shards = _shard_files(directory)
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ chat_template.jinja that older readers and the gateway do not look at).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -124,6 +125,9 @@ def gguf_tokenizer_files(path: Path, meta: GgufMetadata, config: ModelConfig) ->
     if config.eos_token_ids:
         eos = list(config.eos_token_ids)
         generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    # general.sampling.* back under generation_config.json's names
+    declared = dataclasses.asdict(config.sampling_defaults).items()
+    generation |= {name: value for name, value in declared if value is not None}
     return {
         "tokenizer.json": saved["tokenizer.json"],
         "tokenizer_config.json": _json_bytes(tok_config),

@@ -2,16 +2,21 @@
 
 Field semantics follow SGLang's gRPC servicer, where proto3 zero values are
 not the defaults: temperature 0 is greedy; top_p 0, top_k 0 and
-repetition_penalty 0 mean "unset" (1.0, -1, 1.0); an unset max_new_tokens
-means "until the context is full"; logprob_start_len 0 asks for the whole
-prompt's logprobs (the gateway sends -1 for outputs only). Booleans are
-taken as sent (the gateway sends skip_special_tokens and
-spaces_between_special_tokens explicitly), except ``log_metrics``: every
-call is counted in the metrics whatever it says, because its false is also
-proto3's "unset", which is what the gateway's chat and completions paths
-send for ordinary traffic (SGLang's servicer never reads it either).
-Fields radixserve would otherwise drop are refused by name
-(``_refuse_unsupported``, ``custom_params.check_keys``).
+repetition_penalty 0 mean "unset"; an unset max_new_tokens means "until the
+context is full"; logprob_start_len 0 asks for the whole prompt's logprobs
+(the gateway sends -1 for outputs only). Booleans are taken as sent (the
+gateway sends skip_special_tokens and spaces_between_special_tokens
+explicitly), except ``log_metrics``: every call is counted in the metrics
+whatever it says, because its false is also proto3's "unset", which is what
+the gateway's chat and completions paths send for ordinary traffic (SGLang's
+servicer never reads it either). Fields radixserve would otherwise drop are
+refused by name (``_refuse_unsupported``, ``custom_params.check_keys``).
+
+An unset field gets the model's default where it declares one
+(generation_config.json, as SGLang's --sampling-defaults model), else the
+neutral value (top_p 1.0, top_k -1, repetition_penalty 1.0). Temperature
+and min_p cannot be unset on the wire (0 is greedy, 0 is off): their
+defaults are the gateway's to apply, from GetModelInfo.
 """
 
 from __future__ import annotations
@@ -48,6 +53,33 @@ _GRAMMAR_KIND_OF_FIELD = {
 
 
 @dataclass(frozen=True)
+class ModelDefaults:
+    """The model's sampling defaults a request's unset fields take (None:
+    the model declares none; ipc.Ready.sampling_defaults)."""
+
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def of(cls, declared: dict[str, float | int]) -> ModelDefaults:
+        """The declared defaults a request can take: one our checks would
+        refuse (say repetition_penalty 3) is left out, so a client is never
+        refused for a field it did not send."""
+        ok = {
+            "top_p": lambda v: 0 < v <= 1,
+            "top_k": lambda v: v >= 0 or v == -1,
+            "repetition_penalty": lambda v: 0 < v <= 2,
+            "max_new_tokens": lambda v: v >= 0,
+        }
+        return cls(**{k: v for k, v in declared.items() if k in ok and ok[k](v)})
+
+
+NO_DEFAULTS = ModelDefaults()
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     rid: str
     stream: bool
@@ -73,7 +105,12 @@ def _finite(name: str, value: float) -> float:
 
 
 def sampling_from_proto(
-    m: pb.SamplingParams, prompt_len: int, limits: Limits, stop_strs_ok: bool
+    m: pb.SamplingParams,
+    prompt_len: int,
+    limits: Limits,
+    stop_strs_ok: bool,
+    *,
+    defaults: ModelDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
     temperature = _finite("temperature", m.temperature)
     if temperature < 0:
@@ -83,8 +120,13 @@ def sampling_from_proto(
         raise InvalidRequestError(f"top_p must be in [0, 1] (0 means unset), got {top_p}")
     for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         _finite(name, getattr(m, name))
-    room = limits.context_len - prompt_len
-    max_new = m.max_new_tokens if m.HasField("max_new_tokens") else max(room, 0)
+    room = max(limits.context_len - prompt_len, 0)
+    if m.HasField("max_new_tokens"):
+        max_new = m.max_new_tokens
+    elif defaults.max_new_tokens is not None:
+        max_new = min(defaults.max_new_tokens, room)  # a default never refuses a prompt
+    else:
+        max_new = room
     stops = tuple(m.stop)
     if len(stops) > limits.max_stop_strings:
         raise InvalidRequestError(
@@ -138,12 +180,12 @@ def sampling_from_proto(
         max_new_tokens=max_new,
         min_new_tokens=m.min_new_tokens,
         temperature=temperature,
-        top_p=top_p or 1.0,
-        top_k=m.top_k or -1,
+        top_p=top_p or _default(defaults.top_p, 1.0),
+        top_k=m.top_k or _default(defaults.top_k, -1),
         min_p=m.min_p,
         frequency_penalty=m.frequency_penalty,
         presence_penalty=m.presence_penalty,
-        repetition_penalty=m.repetition_penalty or 1.0,
+        repetition_penalty=m.repetition_penalty or _default(defaults.repetition_penalty, 1.0),
         stop_strs=stops,
         stop_token_ids=frozenset(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
@@ -156,6 +198,12 @@ def sampling_from_proto(
     )
 
 
+def _default(value: float | int | None, neutral: float | int) -> float | int:
+    """A model's default, unless it declares the neutral value's stand-in
+    (HF's top_k 0 is "no limit", as our -1)."""
+    return neutral if value is None or value == 0 else value
+
+
 def generate_call(
     m: pb.GenerateRequest,
     limits: Limits,
@@ -163,9 +211,11 @@ def generate_call(
     *,
     has_tokenizer: bool,
     adapters: Collection[str] = (),
+    defaults: ModelDefaults = NO_DEFAULTS,
 ) -> GenerateCall:
     """Validate and convert; ``encode(text) -> ids`` tokenizes original_text;
-    ``adapters``: the lora_ids loaded."""
+    ``adapters``: the lora_ids loaded; ``defaults``: the model's sampling
+    defaults, for the fields a request leaves unset."""
     if m.return_hidden_states:
         raise InvalidRequestError("hidden states are not returned by radixserve")
     _refuse_unsupported(m)
@@ -196,7 +246,7 @@ def generate_call(
         raise InvalidRequestError(
             f"the prompt has {len(ids)} tokens, the model's context is {limits.context_len}"
         )
-    sp = sampling_from_proto(m.sampling_params, len(ids), limits, has_tokenizer)
+    sp = sampling_from_proto(m.sampling_params, len(ids), limits, has_tokenizer, defaults=defaults)
     n = max(m.sampling_params.n, 1)
     if n > limits.max_n:
         raise InvalidRequestError(f"n must be at most {limits.max_n}, got {n}")

@@ -31,12 +31,16 @@ class SampleState:
     prompt_logprobs_sent: bool = False
     cached_tokens: int = 0
     finish: ipc.Finish | None = None
-    # streamed and not sent yet (stream_interval > 1 holds tokens back)
+    # streamed and not sent yet (stream_interval > 1, or a possible stop string)
     unsent_tokens: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # prefill-only scoring's next-token row, and whether a chunk carried it
     next_token_row: TokenLogprobs | None = None
     next_token_row_sent: bool = False
+    # The output ends with the start of a stop string (the core's news): wait.
+    holding: bool = False
+    # The output length at which the next streamed chunk is due.
+    next_chunk_at: int = 1
 
     def has_prompt_logprobs(self) -> bool:
         """Every prompt position asked for has its logprob (position 0 has
@@ -51,6 +55,20 @@ class SampleState:
         self.unsent_tokens, self.unsent_logprobs = [], []
         return tokens, lps
 
+    def chunk_due(self, interval: int) -> bool:
+        """Whether a streamed chunk goes out now (SGLang's rule): at the
+        first token, then once every ``interval`` tokens (outputs 1, 1 + N,
+        1 + 2N, ...), never while the text may be becoming a stop string
+        (sent as soon as it cannot), always at the finish."""
+        if self.finish is not None:
+            return True
+        n = len(self.output_ids)
+        if self.holding or n < self.next_chunk_at:
+            return False
+        # the next point of the 1 + kN grid past n, so a held chunk keeps the rhythm
+        self.next_chunk_at = 1 + interval * ((n - 1) // interval + 1)
+        return True
+
     def add(self, d: ipc.DeltaOut) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Take a delta in; return its tokens and their logprobs."""
         self.output_ids.extend(d.token_ids)
@@ -62,6 +80,8 @@ class SampleState:
         self.cached_tokens = d.cached_tokens
         if d.next_token_logprobs is not None:
             self.next_token_row = d.next_token_logprobs
+        if d.token_ids:  # a tokenless delta (prompt logprobs) says nothing of the text
+            self.holding = d.holding
         if d.finish is not None:
             self.finish = d.finish
         return d.token_ids, lps

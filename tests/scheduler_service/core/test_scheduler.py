@@ -28,6 +28,7 @@ from tests.scheduler_service.core.support.sim_driver import (
     check_outputs,
     drive,
     make_pair,
+    toy_stop_strings,
 )
 
 V = 64
@@ -170,12 +171,8 @@ def test_stop_strings_go_through_the_checker():
     exp = expected_output(prompt, 10, V)
     stop = f"<{exp[3]}>"
 
-    def detok(r: Request) -> str | None:
-        text = "".join(f"<{t}>" for t in r.output_ids)
-        return next((s for s in r.sampling.stop_strs if s in text), None)
-
     config = cfg()
-    sched, worker = make_pair(config, 64, V, stop_strings=detok)
+    sched, worker = make_pair(config, 64, V, stop_strings=toy_stop_strings)
     r = req("r", prompt, max_new=10, stop_strs=(stop,))
     sched.add_request(r)
     drive(sched, worker, [])

@@ -33,7 +33,8 @@ from scheduler_service.api.model_info import ModelContext
 from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.server import SERVICE_NAME
 from scheduler_service.api.servicer import SchedulerServicer
-from scheduler_service.config import LimitsConfig, ServiceConfig
+from scheduler_service.config import LimitsConfig, PublicApiConfig, ServiceConfig
+from scheduler_service.core.sampling import SamplingParams
 from tests.scheduler_service.api.support.pipe_core import PipeCore, ready
 
 WAIT_S = 5.0
@@ -48,10 +49,11 @@ class Submitted:
     rid: str
     prompt_ids: list[int]
     waits_for: str | None
+    sampling: SamplingParams
 
 
 def submitted(msg: ipc.Submit) -> list[Submitted]:
-    return [Submitted(s.rid, list(s.prompt_ids), s.waits_for) for s in msg.submissions]
+    return [Submitted(s.rid, list(s.prompt_ids), s.waits_for, s.sampling) for s in msg.submissions]
 
 
 def generate_request(
@@ -116,9 +118,14 @@ async def until(pred, what: str, timeout_s: float = WAIT_S) -> None:
 
 @contextlib.asynccontextmanager
 async def api_in_process(
-    max_queued_requests: int = 1024, first_ready: ipc.Ready | None = None
+    max_queued_requests: int = 1024,
+    first_ready: ipc.Ready | None = None,
+    api_config: PublicApiConfig | None = None,
 ) -> AsyncIterator[Api]:
-    config = ServiceConfig(limits=LimitsConfig(max_queued_requests=max_queued_requests))
+    config = ServiceConfig(
+        api=api_config or PublicApiConfig(),
+        limits=LimitsConfig(max_queued_requests=max_queued_requests),
+    )
     cores: list[PipeCore] = []
 
     def make_core(on_message, on_exit) -> PipeCore:

@@ -17,6 +17,8 @@ from scheduler_service.core import (
     Request,
     Scheduler,
     SchedulerConfig,
+    StopCheck,
+    check_stop_text,
 )
 from scheduler_service.testing.simulated_worker import SimulatedWorker, expected_output
 
@@ -104,10 +106,9 @@ def toy_text(tokens: list[int]) -> str:
     return "".join(f"<{t}>" for t in tokens)
 
 
-def toy_stop_strings(req: Request) -> str | None:
+def toy_stop_strings(req: Request) -> StopCheck:
     """StopStringChecker over toy_text (whole-text search, fine for tests)."""
-    text = toy_text(req.output_ids)
-    return next((s for s in req.sampling.stop_strs if s in text), None)
+    return check_stop_text(toy_text(req.output_ids), req.sampling.stop_strs)
 
 
 def stop_ids(req: Request, config: SchedulerConfig) -> frozenset[int]:

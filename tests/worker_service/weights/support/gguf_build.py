@@ -62,10 +62,12 @@ def write_model_gguf(
     extra_tensors: dict[str, np.ndarray | tuple[np.ndarray, QType]] | None = None,
     rope_scaling: tuple[str, float, int] | None = None,
     tokenizer: bool = True,
+    metadata: dict[str, float | int] | None = None,
 ) -> None:
     """``types`` maps GGUF tensor-name substrings (e.g. "attn_q") to a type;
     everything else is F32. ``extra_tensors`` are written as given (raw bytes
-    with their type, or float arrays)."""
+    with their type, or float arrays). ``metadata``: more keys (int32 or
+    float32, as llama.cpp writes general.sampling.*)."""
     architecture = hf_config.architectures[0]
     arch, arch_name = GGUF_ARCH[architecture]
     names = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
@@ -90,6 +92,11 @@ def write_model_gguf(
         writer.add_rope_scaling_orig_ctx_len(original)
     if tokenizer:
         add_tokenizer(writer)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, int):
+            writer.add_int32(key, value)
+        else:
+            writer.add_float32(key, value)
 
     for hf_name, tensor in state_dict.items():
         if hf_config.tie_word_embeddings and hf_name == "lm_head.weight":
