@@ -203,7 +203,6 @@ class Outputs:
             others()
             if token is None
             else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None, False))
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, False))
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 
