@@ -403,7 +403,11 @@ class Scheduler:
             return [], []
         candidates = decode_candidates(table.running.values())
         room = make_room(
-            self.kv, candidates, chunked=table.chunked, results_pending=bool(self._inflight)
+            self.kv,
+            candidates,
+            chunked=table.chunked,
+            results_pending=bool(self._inflight),
+            priority_sign=self.config.retraction_priority_sign,
         )
         for req in room.retracted:
             self._retracted(req)
