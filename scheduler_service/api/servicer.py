@@ -215,6 +215,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     obs.failed("INVALID_ARGUMENT", item.message)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
                 obs.delta(item, now)
+                finish = item.finish
+                if finish is not None and finish.code:
+                    # The service's own abort (out of memory, an adapter
+                    # lost): as SGLang's servicer, the call ends with its
+                    # status and message, not a completion that drops both.
+                    obs.failed(finish.code, finish.message)
+                    await context.abort(grpc.StatusCode[finish.code], finish.message)
                 tokens, lps = samples[item.rid].add(item)
                 have = new.setdefault(item.rid, ([], []))
                 have[0].extend(tokens)

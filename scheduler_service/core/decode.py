@@ -24,7 +24,7 @@ import structlog
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.plan import PlanEntry
-from scheduler_service.core.request import FinishAbort, Request
+from scheduler_service.core.request import OUT_OF_CAPACITY, FinishAbort, Request
 from scheduler_service.core.spec.drafts import Drafter
 from scheduler_service.core.spec.rows import DraftWatch, plan_drafted_rows
 from scheduler_service.core.spec.state import SpecState
@@ -135,7 +135,8 @@ def oom_after_retraction(req: Request) -> FinishAbort:
         tokens=req.num_tokens,
     )
     return FinishAbort(
-        "out of memory: the KV cache cannot hold this request even after retracting all others"
+        "out of memory: the KV cache cannot hold this request even after retracting all others",
+        OUT_OF_CAPACITY,
     )
 
 
