@@ -262,7 +262,10 @@ def _dest(flag: str) -> str:
 
 
 def service_config(args: argparse.Namespace, workers: Sequence[str]) -> ServiceConfig:
-    return build(ServiceConfig, args, workers=tuple(workers))
+    try:
+        return build(ServiceConfig, args, workers=tuple(workers))
+    except ValueError as e:  # settings that do not go together (the dataclasses check)
+        raise SystemExit(f"error: {e}") from None
 
 
 def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:

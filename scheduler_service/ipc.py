@@ -116,6 +116,9 @@ class Finish:
     matched_token: int | None = None
     matched_str: str | None = None
     message: str = ""
+    # An abort the service decided (core.request.FinishAbort.code): the call
+    # ends with this gRPC status and ``message`` instead of a completion.
+    code: str = ""
     # Speculative decoding: tokens drafted for the sample and those accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

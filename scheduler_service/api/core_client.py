@@ -43,9 +43,14 @@ class Call:
     public: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # samples with no output yet: they count against --max-queued-requests
+    # (those of a bounded call)
     unstarted: set[str] = field(default_factory=set)
     # set once the public rids are free again
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    # custom_params priority (its samples share it), and the order the call
+    # came in: a full queue evicts the least preferred, newest first
+    priority: int = 0
+    number: int = 0
 
 
 class CoreUnavailable(RuntimeError):
@@ -75,6 +80,12 @@ class Pipe(Protocol):
 
 class QueueFull(RuntimeError):
     """Too many samples wait for their first token (--max-queued-requests)."""
+
+
+class Evicted(QueueFull):
+    """This call waited in a full queue and a call of higher priority took
+    its place (--enable-priority-scheduling, SGLang's rule): it ends with
+    RESOURCE_EXHAUSTED, like a newcomer the full queue refuses."""
 
 
 class CoreClient:
@@ -265,17 +276,15 @@ class CoreClient:
     def submit(self, samples: list[Submission], *, bounded: bool = True) -> Call:
         """Send one call's samples to the core, each under an internal rid
         (``Call``); ``bounded=False`` (health probes) skips
-        --max-queued-requests: a busy server must not look dead to its probes."""
+        --max-queued-requests and takes no place in it: a busy server must
+        not look dead to its probes, nor refuse work for them."""
         public = [s.rid for s in samples]
         for rid in public:
             if rid in self._public:
                 raise ValueError(f"request id {rid!r} is already in use")
         limit = self.config.limits.max_queued_requests
         if bounded and limit > 0 and self.queued + len(samples) > limit:
-            raise QueueFull(
-                f"the server is overloaded: {self.queued} requests are queued, the limit "
-                f"(--max-queued-requests) is {limit}; retry later"
-            )
+            self._make_room(samples[0].priority, self.queued + len(samples) - limit, limit)
         number = next(self._call_numbers)
         internal = {rid: f"{rid}#{number}" for rid in public}
         sent = [
@@ -286,19 +295,69 @@ class CoreClient:
             )
             for s in samples
         ]
-        call = Call([s.rid for s in sent], public)
+        call = Call([s.rid for s in sent], public, priority=samples[0].priority, number=number)
         for rid in public:
             self._public[rid] = call
         for rid in call.rids:
             self._calls[rid] = call
-        call.unstarted.update(call.rids)
-        self.queued += len(call.rids)
+        if bounded:  # a probe takes no place in the queue (and is never evicted)
+            call.unstarted.update(call.rids)
+            self.queued += len(call.rids)
         try:
             self._send(ipc.Submit(sent))
         except Exception:
             self.forget(call)
             raise
         return call
+
+    def _make_room(self, priority: int, needed: int, limit: int) -> None:
+        """The queue is full and a call of ``priority`` needs ``needed`` more
+        places. With priority scheduling, waiting calls of strictly lower
+        priority give theirs up, the least preferred first and the newest
+        among equals (SGLang's _abort_on_queued_limit), each ending with
+        RESOURCE_EXHAUSTED and why; only if that makes room, else the
+        newcomer is refused (QueueFull) and nobody is evicted."""
+        refused = QueueFull(
+            f"the server is overloaded: {self.queued} requests are queued, the limit "
+            f"(--max-queued-requests) is {limit}; retry later"
+        )
+        sched = self.config.scheduler
+        if not sched.enable_priority_scheduling:
+            raise refused
+        sign = sched.priority_sign
+        waiting = {
+            id(c): c
+            for c in self._calls.values()
+            if c.unstarted and c.priority * sign > priority * sign
+        }
+        victims: list[Call] = []
+        least_first = sorted(
+            waiting.values(), key=lambda c: (c.priority * sign, c.number), reverse=True
+        )
+        for call in least_first:
+            if needed <= 0:
+                break
+            victims.append(call)
+            needed -= len(call.unstarted)
+        if needed > 0:
+            raise refused
+        for call in victims:
+            self._evict(call, limit)
+
+    def _evict(self, call: Call, limit: int) -> None:
+        message = (
+            f"evicted from the full queue by a request of higher priority (the limit "
+            f"(--max-queued-requests) is {limit}); retry later"
+        )
+        logger.info(
+            "request evicted by a higher-priority one",
+            request_ids=call.public,
+            priority=call.priority,
+        )
+        self.queued -= len(call.unstarted)
+        call.unstarted.clear()
+        call.queue.put_nowait(Evicted(message))
+        self.abort(call.rids, message)
 
     def abort(self, rids: list[str], reason: str) -> None:
         if rids and not self.failed:

@@ -35,6 +35,7 @@ from scheduler_service.api.core_client import (
     CoreRestarting,
     CoreUnavailable,
     DrainEnded,
+    Evicted,
     QueueFull,
 )
 from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
@@ -215,7 +216,17 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 if isinstance(item, ipc.Rejected):
                     obs.failed("INVALID_ARGUMENT", item.message)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+                if isinstance(item, Evicted):
+                    obs.failed("RESOURCE_EXHAUSTED", str(item))
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
                 obs.delta(item, now)
+                finish = item.finish
+                if finish is not None and finish.code:
+                    # The service's own abort (out of memory, an adapter
+                    # lost): as SGLang's servicer, the call ends with its
+                    # status and message, not a completion that drops both.
+                    obs.failed(finish.code, finish.message)
+                    await context.abort(grpc.StatusCode[finish.code], finish.message)
                 tokens, lps = samples[item.rid].add(item)
                 have = new.setdefault(item.rid, ([], []))
                 have[0].extend(tokens)

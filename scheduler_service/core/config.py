@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from common.settings import setting
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
+RETRACTION_POLICIES = ("length", "priority")
 
 # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission assumes a request
 # needs at most this many more tokens, so huge max_new_tokens do not starve it.
@@ -64,6 +65,15 @@ class SchedulerConfig:
         10,
         "preempt only for a priority this much higher",
         flag="--priority-scheduling-preemption-threshold",
+    )
+    # SGLang's --retraction-policy, with its default: which running request
+    # gives up its KV first when a decode step runs out of pages.
+    retraction_policy: str = setting(
+        "length",
+        "which running request a decode out of memory retracts first: length (fewest "
+        "outputs, then the longest prompt) or priority (the lowest priority first, then as "
+        "length; needs --enable-priority-scheduling)",
+        choices=RETRACTION_POLICIES,
     )
     schedule_conservativeness: float = setting(
         1.0, "scales the expected need of running requests at admission (higher: admit fewer)"
@@ -130,6 +140,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"unknown schedule policy {self.schedule_policy!r}; choose one of {POLICIES}"
             )
+        if self.retraction_policy not in RETRACTION_POLICIES:
+            raise ValueError(
+                f"unknown retraction policy {self.retraction_policy!r}; choose one of "
+                f"{RETRACTION_POLICIES}"
+            )
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            raise ValueError("--retraction-policy priority needs --enable-priority-scheduling")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -153,6 +170,16 @@ class SchedulerConfig:
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size "
                 f"({self.page_size}), or None to disable chunking"
             )
+
+    @property
+    def priority_sign(self) -> int:
+        """Sorting by ``priority * priority_sign`` puts the preferred first."""
+        return 1 if self.schedule_low_priority_values_first else -1
+
+    @property
+    def retraction_priority_sign(self) -> int:
+        """``priority_sign`` when retraction heeds priority, else 0 (it does not)."""
+        return self.priority_sign if self.retraction_policy == "priority" else 0
 
     @property
     def start_new_token_ratio(self) -> float:

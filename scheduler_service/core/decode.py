@@ -1,7 +1,8 @@
 """Decode scheduling, the decisions the Scheduler asks for: which running
-requests decode, which give up their KV when pages run out (retraction,
-least progress first), which cannot fit at all, the decode rows of a step
-(plain, or drafted when the step drafts) and the new-token ratio.
+requests decode, which give up their KV when pages run out (retraction, in
+SGLang's length or priority order), which cannot fit at all, the decode
+rows of a step (plain, or drafted when the step drafts) and the new-token
+ratio.
 
 Decode under overlap: when plan N+1 is built, the token of step N may not be
 known yet. Each decode entry therefore says "compute your last sampled token
@@ -23,7 +24,7 @@ import structlog
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.plan import PlanEntry
-from scheduler_service.core.request import FinishAbort, Request
+from scheduler_service.core.request import OUT_OF_CAPACITY, FinishAbort, Request
 from scheduler_service.core.spec.drafts import Drafter
 from scheduler_service.core.spec.rows import DraftWatch, plan_drafted_rows
 from scheduler_service.core.spec.state import SpecState
@@ -55,10 +56,17 @@ def pages_needed(reqs: list[Request], page_size: int) -> int:
     return sum(1 for r in reqs if r.kv_len % page_size == 0)
 
 
-def retraction_order(reqs: list[Request]) -> list[Request]:
-    """Most progress first; retraction pops from the end (least progress:
-    fewest outputs, then the longest prompt)."""
-    return sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
+def retraction_order(reqs: list[Request], priority_sign: int = 0) -> list[Request]:
+    """The requests to keep most first; retraction pops from the end. SGLang's
+    orders: "length" (``priority_sign`` 0) keeps the most progress, so the
+    fewest outputs, then the longest prompt, go first; "priority" (the
+    config's ``retraction_priority_sign``) takes the lowest priority first
+    and orders equal priorities by length."""
+    return sorted(
+        reqs,
+        key=lambda r: (-r.priority * priority_sign, len(r.output_ids), -len(r.prompt_ids)),
+        reverse=True,
+    )
 
 
 def make_room(
@@ -67,12 +75,14 @@ def make_room(
     *,
     chunked: Request | None,
     results_pending: bool,
+    priority_sign: int = 0,
 ) -> DecodeRoom:
     """Decide which requests give up their KV so the next decode fits.
 
-    Retracts least progress first, keeping at least one request; if even
-    that one cannot fit, the chunked prefill in progress gives up its KV
-    too, then any request left that holds duplicates of cached pages
+    Retracts in ``retraction_order`` (``priority_sign``: see there),
+    keeping at least one request; if even that one cannot fit, the chunked
+    prefill in progress gives up its KV too, then any request left that
+    holds duplicates of cached pages
     (kv/manager.py). If it still cannot fit and results are in flight (which
     may finish requests and free pages), decoding waits for them; otherwise
     the requests left are out of memory. Requests only waiting for their
@@ -88,7 +98,7 @@ def make_room(
     if needed <= kv.available_pages():
         room.ready = True
         return room
-    order = retraction_order(candidates)
+    order = retraction_order(candidates, priority_sign)
     while len(order) > 1 and needed > kv.available_pages():
         victim = order.pop()
         needed -= victim.kv_len % page_size == 0
@@ -125,7 +135,8 @@ def oom_after_retraction(req: Request) -> FinishAbort:
         tokens=req.num_tokens,
     )
     return FinishAbort(
-        "out of memory: the KV cache cannot hold this request even after retracting all others"
+        "out of memory: the KV cache cannot hold this request even after retracting all others",
+        OUT_OF_CAPACITY,
     )
 
 

@@ -69,10 +69,27 @@ class FinishLength:
 
 @dataclass(frozen=True, slots=True)
 class FinishAbort:
-    """Aborted by the client, by validation, or by the scheduler (out of memory)."""
+    """Aborted by the client, by validation, or by the scheduler (out of memory).
+
+    ``code``: the gRPC status name the call ends with when the scheduler or
+    the engine decided the abort (SGLang's servicer ends such a stream with
+    the abort's status and message, never with a completion that drops the
+    message); empty for an abort the client asked for, which ends as a
+    completion with finish_reason "abort"."""
 
     message: str
+    code: str = ""
     kind = "abort"
+
+
+# The status of an abort the scheduler decides because the KV cache cannot
+# hold the request (and of a request evicted from a full queue, which the
+# API process decides): the server's capacity, not a fault (INTERNAL is a
+# broken invariant) nor a lost worker (UNAVAILABLE).
+OUT_OF_CAPACITY = "RESOURCE_EXHAUSTED"
+# A request lost with the worker group's state that cannot run on (an
+# adapter that no longer loads): retry it elsewhere.
+WORKER_LOST = "UNAVAILABLE"
 
 
 FinishReason = FinishStop | FinishLength | FinishAbort
@@ -288,6 +305,8 @@ class Request:
 
 __all__ = [
     "ON_WORKER",
+    "OUT_OF_CAPACITY",
+    "WORKER_LOST",
     "FinishAbort",
     "FinishLength",
     "FinishReason",

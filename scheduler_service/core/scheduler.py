@@ -50,6 +50,7 @@ from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats
 from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
+    WORKER_LOST,
     FinishAbort,
     FinishLength,
     FinishReason,
@@ -158,22 +159,24 @@ class Scheduler:
         table.add(req, held=held)
 
     def abort(
-        self, rid: str, message: str = "aborted by the client", *, emit: bool = True
+        self, rid: str, message: str = "aborted by the client", *, code: str = "", emit: bool = True
     ) -> Request | None:
         """Finish a live request at once, freeing its pages; the request, or
-        None if unknown. ``emit=False``: the caller tells the client itself
-        (no finish delta)."""
+        None if unknown. ``code``: the status the call ends with when the
+        abort is the service's decision, not the client's (FinishAbort).
+        ``emit=False``: the caller tells the client itself (no finish delta)."""
         req = self.table.get(rid)
         if req is None:
             return None
-        self._finish(req, FinishAbort(message), emit=emit)
+        self._finish(req, FinishAbort(message, code), emit=emit)
         return req
 
     def abort_adapter_requests(self, lora_id: str, message: str) -> int:
-        """Abort every live request of adapter ``lora_id``; how many."""
+        """Abort every live request of adapter ``lora_id`` (it no longer
+        loads: the calls end UNAVAILABLE with ``message``); how many."""
         reqs = [r for r in self.table if r.adapter == lora_id]
         for req in reqs:
-            self._finish(req, FinishAbort(message))
+            self._finish(req, FinishAbort(message, WORKER_LOST))
         return len(reqs)
 
     def drain(self) -> list[RequestDelta]:
@@ -415,7 +418,11 @@ class Scheduler:
             return [], []
         candidates = decode_candidates(table.running.values())
         room = make_room(
-            self.kv, candidates, chunked=table.chunked, results_pending=bool(self._inflight)
+            self.kv,
+            candidates,
+            chunked=table.chunked,
+            results_pending=bool(self._inflight),
+            priority_sign=self.config.retraction_priority_sign,
         )
         for req in room.retracted:
             self._retracted(req)

@@ -22,7 +22,7 @@ from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
 from scheduler_service.core.intake import Submission
 from scheduler_service.core.outputs import RequestDelta
-from scheduler_service.core.request import FinishStop, Request
+from scheduler_service.core.request import FinishAbort, FinishStop, Request
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
@@ -333,8 +333,10 @@ class Engine:
                     finish = ipc.Finish("stop", matched_str=reason.matched)
                 else:
                     finish = ipc.Finish("stop", matched_token=reason.matched)
+            elif isinstance(reason, FinishAbort):
+                finish = ipc.Finish("abort", message=reason.message, code=reason.code)
             else:
-                finish = ipc.Finish(reason.kind, message=getattr(reason, "message", ""))
+                finish = ipc.Finish(reason.kind)
             finish.spec_draft_tokens = req.spec_draft_tokens
             finish.spec_accepted_tokens = req.spec_accepted_tokens
         return ipc.DeltaOut(

@@ -1,14 +1,16 @@
 """Priority and routing key arrive over the public API in
 SamplingParams.custom_params (the proto has no field for them) and reach the
 scheduler: with --enable-priority-scheduling a high-priority request preempts
-a low-priority one on a full pool, and the routing-key policy runs a waiting
-request whose key is in the running batch before an older one."""
+a low-priority one on a full pool and takes the place of a lower one in a
+full queue (whose client hears why), and the routing-key policy runs a
+waiting request whose key is in the running batch before an older one."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import pytest
 from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -86,6 +88,47 @@ def test_high_priority_preempts_low_priority_on_a_full_pool(tmp_path):
         assert tokens == [240, 100]  # the preempted request resumed and finished in full
         assert log.index(("high", "done")) < log.index(("low", "done")), log
         assert scrape(port)["radixserve_preemptions_total"] >= 1
+        assert_idle_and_clean(stub(address))
+
+
+def test_a_full_queue_evicts_the_lowest_priority_waiting_request_for_a_higher_one(tmp_path):
+    args = (
+        "--enable-priority-scheduling",
+        "--max-queued-requests",
+        "1",
+        "--max-running-requests",
+        "1",
+    )
+    with simulated_server(tmp_path, num_pages=256, step_ms=2.0, scheduler_args=args) as address:
+
+        async def run() -> tuple[list, list[int], grpc.aio.AioRpcError]:
+            log: list = []
+            async with grpc.aio.insecure_channel(address) as ch:
+                s = pb_grpc.SglangSchedulerStub(ch)
+                busy = asyncio.create_task(_run(s, _request("busy", [1] * 8, 300), log))
+                while ("busy", "first") not in log:
+                    await asyncio.sleep(0.005)
+                low = asyncio.create_task(_run(s, _request("low", [2] * 8, 20, priority=1), log))
+                # "low" waits behind "busy" (one running at a time): the queue is full
+                while True:
+                    info = await s.GetServerInfo(pb.GetServerInfoRequest())
+                    if info.scheduler_info["queued_requests"] == 1:
+                        break
+                    await asyncio.sleep(0.005)
+                high = _run(s, _request("high", [3] * 8, 20, priority=5), log)
+                tokens = await asyncio.gather(busy, high)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await low
+            return log, tokens, e.value
+
+        log, tokens, evicted = asyncio.run(run())
+        assert evicted.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert evicted.details() == (
+            "evicted from the full queue by a request of higher priority (the limit "
+            "(--max-queued-requests) is 1); retry later"
+        )
+        assert tokens == [300, 20]
+        assert ("low", "first") not in log
         assert_idle_and_clean(stub(address))
 
 

@@ -27,7 +27,7 @@ from scheduler_service.core.ids import zero_pages
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
-from scheduler_service.core.request import FinishAbort, Request
+from scheduler_service.core.request import OUT_OF_CAPACITY, FinishAbort, Request
 
 logger = structlog.get_logger(__name__)
 
@@ -165,5 +165,6 @@ def unfit_head(
     )
     return head, FinishAbort(
         f"out of memory: the request needs {head.num_tokens + 1} tokens of KV cache "
-        f"and the pool holds {capacity}"
+        f"and the pool holds {capacity}",
+        OUT_OF_CAPACITY,
     )

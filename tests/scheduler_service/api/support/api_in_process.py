@@ -34,6 +34,7 @@ from scheduler_service.api.readiness import Readiness
 from scheduler_service.api.server import SERVICE_NAME
 from scheduler_service.api.servicer import SchedulerServicer
 from scheduler_service.config import LimitsConfig, PublicApiConfig, ServiceConfig
+from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.sampling import SamplingParams
 from tests.scheduler_service.api.support.pipe_core import PipeCore, ready
 
@@ -57,7 +58,13 @@ def submitted(msg: ipc.Submit) -> list[Submitted]:
 
 
 def generate_request(
-    rid: str, ids: tuple[int, ...] = (1, 2, 3), max_new: int = 4, n: int = 1, stream: bool = True
+    rid: str,
+    ids: tuple[int, ...] = (1, 2, 3),
+    max_new: int = 4,
+    n: int = 1,
+    stream: bool = True,
+    *,
+    priority: int | None = None,
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=rid, tokenized=pb.TokenizedInput(input_ids=list(ids)), stream=stream
@@ -65,6 +72,8 @@ def generate_request(
     req.sampling_params.temperature = 0.0
     req.sampling_params.max_new_tokens = max_new
     req.sampling_params.n = n
+    if priority is not None:
+        req.sampling_params.custom_params.update({"priority": priority})
     req.logprob_start_len = -1
     return req
 
@@ -121,10 +130,14 @@ async def api_in_process(
     max_queued_requests: int = 1024,
     first_ready: ipc.Ready | None = None,
     api_config: PublicApiConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
 ) -> AsyncIterator[Api]:
+    """``scheduler``: the scheduling settings the API process reads (the
+    core here is the test's)."""
     config = ServiceConfig(
         api=api_config or PublicApiConfig(),
         limits=LimitsConfig(max_queued_requests=max_queued_requests),
+        scheduler=scheduler or SchedulerConfig(),
     )
     cores: list[PipeCore] = []
 
