@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14radixserve.worker.v1\"\x10\n\x0eGetInfoRequest\"\xe6\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x17\n\x0fmax_context_len\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\"\xe0\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.radixserve.worker.v1.ModelInfo\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\rsession_epoch\x18\t \x01(\x04\"0\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\xe6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12.\n\x07grammar\x18\x0e \x01(\x0b\x32\x1d.radixserve.worker.v1.GrammarB\x07\n\x05_seed\"H\n\x07Grammar\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.radixserve.worker.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"G\n\x15\x43ompileGrammarRequest\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\";\n\x16\x43ompileGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x12\n\ncompile_ms\x18\x02 \x01(\x02\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"[\n\x13LoadAdapterResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x15UnloadAdapterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x0b\x41\x64\x61pterSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"x\n\x0eLogprobOptions\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x02 \x01(\x05\x12\x18\n\x10top_logprobs_num\x18\x03 \x01(\r\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\x9d\x02\n\x04Join\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.radixserve.worker.v1.SamplingParams\x12\x36\n\x08logprobs\x18\x04 \x01(\x0b\x32$.radixserve.worker.v1.LogprobOptions\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nprefix_ids\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x31\n\x05trace\x18\x08 \x01(\x0b\x32\".radixserve.worker.v1.TraceContext\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\t \x01(\r\"\x9a\x01\n\x06\x45xtend\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\nnext_token\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdraft_len\x18\x07 \x01(\rB\r\n\x0b_next_token\"\xee\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.radixserve.worker.v1.ForwardMode\x12\x0e\n\x06leaves\x18\x03 \x03(\r\x12)\n\x05joins\x18\x04 \x03(\x0b\x32\x1a.radixserve.worker.v1.Join\x12-\n\x07\x65xtends\x18\x05 \x03(\x0b\x32\x1c.radixserve.worker.v1.Extend\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_positions\x18\x07 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_new_pages\x18\x08 \x03(\r\x12\x38\n\radapter_slots\x18\t \x03(\x0b\x32!.radixserve.worker.v1.AdapterSlot\x12\x32\n\x07session\x18\n \x01(\x0b\x32!.radixserve.worker.v1.SessionOpen\"|\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cids_logprobs\x18\x06 \x03(\x02\"\xd6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x12\n\ntop_counts\x18\x06 \x03(\r\x12\x0f\n\x07top_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x12\n\nids_counts\x18\t \x03(\r\x12\x14\n\x0cids_logprobs\x18\n \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.radixserve.worker.v1.PromptLogprobs\x12\x12\n\nforward_ms\x18\x0c \x01(\x02\x12\x0f\n\x07idle_ms\x18\r \x01(\x02\x12\x15\n\rgrammar_ended\x18\x0e \x03(\r\x12\x14\n\x0ctoken_counts\x18\x0f \x03(\r\"\x15\n\x13GetTokenizerRequest\".\n\x0eTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t*\x8d\x01\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46ORWARD_MODE_PREFILL\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04*\x92\x01\n\x0bGrammarKind\x12\x15\n\x11GRAMMAR_KIND_NONE\x10\x00\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x1f\n\x1bGRAMMAR_KIND_STRUCTURAL_TAG\x10\x04\x32\xca\x04\n\x06Worker\x12Q\n\x07GetInfo\x12$.radixserve.worker.v1.GetInfoRequest\x1a .radixserve.worker.v1.WorkerInfo\x12O\n\x07\x45xecute\x12\x1e.radixserve.worker.v1.StepPlan\x1a .radixserve.worker.v1.StepResult(\x01\x30\x01\x12\x61\n\x0cGetTokenizer\x12).radixserve.worker.v1.GetTokenizerRequest\x1a$.radixserve.worker.v1.TokenizerChunk0\x01\x12k\n\x0e\x43ompileGrammar\x12+.radixserve.worker.v1.CompileGrammarRequest\x1a,.radixserve.worker.v1.CompileGrammarResponse\x12\x62\n\x0bLoadAdapter\x12(.radixserve.worker.v1.LoadAdapterRequest\x1a).radixserve.worker.v1.LoadAdapterResponse\x12h\n\rUnloadAdapter\x12*.radixserve.worker.v1.UnloadAdapterRequest\x1a+.radixserve.worker.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14radixserve.worker.v1\"\x10\n\x0eGetInfoRequest\"\xe6\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x17\n\x0fmax_context_len\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\"\xe0\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.radixserve.worker.v1.ModelInfo\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\rsession_epoch\x18\t \x01(\x04\"0\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x83\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12.\n\x07grammar\x18\x0e \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\x12\x1b\n\x13reasoning_end_token\x18( \x01(\rB\x07\n\x05_seed\"H\n\x07Grammar\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.radixserve.worker.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"G\n\x15\x43ompileGrammarRequest\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\";\n\x16\x43ompileGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x12\n\ncompile_ms\x18\x02 \x01(\x02\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"[\n\x13LoadAdapterResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x15UnloadAdapterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x0b\x41\x64\x61pterSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"x\n\x0eLogprobOptions\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x02 \x01(\x05\x12\x18\n\x10top_logprobs_num\x18\x03 \x01(\r\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\x9d\x02\n\x04Join\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.radixserve.worker.v1.SamplingParams\x12\x36\n\x08logprobs\x18\x04 \x01(\x0b\x32$.radixserve.worker.v1.LogprobOptions\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nprefix_ids\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x31\n\x05trace\x18\x08 \x01(\x0b\x32\".radixserve.worker.v1.TraceContext\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\t \x01(\r\"\x9a\x01\n\x06\x45xtend\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\nnext_token\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdraft_len\x18\x07 \x01(\rB\r\n\x0b_next_token\"\xee\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.radixserve.worker.v1.ForwardMode\x12\x0e\n\x06leaves\x18\x03 \x03(\r\x12)\n\x05joins\x18\x04 \x03(\x0b\x32\x1a.radixserve.worker.v1.Join\x12-\n\x07\x65xtends\x18\x05 \x03(\x0b\x32\x1c.radixserve.worker.v1.Extend\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_positions\x18\x07 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_new_pages\x18\x08 \x03(\r\x12\x38\n\radapter_slots\x18\t \x03(\x0b\x32!.radixserve.worker.v1.AdapterSlot\x12\x32\n\x07session\x18\n \x01(\x0b\x32!.radixserve.worker.v1.SessionOpen\"|\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cids_logprobs\x18\x06 \x03(\x02\"\xd6\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x12\n\ntop_counts\x18\x06 \x03(\r\x12\x0f\n\x07top_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x12\n\nids_counts\x18\t \x03(\r\x12\x14\n\x0cids_logprobs\x18\n \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.radixserve.worker.v1.PromptLogprobs\x12\x12\n\nforward_ms\x18\x0c \x01(\x02\x12\x0f\n\x07idle_ms\x18\r \x01(\x02\x12\x15\n\rgrammar_ended\x18\x0e \x03(\r\x12\x14\n\x0ctoken_counts\x18\x0f \x03(\r\"\x15\n\x13GetTokenizerRequest\".\n\x0eTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t*\x8d\x01\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46ORWARD_MODE_PREFILL\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04*\x92\x01\n\x0bGrammarKind\x12\x15\n\x11GRAMMAR_KIND_NONE\x10\x00\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x1f\n\x1bGRAMMAR_KIND_STRUCTURAL_TAG\x10\x04\x32\xca\x04\n\x06Worker\x12Q\n\x07GetInfo\x12$.radixserve.worker.v1.GetInfoRequest\x1a .radixserve.worker.v1.WorkerInfo\x12O\n\x07\x45xecute\x12\x1e.radixserve.worker.v1.StepPlan\x1a .radixserve.worker.v1.StepResult(\x01\x30\x01\x12\x61\n\x0cGetTokenizer\x12).radixserve.worker.v1.GetTokenizerRequest\x1a$.radixserve.worker.v1.TokenizerChunk0\x01\x12k\n\x0e\x43ompileGrammar\x12+.radixserve.worker.v1.CompileGrammarRequest\x1a,.radixserve.worker.v1.CompileGrammarResponse\x12\x62\n\x0bLoadAdapter\x12(.radixserve.worker.v1.LoadAdapterRequest\x1a).radixserve.worker.v1.LoadAdapterResponse\x12h\n\rUnloadAdapter\x12*.radixserve.worker.v1.UnloadAdapterRequest\x1a+.radixserve.worker.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FORWARDMODE']._serialized_start=2960
-  _globals['_FORWARDMODE']._serialized_end=3101
-  _globals['_GRAMMARKIND']._serialized_start=3104
-  _globals['_GRAMMARKIND']._serialized_end=3250
+  _globals['_FORWARDMODE']._serialized_start=2989
+  _globals['_FORWARDMODE']._serialized_end=3130
+  _globals['_GRAMMARKIND']._serialized_start=3133
+  _globals['_GRAMMARKIND']._serialized_end=3279
   _globals['_GETINFOREQUEST']._serialized_start=45
   _globals['_GETINFOREQUEST']._serialized_end=61
   _globals['_MODELINFO']._serialized_start=64
@@ -44,41 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONOPEN']._serialized_start=523
   _globals['_SESSIONOPEN']._serialized_end=571
   _globals['_SAMPLINGPARAMS']._serialized_start=574
-  _globals['_SAMPLINGPARAMS']._serialized_end=932
-  _globals['_GRAMMAR']._serialized_start=934
-  _globals['_GRAMMAR']._serialized_end=1006
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1008
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1079
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1081
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1140
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1142
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1208
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1210
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1301
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1303
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1339
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1341
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1379
-  _globals['_ADAPTERSLOT']._serialized_start=1381
-  _globals['_ADAPTERSLOT']._serialized_end=1422
-  _globals['_LOGPROBOPTIONS']._serialized_start=1424
-  _globals['_LOGPROBOPTIONS']._serialized_end=1544
-  _globals['_TRACECONTEXT']._serialized_start=1546
-  _globals['_TRACECONTEXT']._serialized_end=1601
-  _globals['_JOIN']._serialized_start=1604
-  _globals['_JOIN']._serialized_end=1889
-  _globals['_EXTEND']._serialized_start=1892
-  _globals['_EXTEND']._serialized_end=2046
-  _globals['_STEPPLAN']._serialized_start=2049
-  _globals['_STEPPLAN']._serialized_end=2415
-  _globals['_PROMPTLOGPROBS']._serialized_start=2417
-  _globals['_PROMPTLOGPROBS']._serialized_end=2541
-  _globals['_STEPRESULT']._serialized_start=2544
-  _globals['_STEPRESULT']._serialized_end=2886
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2888
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2909
-  _globals['_TOKENIZERCHUNK']._serialized_start=2911
-  _globals['_TOKENIZERCHUNK']._serialized_end=2957
-  _globals['_WORKER']._serialized_start=3253
-  _globals['_WORKER']._serialized_end=3839
+  _globals['_SAMPLINGPARAMS']._serialized_end=961
+  _globals['_GRAMMAR']._serialized_start=963
+  _globals['_GRAMMAR']._serialized_end=1035
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1037
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1108
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1110
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1169
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1171
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1237
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1239
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1330
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1332
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1368
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1370
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1408
+  _globals['_ADAPTERSLOT']._serialized_start=1410
+  _globals['_ADAPTERSLOT']._serialized_end=1451
+  _globals['_LOGPROBOPTIONS']._serialized_start=1453
+  _globals['_LOGPROBOPTIONS']._serialized_end=1573
+  _globals['_TRACECONTEXT']._serialized_start=1575
+  _globals['_TRACECONTEXT']._serialized_end=1630
+  _globals['_JOIN']._serialized_start=1633
+  _globals['_JOIN']._serialized_end=1918
+  _globals['_EXTEND']._serialized_start=1921
+  _globals['_EXTEND']._serialized_end=2075
+  _globals['_STEPPLAN']._serialized_start=2078
+  _globals['_STEPPLAN']._serialized_end=2444
+  _globals['_PROMPTLOGPROBS']._serialized_start=2446
+  _globals['_PROMPTLOGPROBS']._serialized_end=2570
+  _globals['_STEPRESULT']._serialized_start=2573
+  _globals['_STEPRESULT']._serialized_end=2915
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2917
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2938
+  _globals['_TOKENIZERCHUNK']._serialized_start=2940
+  _globals['_TOKENIZERCHUNK']._serialized_end=2986
+  _globals['_WORKER']._serialized_start=3282
+  _globals['_WORKER']._serialized_end=3868
 # @@protoc_insertion_point(module_scope)

@@ -48,10 +48,14 @@ class Submitted:
     rid: str
     prompt_ids: list[int]
     waits_for: str | None
+    reasoning_end_token: int | None = None  # require_reasoning's end-of-reasoning token
 
 
 def submitted(msg: ipc.Submit) -> list[Submitted]:
-    return [Submitted(s.rid, list(s.prompt_ids), s.waits_for) for s in msg.submissions]
+    return [
+        Submitted(s.rid, list(s.prompt_ids), s.waits_for, s.sampling.reasoning_end_token)
+        for s in msg.submissions
+    ]
 
 
 def generate_request(
