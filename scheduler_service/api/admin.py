@@ -76,6 +76,7 @@ class AdminRpcs:
 
     def server_info(self) -> pb.GetServerInfoResponse:
         r, cfg = self.model.ready, self.core.config
+        reasoning = self.model.limits.reasoning_end_token is not None
         args = flatten(cfg)
         args |= {
             "model_path": r.model_name,
@@ -84,6 +85,9 @@ class AdminRpcs:
             "dp_size": 1,
             "page_size": r.page_size,
             "grammar_backend": "none",
+            # Where a require_reasoning request's grammar starts (the gateway
+            # shapes a forced tool call's grammar by it): after </think>.
+            "constrained_decoding_start": "after_reasoning" if reasoning else "first_token",
         }
         start = Timestamp(seconds=int(self.started))
         load = self.core.load

@@ -120,3 +120,21 @@ def test_a_model_without_the_token_refuses_require_reasoning_by_name():
             )
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("with_token", "start"), [(True, "after_reasoning"), (False, "first_token")]
+)
+def test_server_info_tells_the_gateway_where_a_reasoning_grammar_starts(with_token, start):
+    """smg reads ``constrained_decoding_start`` from server_args (SGLang's
+    servicer's label) to shape a forced tool call's grammar."""
+
+    async def run() -> dict:
+        first = ready_with_tokenizer() if with_token else None
+        async with api_in_process(first_ready=first) as api:
+            info = await api.stub.GetServerInfo(pb.GetServerInfoRequest())
+            return dict(info.server_args)
+
+    args = asyncio.run(run())
+    assert args["constrained_decoding_start"] == start
+    assert args["think_end_token"] == "</think>"
