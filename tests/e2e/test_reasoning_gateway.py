@@ -2,15 +2,17 @@
 the SMG gateway with ``--reasoning-parser qwen3``.
 
 The model is a tiny random-init Qwen3 checkpoint built to think on cue
-(tests/e2e/support/reasoning_model.py): left alone, greedy, it says
-``<think>Let me think</think> Sure`` and then babbles.
+(tests/e2e/support/reasoning_model.py): its chat template opens ``<think>``
+in the prompt (unless enable_thinking is false), and left alone, greedy, it
+says ``Let me think</think> Sure`` and then babbles.
 
 What this proves: the wiring. require_reasoning is accepted; the grammar is
 deferred until ``</think>`` (the thought, which no JSON grammar allows,
 comes through) and applies after it (" Sure" becomes the schema's JSON);
-reasoning_tokens counts the thought and its end token; the gateway asks for
-reasoning on a qwen3-parsed chat, splits reasoning from content, and the
-content is valid JSON. What it does not prove: anything about a real model's
+reasoning_tokens counts the thought and its end token; the gateway sets
+require_reasoning on a chat whose template thinks (not when the request
+turns thinking off), splits reasoning from content, and the content is
+valid JSON. What it does not prove: anything about a real model's
 reasoning (this one's thought is wired into its weights).
 """
 
@@ -29,7 +31,7 @@ from tests.e2e.support.system import greedy, serve, stub
 
 pytestmark = pytest.mark.slow  # exports the default model's tokenizer, builds a checkpoint
 
-REASONING_TOKENS = 5  # <think> Let ĠmeĠthink... : <think>, 3 words, </think>
+REASONING_TOKENS = 4  # "Let", " me", " think", "</think>"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def text(served, ids) -> str:
 
 def test_the_grammar_waits_for_the_end_of_the_thought(served):
     done = generate(served, require_reasoning=True, schema=True)
-    assert text(served, done.output_ids) == f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>"
+    assert text(served, done.output_ids) == f"{THOUGHT}</think>{ANSWER}<|im_end|>"
     assert done.finish_reason == "stop"
     assert done.reasoning_tokens == REASONING_TOKENS
 
@@ -78,7 +80,7 @@ def test_without_require_reasoning_the_grammar_starts_at_once(served):
 
 def test_reasoning_is_counted_without_a_grammar(served):
     done = generate(served, require_reasoning=True, schema=False)
-    assert text(served, done.output_ids).startswith(f"<think>{THOUGHT}</think> Sure")
+    assert text(served, done.output_ids).startswith(f"{THOUGHT}</think> Sure")
     assert done.reasoning_tokens == REASONING_TOKENS
 
 
@@ -103,6 +105,15 @@ def test_a_structured_chat_through_the_gateway_returns_reasoning_and_json(served
         assert message["reasoning_content"].strip() == THOUGHT, choice
         assert json.loads(message["content"]) == {"answer": "yes"}, choice
         assert choice["choices"][0]["finish_reason"] == "stop"
+        # Thinking off: the template closes the section, the gateway sends no
+        # require_reasoning, and the grammar holds from the first token.
+        off = post(
+            base + "/v1/chat/completions",
+            {**body, "chat_template_kwargs": {"enable_thinking": False}},
+        )
+        message = off["choices"][0]["message"]
+        assert not message.get("reasoning_content"), off
+        assert json.loads(message["content"]) == {"answer": "yes"}, off
     finally:
         proc.terminate()
         proc.wait(10)

@@ -8,9 +8,9 @@ template. A random model would never close a thinking section, so the weights
 are built to: every layer's output projections are zero (the residual stream
 is the current token's embedding), so the next token is a function of the
 current one alone, and the LM head holds a chain, from the prompt's last
-token: ``<think>`` "Let me think" ``</think>`` then " Sure" (a word no JSON
-grammar allows); every other token gets a lower logit, highest for the
-tokens of ``ANSWER`` and EOS. So the model's own greedy continuation is
+token (the template opens ``<think>``): "Let me think" ``</think>`` then
+" Sure" (a word no JSON grammar allows); every other token gets a lower
+logit, highest for the tokens of ``ANSWER`` and EOS. So the model's own greedy continuation is
 thought, end of thought, " Sure"; only a grammar in force after ``</think>``
 turns " Sure" into JSON, and only a grammar deferred until then lets the
 thought through.
@@ -35,9 +35,14 @@ SCHEMA = {
     "required": ["answer"],
     "additionalProperties": False,
 }
+# ChatML that opens the thinking section in the prompt unless enable_thinking
+# is false (then it closes it at once), as Qwen3's thinking models do: smg
+# reads the toggle from the template and sets require_reasoning when it is on.
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
 )
 QUESTION = "Is this a test?"
 CHAIN_LOGIT = 150.0  # the chain's next token: ~136 after the final norm
@@ -45,7 +50,8 @@ ANSWER_LOGIT = 14.0  # ANSWER's tokens and EOS: ~40 from any token
 
 
 def prompt_text(question: str = QUESTION) -> str:
-    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    """TEMPLATE's prompt, thinking on."""
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
 
 def build(tokenizer_dir: Path, out: Path, *, seed: int = 29) -> dict[str, int]:
@@ -68,7 +74,7 @@ def build(tokenizer_dir: Path, out: Path, *, seed: int = 29) -> dict[str, int]:
     eos = one("<|im_end|>")
     last = tok.encode(prompt_text(), add_special_tokens=False).ids[-1]
     thought = tok.encode(THOUGHT, add_special_tokens=False).ids
-    chain = [last, one(THINK), *thought, one(END_THINK), one(" Sure")]
+    chain = [last, *thought, one(END_THINK), one(" Sure")]
     assert len(set(chain)) == len(chain), chain
     answer = [*tok.encode(ANSWER, add_special_tokens=False).ids, eos]
     assert not set(answer) & set(chain), (answer, chain)
@@ -107,4 +113,4 @@ def build(tokenizer_dir: Path, out: Path, *, seed: int = 29) -> dict[str, int]:
             head[t, 0] += ANSWER_LOGIT
         model.lm_head.weight.copy_(head)
     model.save_pretrained(out)
-    return {"eos": eos, "think": chain[1], "end_think": chain[-2], "sure": chain[-1]}
+    return {"eos": eos, "end_think": chain[-2], "sure": chain[-1]}
