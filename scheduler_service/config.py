@@ -73,6 +73,13 @@ class PublicApiConfig:
         "neither (SGLang's --sampling-defaults)",
         choices=("model", "openai"),
     )
+    think_end_token: str = setting(
+        "</think>",
+        "the vocabulary token that ends a reasoning model's thinking section: a "
+        "require_reasoning request's grammar applies after it, and the tokens up to it "
+        "count as reasoning_tokens (a model without it refuses require_reasoning)",
+        metavar="TOKEN",
+    )
     drain_timeout_s: float = setting(
         30.0,
         "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "

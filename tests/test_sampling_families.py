@@ -45,6 +45,8 @@ CLIENT_LACKS = {
     "logit_bias": "the public API's logit_bias map; the client does not send it yet",
     "seed": "sent as custom_params.seed; the client does not set it yet",
     "spaces_between_special_tokens": "the client decodes with the server's tokenizer itself",
+    "reasoning_end_token": "set by the API from GenerateRequest.require_reasoning and the "
+    "model's vocabulary; the client does not send require_reasoning yet",
 }
 
 
@@ -87,6 +89,7 @@ def test_every_worker_knob_survives_core_wire_worker():
         logit_bias=((5, 1.5), (8, -2.0)),
         seed=2**63 + 1,
         grammar=("regex", "(yes|no)"),
+        reasoning_end_token=0,  # id 0 is a token too (the wire sends id + 1)
     )
     m = pb.SamplingParams()
     sampling_to_proto(sp, m)

@@ -86,6 +86,7 @@ class AdminRpcs:
 
     def server_info(self) -> pb.GetServerInfoResponse:
         r, cfg = self.model.ready, self.core.config
+        reasoning = self.model.limits.reasoning_end_token is not None
         args = flatten(cfg)
         args |= {
             "model_path": r.model_name,
@@ -93,6 +94,9 @@ class AdminRpcs:
             "tp_size": r.tp_size,
             "dp_size": 1,
             "page_size": r.page_size,
+            # Where a require_reasoning request's grammar starts (the gateway
+            # shapes a forced tool call's grammar by it): after </think>.
+            "constrained_decoding_start": "after_reasoning" if reasoning else "first_token",
         }
         # The backend the sampling worker constrains with, under SGLang's key
         # (the gateway refuses constraints a "none" backend cannot enforce);

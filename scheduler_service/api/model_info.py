@@ -9,12 +9,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from tokenizers import Tokenizer
 
 from common import tokenizer_archive
 from scheduler_service import ipc
 from scheduler_service.api.convert.public import NO_DEFAULTS, Limits, ModelDefaults
 from scheduler_service.config import ServiceConfig
+
+logger = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -52,6 +55,8 @@ class ModelContext:
                 (target / Path(name).name).write_bytes(data)
             tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
             tokenizer_dir = str(target)
+        end = reasoning_end_token(tokenizer, config.api.think_end_token, ready.vocab_size)
+        limits = dataclasses.replace(limits, reasoning_end_token=end)
         name = config.api.served_model_name or Path(ready.model_name).stem or ready.model_name
         declared = dict(ready.sampling_defaults) if config.api.sampling_defaults == "model" else {}
         return cls(
@@ -63,3 +68,15 @@ class ModelContext:
             declared_defaults=declared,
             defaults=ModelDefaults.of(declared),
         )
+
+
+def reasoning_end_token(tokenizer: Tokenizer | None, token: str, vocab_size: int) -> int | None:
+    """The id of ``token`` (the model's ``</think>``) if it is one token of the
+    vocabulary, else None: a model without it has no thinking section to wait for."""
+    if tokenizer is None or not token:
+        return None
+    found = tokenizer.token_to_id(token)
+    if found is None or found >= vocab_size:
+        return None
+    logger.info("end-of-reasoning token", token=token, id=found)
+    return found

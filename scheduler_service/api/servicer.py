@@ -190,12 +190,15 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         start = g.logprobs.logprob_start_len if g.logprobs.return_logprob else -1
         prompt = g.samples[0].prompt_ids
-        first = SampleState(call.rids[0], 0, prompt, start)
+        end = g.samples[0].sampling.reasoning_end_token
+        first = SampleState(call.rids[0], 0, prompt, start, reasoning_end=end)
         samples = {first.rid: first}
         for i, rid in enumerate(call.rids[1:], 1):
             # Siblings share the first sample's prompt logprobs (only it
             # computes them: generate_call).
-            samples[rid] = SampleState(rid, i, prompt, start, prompt_logprobs=first.prompt_logprobs)
+            samples[rid] = SampleState(
+                rid, i, prompt, start, prompt_logprobs=first.prompt_logprobs, reasoning_end=end
+            )
         open_samples = set(samples)
         # Siblings whose answer waits for the first sample's prompt logprobs
         # (its prefill result normally arrives before any sibling's token; a

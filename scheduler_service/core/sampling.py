@@ -44,6 +44,10 @@ class SamplingParams:
     # Structured generation: (kind, text), kind one of GRAMMAR_KINDS. The
     # worker masks every sampled token to what the grammar allows.
     grammar: tuple[str, str] | None = None
+    # require_reasoning: the token that ends the output's thinking section (the
+    # model's </think>). The worker applies the grammar only after it; the API
+    # process counts the tokens up to it as reasoning_tokens. None: no section.
+    reasoning_end_token: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -91,6 +95,10 @@ class SamplingParams:
             for name, ids in (
                 ("stop_token_ids", self.stop_token_ids),
                 ("logit_bias", [tok for tok, _ in self.logit_bias]),
+                (
+                    "reasoning_end_token",
+                    [] if self.reasoning_end_token is None else [self.reasoning_end_token],
+                ),
             ):
                 bad = [t for t in ids if not 0 <= t < vocab_size]
                 if bad:

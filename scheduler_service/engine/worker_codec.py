@@ -56,6 +56,8 @@ def sampling_to_proto(sp: SamplingParams, m: pb.SamplingParams) -> None:
         m.seed = sp.seed
     if sp.grammar is not None:
         grammar_to_proto(sp.grammar, m.grammar)
+        if sp.reasoning_end_token is not None:  # the worker needs it only to defer a grammar
+            m.reasoning_end_token = sp.reasoning_end_token + 1
 
 
 def logprobs_to_proto(lp: LogprobOptions, m: pb.LogprobOptions) -> None:

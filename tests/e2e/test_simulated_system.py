@@ -170,7 +170,8 @@ def test_stream_interval_sends_a_chunk_every_n_tokens(address):
         ("lora_id", "adapter-1", "lora_id 'adapter-1' names no loaded LoRA adapter"),
         ("custom_logit_processor", "gASV...", "custom_logit_processor"),
         ("data_parallel_rank", 3, "data_parallel_rank: this scheduler has one"),
-        ("require_reasoning", True, "require_reasoning"),
+        # the simulated model has no tokenizer, so no </think> to wait for
+        ("require_reasoning", True, "require_reasoning: this model's vocabulary has no"),
     ],
 )
 def test_fields_nobody_would_read_are_refused_by_name(address, field, value, message):

@@ -30,6 +30,7 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(zip(m.logit_bias_ids, m.logit_bias_values, strict=True)),
         seed=m.seed if m.HasField("seed") else None,
         grammar=grammar_from_proto(m.grammar) if m.grammar.kind else None,
+        reasoning_end_token=m.reasoning_end_token - 1 if m.reasoning_end_token else None,
     )
 
 

@@ -256,9 +256,10 @@ class ModelCompute:
         state, sp = w.state, w.state.sampling
         tokens, n_prompt = state.tokens, state.prompt_len
         eos = self.eos_token_ids
-        if state.grammar is not None and sp.min_new_tokens:
+        if state.grammar is not None and state.grammar.constraining and sp.min_new_tokens:
             # The grammar decides where the output may end: min_new_tokens
-            # does not mask its end tokens (they may be all it allows).
+            # does not mask its end tokens (they may be all it allows); while
+            # it waits for a reasoning section's end, min_new_tokens does.
             sp, eos = dataclasses.replace(sp, min_new_tokens=0, stop_token_ids=()), ()
         return SampleRow(
             sampling=sp,

@@ -241,7 +241,12 @@ class ModelRunner:
             spec = state.sampling.grammar
             if w.sample and spec is not None and state.grammar is None:
                 kind, text = spec
-                state.grammar = self.grammars.matcher(kind, text, state.tokens[state.prompt_len :])
+                state.grammar = self.grammars.matcher(
+                    kind,
+                    text,
+                    state.tokens[state.prompt_len :],
+                    state.sampling.reasoning_end_token,
+                )
 
     def _failed(self, step: StartedStep, error: Exception) -> Result:
         if is_sticky_device_error(error):

@@ -46,6 +46,9 @@ def validate_plan(
         if j.slot in held:
             raise PlanError(f"join of slot {j.slot} ({j.rid}), which the worker already holds")
         _check_tokens(j.prefix_ids, vocab_size, f"join of {j.rid}: prefix")
+        end = j.sampling.reasoning_end_token
+        if end is not None:
+            _check_tokens([end], vocab_size, f"join of {j.rid}: reasoning_end_token")
         if j.prompt_len < 1:
             raise PlanError(f"join of {j.rid}: prompt_len must be >= 1")
         held.add(j.slot)

@@ -10,6 +10,12 @@ A request that re-joins (retracted, or re-prefilled on a worker that replaced
 a lost one) rebuilds its matcher by replaying the tokens it already has, so
 its output continues exactly as an undisturbed run's would.
 
+A reasoning request (``require_reasoning``) thinks first, unconstrained: its
+grammar applies only after the end-of-reasoning token (``</think>``) first
+appears in its output, as SGLang's reasoner grammar defers it. Whether that
+token came is read from the output itself, so a replay after retraction or a
+worker loss finds the section ended exactly where it had.
+
 Compiled grammars are cached (kind and text, bounded by count and by bytes,
 for this model's vocabulary). The scheduler's API process asks for each
 constrained request's grammar (``CompileGrammar``) before the request reaches
@@ -213,10 +219,19 @@ class GrammarCompiler:
         if pool is not None:
             pool.close()
 
-    def matcher(self, kind: str, text: str, accepted: Sequence[int]) -> GrammarState:
-        """A request's matcher, advanced over the tokens it already generated."""
+    def matcher(
+        self,
+        kind: str,
+        text: str,
+        accepted: Sequence[int],
+        reasoning_end_token: int | None = None,
+    ) -> GrammarState:
+        """A request's matcher, advanced over the tokens it already generated;
+        with ``reasoning_end_token``, the grammar starts after that token."""
         compiled, _ = self.compile(kind, text)
-        state = GrammarState(_xgr().GrammarMatcher(compiled), self.vocab_size)
+        state = GrammarState(
+            _xgr().GrammarMatcher(compiled), self.vocab_size, waits_for=reasoning_end_token
+        )
         for token in accepted:
             if not state.accept(token):
                 raise GrammarError(f"token {token} of the request's output breaks its grammar")
@@ -224,26 +239,39 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar. ``waits_for``: a token (the end
+    of a reasoning section) before which the grammar does not apply yet."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, *, waits_for: int | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.waits_for = waits_for
+
+    @property
+    def constraining(self) -> bool:
+        """The grammar applies to the next token (the reasoning section, if
+        any, has ended)."""
+        return self.waits_for is None
 
     @property
     def ended(self) -> bool:
         """Nothing can follow: the grammar accepted its end (a stop token)."""
-        return self.matcher.is_terminated()
+        return self.waits_for is None and self.matcher.is_terminated()
 
     def accept(self, token: int) -> bool:
+        if self.waits_for is not None:
+            if token == self.waits_for:
+                self.waits_for = None  # the grammar starts with the next token
+            return True
         if self.ended:
             return True  # an extra step planned before the end was known: discarded
         return bool(self.matcher.accept_token(token))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into row ``row`` of an xgrammar bitmask;
-        after the end, every token (the step's token is discarded anyway)."""
-        if self.ended:
+        every token while the grammar waits and after its end (the step's
+        token is discarded then anyway)."""
+        if not self.constraining or self.ended:
             bitmask[row].fill_(-1)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)

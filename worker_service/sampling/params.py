@@ -21,6 +21,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     grammar: tuple[str, str] | None = None  # (kind, text): structured generation
+    # require_reasoning: the grammar applies after this token (the end of the
+    # thinking section) first appears in the output; None: from the first token.
+    reasoning_end_token: int | None = None
 
     @property
     def is_greedy(self) -> bool:

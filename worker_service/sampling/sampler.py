@@ -84,7 +84,10 @@ class Sampler:
         # bf16 -> fp32 is exact, so the argmax (ties included) and logprob_tensors
         # (which computes in fp32 chunk by chunk) need no fp32 copy of the logits.
         raw = logits[:, : self.vocab_size]
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        # A grammar still waiting for the end of a reasoning section masks nothing.
+        constrained = [
+            i for i, r in enumerate(rows) if r.grammar is not None and r.grammar.constraining
+        ]
         if not constrained and all(_is_plain_greedy(r) for r in rows):
             chosen = raw.argmax(dim=-1)
         else:

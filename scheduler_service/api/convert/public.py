@@ -41,6 +41,9 @@ class Limits(LimitsConfig):
 
     vocab_size: int
     context_len: int  # the model's context, capped by the KV pool
+    # The model's end-of-reasoning token (--think-end-token in its vocabulary);
+    # None: the model has none, and require_reasoning is refused.
+    reasoning_end_token: int | None = None
 
 
 # The public API's constraint fields -> our grammar kinds.
@@ -247,6 +250,15 @@ def generate_call(
             f"the prompt has {len(ids)} tokens, the model's context is {limits.context_len}"
         )
     sp = sampling_from_proto(m.sampling_params, len(ids), limits, has_tokenizer, defaults=defaults)
+    if m.require_reasoning:
+        # SGLang's meaning: the output opens with a thinking section; the
+        # grammar applies after its end token, the tokens up to it are counted.
+        if limits.reasoning_end_token is None:
+            raise InvalidRequestError(
+                "require_reasoning: this model's vocabulary has no end-of-reasoning token "
+                "(--think-end-token names it)"
+            )
+        sp = dataclasses.replace(sp, reasoning_end_token=limits.reasoning_end_token)
     n = max(m.sampling_params.n, 1)
     if n > limits.max_n:
         raise InvalidRequestError(f"n must be at most {limits.max_n}, got {n}")
@@ -329,5 +341,3 @@ def _refuse_unsupported(m: pb.GenerateRequest) -> None:
             "timestamp: radixserve does not read a client timestamp (arrival is "
             "timed on receipt); leave it unset"
         )
-    if m.require_reasoning:
-        raise InvalidRequestError("require_reasoning: reasoning parsing is not supported")

@@ -41,6 +41,20 @@ class SampleState:
     holding: bool = False
     # The output length at which the next streamed chunk is due.
     next_chunk_at: int = 1
+    # require_reasoning: the end-of-reasoning token; reasoning_tokens counts
+    # the output up to and including its first occurrence (SGLang's count).
+    reasoning_end: int | None = None
+    reasoning_tokens: int = 0
+    reasoning_over: bool = False
+
+    def _count_reasoning(self, tokens: list[int]) -> None:
+        if self.reasoning_end is None or self.reasoning_over:
+            return
+        try:
+            self.reasoning_tokens += tokens.index(self.reasoning_end) + 1
+            self.reasoning_over = True
+        except ValueError:
+            self.reasoning_tokens += len(tokens)
 
     def has_prompt_logprobs(self) -> bool:
         """Every prompt position asked for has its logprob (position 0 has
@@ -72,6 +86,7 @@ class SampleState:
     def add(self, d: ipc.DeltaOut) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Take a delta in; return its tokens and their logprobs."""
         self.output_ids.extend(d.token_ids)
+        self._count_reasoning(d.token_ids)
         lps = d.logprobs or []
         self.logprobs.extend(lps)
         if d.prompt_logprobs:
@@ -136,6 +151,7 @@ def chunk(
     c.prompt_tokens = len(s.prompt_ids)
     c.completion_tokens = len(s.output_ids)
     c.cached_tokens = s.cached_tokens
+    c.reasoning_tokens = s.reasoning_tokens
     c.index = s.index
     if with_logprobs:
         c.output_logprobs.CopyFrom(output_logprobs(tokens, lps))
@@ -158,6 +174,7 @@ def complete(
         prompt_tokens=len(s.prompt_ids),
         completion_tokens=len(s.output_ids),
         cached_tokens=s.cached_tokens,
+        reasoning_tokens=s.reasoning_tokens,
         index=s.index,
         spec_draft_tokens=f.spec_draft_tokens,
         spec_accepted_tokens=f.spec_accepted_tokens,

@@ -19,19 +19,20 @@ SMG = Path(sys.executable).parent / "smg"
 
 
 def start_gateway(
-    tmp: Path, units: list[Unit], probe_tokens: int = 256
+    tmp: Path, units: list[Unit], probe_tokens: int = 256, *, extra_args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
     """`smg` over ``units`` (anything with an ``address``), once it lists the
     model and has served a chat completion of ``probe_tokens`` tokens (any
     length shows it has the units' tokenizer): the process, the caller's to
-    stop, and its base URL."""
+    stop, and its base URL. ``extra_args``: more smg flags."""
     port = free_port()
     log = open(tmp / "smg.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
         + ["--worker-urls", *[f"grpc://{u.address}" for u in units]]
         + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        + ["--shutdown-grace-period-secs", "0", "--worker-startup-check-interval", "1"],
+        + ["--shutdown-grace-period-secs", "0", "--worker-startup-check-interval", "1"]
+        + list(extra_args),
         stdout=log,
         stderr=subprocess.STDOUT,
     )

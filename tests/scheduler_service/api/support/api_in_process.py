@@ -52,6 +52,11 @@ class Submitted:
     waits_for: str | None
     sampling: SamplingParams
 
+    @property
+    def reasoning_end_token(self) -> int | None:
+        """require_reasoning's end-of-reasoning token."""
+        return self.sampling.reasoning_end_token
+
 
 def submitted(msg: ipc.Submit) -> list[Submitted]:
     return [Submitted(s.rid, list(s.prompt_ids), s.waits_for, s.sampling) for s in msg.submissions]
