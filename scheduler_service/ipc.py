@@ -120,6 +120,7 @@ class DeltaOut(NamedTuple):
     prompt_logprobs_start: int = 0
     cached_tokens: int = 0
     finish: Finish | None = None
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Outputs:
         return [
             others()
             if token is None
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None))
+            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None))
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 

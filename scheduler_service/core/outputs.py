@@ -24,6 +24,8 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
     finished: bool = False
+    # An embedding request's pooled vector (then no tokens).
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)

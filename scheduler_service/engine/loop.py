@@ -303,6 +303,7 @@ class Engine:
                 d.finished
                 or len(ids) != 1
                 or d.prompt_logprobs is not None
+                or d.embedding is not None
                 or req.logprobs.return_logprob
             ):
                 add_token(None)
@@ -344,6 +345,7 @@ class Engine:
             d.prompt_logprobs_start,
             req.cached_tokens,
             finish,
+            d.embedding,
         )
 
     def _cpu_seconds(self) -> float:
