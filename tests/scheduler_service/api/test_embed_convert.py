@@ -70,6 +70,7 @@ def test_what_cannot_be_honoured_is_refused_by_name(request_, message):
 
 
 def test_the_pooling_comes_from_the_workers_model_info():
-    assert pooling_of({"model": {"pooling": "POOLING_MEAN"}}) == EmbedOptions("mean", normalize=False)
+    mean = EmbedOptions("mean", normalize=False)
+    assert pooling_of({"model": {"pooling": "POOLING_MEAN"}}) == mean
     assert pooling_of({"model": {"pooling": "POOLING_LAST", "normalize": True}}) == EmbedOptions()
     assert pooling_of({}) == EmbedOptions("last", normalize=False)  # a worker that predates it
