@@ -1,6 +1,8 @@
 """The simulated model's one rule: the next token is a hash of the whole
 context (prompt and output so far), so any request's correct output is known
-in advance whatever the batching, caching, chunking or retraction.
+in advance whatever the batching, caching, chunking or retraction. Its
+"hidden state" at a position (embeddings) is likewise a function of the
+context up to that position (``position_vector``).
 
 Both simulated workers follow it: the worker service's ``--model simulated``
 (worker_service/execution/simulated_compute.py) and the in-process oracle of the scheduler's
@@ -17,6 +19,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 SIMULATED_VOCAB = 32000  # the simulated model's vocabulary unless told otherwise
+SIMULATED_HIDDEN = 8  # the simulated model's hidden size (its embeddings' length)
 
 _LITTLE = sys.byteorder == "little"
 
@@ -69,3 +72,45 @@ def expected_output(
         if (len(out) > min_new_tokens and tok in stop_ids) or (stops is not None and stops(out)):
             break
     return out
+
+
+def position_vector(state: int) -> list[float]:
+    """The simulated hidden state at a position whose context (up to and with
+    it) hashes to ``state``: SIMULATED_HIDDEN values in [-1, 1)."""
+    out = []
+    for i in range(SIMULATED_HIDDEN):
+        h = token_of(zlib.crc32(i.to_bytes(4, "little"), state), 1 << 31)
+        out.append(h / (1 << 30) - 1.0)
+    return out
+
+
+def hidden_sum(state: int, tokens: Sequence[int], into: list[float]) -> int:
+    """Add the hidden state of each of ``tokens`` (following a context of hash
+    ``state``) to ``into``; the hash after them."""
+    for tok in tokens:
+        state = absorb(state, (tok,))
+        for i, x in enumerate(position_vector(state)):
+            into[i] += x
+    return state
+
+
+def pool(total: list[float], count: int, *, normalize: bool) -> list[float]:
+    """``total`` / ``count``, L2-normalized if asked (the real worker's rule)."""
+    vec = [x / count for x in total]
+    if normalize:
+        norm = sum(x * x for x in vec) ** 0.5
+        vec = [x / max(norm, 1e-12) for x in vec]
+    return vec
+
+
+def simulated_embedding(
+    prompt: Sequence[int], pooling: str, *, normalize: bool, adapter: str | None = None
+) -> list[float]:
+    """What the simulated model embeds ``prompt`` as: the hidden state of its
+    last position ("last") or the mean over all of them ("mean")."""
+    state = initial_state(adapter)
+    if pooling == "last":
+        return pool(position_vector(absorb(state, prompt)), 1, normalize=normalize)
+    total = [0.0] * SIMULATED_HIDDEN
+    hidden_sum(state, prompt, total)
+    return pool(total, len(prompt), normalize=normalize)

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_NONE: _ClassVar[Pooling]
+    POOLING_LAST: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+
 class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FORWARD_MODE_UNSPECIFIED: _ClassVar[ForwardMode]
@@ -22,6 +28,9 @@ class GrammarKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRAMMAR_KIND_JSON_SCHEMA: _ClassVar[GrammarKind]
     GRAMMAR_KIND_EBNF: _ClassVar[GrammarKind]
     GRAMMAR_KIND_STRUCTURAL_TAG: _ClassVar[GrammarKind]
+POOLING_NONE: Pooling
+POOLING_LAST: Pooling
+POOLING_MEAN: Pooling
 FORWARD_MODE_UNSPECIFIED: ForwardMode
 FORWARD_MODE_PREFILL: ForwardMode
 FORWARD_MODE_DECODE: ForwardMode
@@ -38,7 +47,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "eos_token_ids", "max_context_len", "dtype", "bos_token_id", "pad_token_id", "sampling_defaults")
+    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "eos_token_ids", "max_context_len", "dtype", "bos_token_id", "pad_token_id", "sampling_defaults", "pooling", "normalize")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +62,8 @@ class ModelInfo(_message.Message):
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_layers: int
@@ -67,7 +78,9 @@ class ModelInfo(_message.Message):
     bos_token_id: int
     pad_token_id: int
     sampling_defaults: ModelSamplingDefaults
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., sampling_defaults: _Optional[_Union[ModelSamplingDefaults, _Mapping]] = ...) -> None: ...
+    pooling: Pooling
+    normalize: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., sampling_defaults: _Optional[_Union[ModelSamplingDefaults, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class ModelSamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -242,7 +255,7 @@ class TraceContext(_message.Message):
     def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace", "adapter_slot")
+    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace", "adapter_slot", "pooling", "normalize")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +265,8 @@ class Join(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     rid: str
     sampling: SamplingParams
@@ -261,7 +276,9 @@ class Join(_message.Message):
     num_output_tokens: int
     trace: TraceContext
     adapter_slot: int
-    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ...) -> None: ...
+    pooling: Pooling
+    normalize: bool
+    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token", "draft_len")
@@ -322,7 +339,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms", "grammar_ended", "token_counts")
+    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms", "grammar_ended", "token_counts", "embeddings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +355,7 @@ class StepResult(_message.Message):
     IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_ENDED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     error: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -353,7 +371,16 @@ class StepResult(_message.Message):
     idle_ms: float
     grammar_ended: _containers.RepeatedScalarFieldContainer[int]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., grammar_ended: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., grammar_ended: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("slot", "values")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, slot: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -139,6 +139,7 @@ class DeltaOut(NamedTuple):
     # The text so far ends with the start of a stop string: a streaming call
     # sends nothing yet (core/results.py).
     holding: bool = False
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 @dataclass
@@ -205,7 +206,9 @@ class Outputs:
         return [
             others()
             if token is None
-            else _new_delta(DeltaOut, (rid, [token], None, None, 0, cached, None, None, False))
+            else _new_delta(
+                DeltaOut, (rid, [token], None, None, 0, cached, None, None, False, None)
+            )
             for rid, token, cached in zip(self.rids, self.tokens, self.cached, strict=True)
         ]
 

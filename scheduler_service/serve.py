@@ -53,7 +53,18 @@ def _free_port() -> int:
 
 # The worker settings `radixserve serve` takes (declared in WorkerConfig) and
 # passes on to each rank; --threads is --worker-threads here.
-WORKER_FLAGS = frozenset({"model", "device", "tp_size", "page_size", "kv_memory", "threads"})
+WORKER_FLAGS = frozenset(
+    {
+        "model",
+        "device",
+        "tp_size",
+        "page_size",
+        "kv_memory",
+        "threads",
+        "pooling",
+        "embed_normalize",
+    }
+)
 WORKER_FLAG_NAMES = {"threads": "--worker-threads"}
 
 
@@ -71,6 +82,7 @@ def _worker_args(
     cmd += ["--device", device, "--page-size", str(worker.page_size)]
     cmd += ["--kv-memory", worker.kv_memory, "--port", str(port), "--port-file", str(port_file)]
     cmd += ["--tp-size", str(worker.tp_size), "--tp-rank", str(rank)]
+    cmd += ["--pooling", worker.pooling, "--embed-normalize", worker.embed_normalize]
     cmd += ["--log-level", service.log_level, "--log-format", service.log_format]
     if service.api.metrics_port is not None:
         cmd += ["--metrics-port", str(service.api.metrics_port + 1 + rank)]

@@ -50,7 +50,7 @@ CORE_LEVELS = (
     ("spec", "worker_loss", "outputs"),
     ("kv", "plan", "request_table"),
     ("request",),
-    ("ids", "config", "adapters", "sampling", "stop_check"),
+    ("ids", "config", "adapters", "sampling", "stop_check", "embedding"),
 )
 
 

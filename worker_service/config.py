@@ -123,6 +123,19 @@ class WorkerConfig:
         "answers RESOURCE_EXHAUSTED (each holds a gRPC thread while it waits)",
         parse=_at_least_one,
     )
+    pooling: str = setting(
+        "auto",
+        "embeddings (Embed): pool the last prompt position's or the mean of every prompt "
+        "position's final hidden state (auto: the model's sentence-transformers config, "
+        "else last)",
+        choices=("auto", "last", "mean"),
+    )
+    embed_normalize: str = setting(
+        "auto",
+        "embeddings: L2-normalize the pooled vector (auto: as the model's "
+        "sentence-transformers config says, else on)",
+        choices=("auto", "on", "off"),
+    )
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting(
         "auto", "auto: JSON lines unless stderr is a terminal", choices=LOG_FORMATS

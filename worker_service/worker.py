@@ -33,6 +33,7 @@ from worker_service.sampling.grammar import (
 )
 from worker_service.sampling.sampler import Sampler
 from worker_service.weights import ModelSource, open_model
+from worker_service.weights.pooling_config import PoolingConfig, resolve_pooling
 
 logger = structlog.get_logger(__name__)
 
@@ -55,6 +56,8 @@ class Worker:
     vocab_size: int
     # LoadAdapter's reader: this rank's shard of the weights, or (simulated) the config.
     adapter_loader: AdapterLoader
+    # How embedding requests are pooled (GetInfo tells the scheduler).
+    pooling: PoolingConfig
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -110,9 +113,16 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             source=None,
             vocab_size=cfg.simulated_vocab,
             adapter_loader=ConfigOnlyLoader(),
+            pooling=resolve_pooling(
+                model_path=None, pooling=cfg.pooling, normalize=cfg.embed_normalize
+            ),
         )
 
     source = open_model(None if cfg.model == "default" else cfg.model)
+    model_dir = source.path if source.kind == "hf" else None
+    pooling = resolve_pooling(
+        model_path=model_dir, pooling=cfg.pooling, normalize=cfg.embed_normalize
+    )
     mcfg = source.config
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     kernels = select_kernels(device, dtype, cfg.kernels)
@@ -203,6 +213,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         weight_bytes=weight_bytes,
         kv_cache_bytes=_tensor_bytes(kv.layers),
         graph_bytes=graph_bytes,
+        pooling=pooling,
     )
 
 

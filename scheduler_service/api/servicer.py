@@ -3,8 +3,8 @@
 Thin: requests are converted in convert/public.py, responses built in
 convert/responses.py, execution happens in the core process behind the
 CoreClient; the information and admin RPCs are answered by ``AdminRpcs``
-(admin.py). RPCs radixserve does not implement answer UNIMPLEMENTED with a
-message.
+(admin.py), Embed by ``EmbedRpc`` (embed.py). RPCs radixserve does not
+implement answer UNIMPLEMENTED with a message.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from scheduler_service.api.core_client import (
     QueueFull,
 )
 from scheduler_service.api.decode_guard import Undecodable, refuse_undecodable
+from scheduler_service.api.embed import EmbedRpc
 from scheduler_service.api.grammar_check import (
     GrammarBusy,
     GrammarChecker,
@@ -96,6 +97,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.grammars = grammars
         self.admin = AdminRpcs(core, model)
         self.lora = LoraRpcs(core)
+        self.embeds = EmbedRpc(core, model, rid_grace_s=RID_REUSE_GRACE_S)
         self.shutting_down = False
 
     async def _check_grammar(self, g: GenerateCall, context: grpc.aio.ServicerContext) -> None:
@@ -260,6 +262,14 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 if s.finish is not None:
                     open_samples.discard(rid)
 
+    # --------------------------------------------------------------- Embed
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        if isinstance(request, Undecodable):
+            await refuse_undecodable(request, self.metrics, context)
+        if self.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        return await self.embeds.embed(request, context)
+
     # --------------------------------------------------------------- Abort
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         call = self.core.find(request.request_id)
@@ -332,9 +342,6 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     # ------------------------------------------------------- unimplemented
     async def _unimplemented(self, name: str, context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"radixserve does not implement {name}")
-
-    async def Embed(self, request, context):
-        await self._unimplemented("Embed (it serves generation models only)", context)
 
     async def StartProfile(self, request, context) -> cpb.ProfileResponse:
         await self._unimplemented("StartProfile", context)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.request import Place, Request
 from scheduler_service.core.sampling import (
@@ -41,6 +42,8 @@ class Submission:
     # n > 1: the rid of the sample that prefills the shared prompt.
     waits_for: str | None = None
     speculative: bool = True  # False: this request never drafts
+    # An embedding request (max_new_tokens 0): how its vector is pooled.
+    embed: EmbedOptions | None = None
 
     def validate(self, vocab_size: int | None, context_len: int | None) -> None:
         """InvalidRequestError if the core would refuse it (the API process
@@ -60,6 +63,7 @@ class Submission:
             trace_context=self.trace_context,
             waits_for=self.waits_for,
             speculative=self.speculative,
+            embed=self.embed,
         )
 
 

@@ -29,6 +29,8 @@ class RequestDelta:
     # The text so far ends with the start of one of the request's stop
     # strings: a streaming call holds these tokens back (results.py).
     holding: bool = False
+    # An embedding request's pooled vector (then no tokens).
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
+from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 
@@ -66,6 +67,8 @@ class Join:
     trace_context: tuple[str, str] | None = None
     # The adapter slot the request runs with (0: the base model).
     adapter_slot: int = 0
+    # An embedding request: the worker pools its prompt's hidden states.
+    embed: EmbedOptions | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -169,6 +172,8 @@ class RequestOutput:
     # after them), with their logprobs when asked (same length); None: none.
     more_tokens: list[int] | None = None
     more_logprobs: list[TokenLogprobs | None] | None = None
+    # An embedding request's pooled vector (its last prompt chunk's output).
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.ids import IdRangeError, id_array
 from scheduler_service.core.sampling import (
     NO_LOGPROBS,
@@ -127,6 +128,9 @@ class Request:
     # Speculative decoding for this request (custom_params "speculative":
     # false turns it off; the service's --speculative-ngram rules first).
     speculative: bool = True
+    # An embedding request (max_new_tokens 0): its pooled vector comes back
+    # with its last prompt chunk's result (core/embedding.py).
+    embed: EmbedOptions | None = None
 
     output_ids: list[int] = field(default_factory=list)
     place: Place = Place.NEW
@@ -264,9 +268,12 @@ class Request:
 
         At least one token must be computed to get logits, and so must the
         positions whose logits score the prompt tokens whose logprobs were
-        asked for (token p is scored by the logits at p - 1).
+        asked for (token p is scored by the logits at p - 1), and every
+        prompt position of a mean-pooled embedding.
         """
         limit = self.num_tokens - 1
+        if self.embed is not None and not self.embed.reads_cache:
+            return 0
         if self.prompt_logprobs_pending:
             # The logprob of prompt token p comes from the logits at p - 1.
             limit = min(limit, self.logprobs.logprob_start_len - 1)
@@ -297,6 +304,8 @@ class Request:
                 )
         self.sampling.validate(vocab_size)
         self.logprobs.validate(len(self.prompt_ids))
+        if self.embed is not None and (self.sampling.max_new_tokens or self.output_ids):
+            raise InvalidRequestError(f"request {self.rid}: an embedding request generates nothing")
         try:
             self.token_array()  # packed once, at submission
         except IdRangeError as e:

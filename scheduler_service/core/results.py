@@ -72,6 +72,8 @@ class Receipt:
     discarded: int = 0  # sampled for requests that had moved on, or after a finish
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # Embedding requests whose vector this result brought.
+    embedded: set[str] = field(default_factory=set)
 
 
 def check_finish(
@@ -156,7 +158,8 @@ def apply_result(
 
     A result answers its plan in plan order: one output per sampling entry
     (extends, then decodes), then outputs for extends that sampled nothing
-    but scored prompt positions (prompt logprobs), in any order."""
+    but scored prompt positions (prompt logprobs) or pooled an embedding,
+    in any order."""
     r = Receipt(now, eos_ids, stop_strings)
     step = plan.step_id
     extends = plan.extends
@@ -181,6 +184,7 @@ def apply_result(
             or out.prompt_logprobs
             or out.more_tokens
             or not req.sampling.max_new_tokens
+            or out.embedding is not None
         ):
             reason = _receive(entry, out, r, step)
         else:  # a plain sampled token (most of them): _receive's last branch
@@ -215,14 +219,21 @@ def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> Fin
         raise ProtocolError(f"step {step}: {out.rid} has more tokens but no drafts")
     if drafts is not None and out.prompt_logprobs:
         raise ProtocolError(f"step {step}: prompt logprobs for drafted {out.rid}")
+    if out.embedding is not None and token is not None:
+        raise ProtocolError(f"step {step}: {out.rid} sampled and pooled an embedding")
     if req.epoch != entry.epoch:  # it moved on since: what it sampled is stale
         if token is not None:
             r.discarded += 1 + len(out.more_tokens or ())
         return None
-    if token is None:  # a prefill chunk: only prompt logprobs can come back
+    if token is None:  # a prefill chunk: prompt logprobs or an embedding can come back
         delta = RequestDelta(req, [], [])
         take_prompt_logprobs(req, out, delta)
-        if delta.prompt_logprobs:
+        if out.embedding is not None:
+            if req.embed is None or entry.start_pos + entry.num_tokens != len(req.prompt_ids):
+                raise ProtocolError(f"step {step}: an embedding for {out.rid} at no prompt's end")
+            delta.embedding = out.embedding
+            r.embedded.add(req.rid)
+        if delta.prompt_logprobs or delta.embedding is not None:
             r.deltas.append(delta)
         return None
     delta = RequestDelta(req, [], [])

@@ -473,6 +473,8 @@ class Scheduler:
                     and req.epoch == e.epoch
                     and e.start_pos + e.num_tokens == req.num_tokens
                 ):
+                    if req.embed is not None and req.rid not in got.embedded:
+                        raise ProtocolError(f"step {plan.step_id}: no embedding for {req.rid}")
                     self._finish(req, FinishLength(req.sampling.max_new_tokens))
 
     # =============================================================== moves

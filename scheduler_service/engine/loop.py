@@ -304,6 +304,7 @@ class Engine:
                 or d.holding
                 or len(ids) != 1
                 or d.prompt_logprobs is not None
+                or d.embedding is not None
                 or req.logprobs.return_logprob
             ):
                 add_token(None)
@@ -349,6 +350,7 @@ class Engine:
             finish,
             d.next_token_logprobs if req.logprobs.return_logprob else None,
             d.holding,
+            d.embedding,
         )
 
     def _cpu_seconds(self) -> float:

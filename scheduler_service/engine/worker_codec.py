@@ -26,6 +26,8 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 from scheduler_service.grammar_proto import grammar_to_proto
 
+_POOLINGS = {"last": pb.POOLING_LAST, "mean": pb.POOLING_MEAN}
+
 _MODES = {
     ForwardMode.PREFILL: pb.FORWARD_MODE_PREFILL,
     ForwardMode.DECODE: pb.FORWARD_MODE_DECODE,
@@ -133,6 +135,9 @@ class WorkerCodec:
         m.adapter_slot = join.adapter_slot
         if join.trace_context is not None:
             m.trace.traceparent, m.trace.tracestate = join.trace_context
+        if join.embed is not None:
+            m.pooling = _POOLINGS[join.embed.pooling]
+            m.normalize = join.embed.normalize
 
     def decode(self, msg: pb.StepResult, plan: StepPlan) -> StepResult:
         """``msg`` read against ``plan``, the plan it answers."""
@@ -153,7 +158,11 @@ class WorkerCodec:
         ended = msg.grammar_ended
         if any(i >= len(sampled) for i in ended):
             raise WorkerProtocolError(f"step {msg.step_id}: grammar_ended past the sampled tokens")
-        if not msg.prompt_logprobs and not any(e.req.logprobs.return_logprob for e in sampled):
+        if (
+            not msg.prompt_logprobs
+            and not msg.embeddings
+            and not any(e.req.logprobs.return_logprob for e in sampled)
+        ):
             # No logprob payloads (the common decode step): one output per
             # sampling entry, each rid once, so nothing to merge.
             rids = [e.req.rid for e in sampled]
@@ -249,14 +258,20 @@ class WorkerCodec:
     def _with_prompt_logprobs(
         self, msg: pb.StepResult, plan: StepPlan, outputs: list[RequestOutput]
     ) -> StepResult:
-        """The result: ``outputs`` plus the extends' prompt logprobs, one output per rid."""
-        if msg.prompt_logprobs:
+        """The result: ``outputs`` plus the extends' prompt logprobs and
+        embeddings, one output per rid."""
+        if msg.prompt_logprobs or msg.embeddings:
             by_slot = {e.slot: e for e in plan.extends}
             for p in msg.prompt_logprobs:
                 e = by_slot.get(p.slot)
                 if e is None:
                     raise WorkerProtocolError(f"prompt logprobs for slot {p.slot}, not extended")
                 outputs.append(self._prompt_output(e, p))
+            for v in msg.embeddings:
+                e = by_slot.get(v.slot)
+                if e is None:
+                    raise WorkerProtocolError(f"an embedding for slot {v.slot}, not extended")
+                outputs.append(RequestOutput(e.req.rid, token_id=None, embedding=list(v.values)))
         return StepResult(msg.step_id, _merge_by_rid(outputs), msg.forward_ms, msg.idle_ms)
 
     @staticmethod
@@ -284,13 +299,17 @@ class WorkerCodec:
 
 
 def _merge_by_rid(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request: a final chunk's prompt logprobs ride with its token."""
+    """One output per request: a final chunk's prompt logprobs ride with its
+    token, an embedding with its prompt logprobs."""
     merged: dict[str, RequestOutput] = {}
     for out in outputs:
         have = merged.get(out.rid)
         if have is None:
             merged[out.rid] = out
-        elif out.prompt_logprobs is not None:
-            have.prompt_logprobs = out.prompt_logprobs
-            have.prompt_logprobs_start = out.prompt_logprobs_start
+        else:
+            if out.prompt_logprobs is not None:
+                have.prompt_logprobs = out.prompt_logprobs
+                have.prompt_logprobs_start = out.prompt_logprobs_start
+            if out.embedding is not None:
+                have.embedding = out.embedding
     return list(merged.values())

@@ -15,7 +15,10 @@ It is the oracle of the scheduler's tests:
   LoRA adapter follows the rule from its adapter's own start, and the KV it
   reads must have been written by requests of the same adapter;
 - it holds the adapter slots the plans assign, and refuses a join naming
-  an empty slot or a slot reassigned while a request still uses it.
+  an empty slot or a slot reassigned while a request still uses it;
+- an embedding request gets the simulated model's vector with its last
+  prompt chunk (``simulated_embedding``); a mean-pooled one must compute its
+  whole prompt here (a cached prefix has no hidden states to average).
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from common.simulated_model import absorb, expected_output, initial_state, token_of
+from common.simulated_model import (
+    SIMULATED_HIDDEN,
+    absorb,
+    expected_output,
+    hidden_sum,
+    initial_state,
+    pool,
+    position_vector,
+    token_of,
+)
+from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.plan import (
     Join,
     PlanEntry,
@@ -49,6 +62,8 @@ class _SimRequest:
     adapter_slot: int = 0
     # First prompt position whose logprob the join asked for (-1: none).
     logprob_start: int = -1
+    embed: EmbedOptions | None = None
+    hidden_total: list[float] = field(default_factory=lambda: [0.0] * SIMULATED_HIDDEN)
 
 
 def prompt_logprobs_of(
@@ -112,7 +127,12 @@ class SimulatedWorker:
             logprob_start=join.logprobs.logprob_start_len
             if join.logprobs.wants_prompt_logprobs
             else -1,
+            embed=join.embed,
         )
+        if join.embed is not None and not join.embed.reads_cache and tokens:
+            raise SimulatedWorkerError(
+                f"join of {join.rid}: a mean-pooled embedding with {len(tokens)} cached tokens"
+            )
 
     def _assign(self, slot: int, lora_id: str) -> None:
         if not 1 <= slot <= self.max_adapter_slots:
@@ -170,7 +190,10 @@ class SimulatedWorker:
                 if len(r.tokens) != r.kv_len:
                     raise SimulatedWorkerError(f"{e.rid}: prefill after a sampled token")
                 r.tokens.extend(inputs)
-                r.state = absorb(r.state, inputs)
+                if r.embed is not None and r.embed.pooling == "mean":
+                    r.state = hidden_sum(r.state, inputs, r.hidden_total)
+                else:
+                    r.state = absorb(r.state, inputs)
             if self.check_reads:
                 self._check_context(e.rid, r, e.start_pos)
             slots, owners = self.slots, self.slot_adapter
@@ -191,6 +214,8 @@ class SimulatedWorker:
                 out = RequestOutput(e.rid, token_id=None)
             if scored is not None:
                 out.prompt_logprobs, out.prompt_logprobs_start = scored, scored_from
+            if r.embed is not None and r.kv_len == r.prompt_len:
+                out.embedding = self._embedding(r)
             (outputs if e.sample else unsampled).append(out)
         outputs += unsampled
         self.steps += 1
@@ -199,6 +224,13 @@ class SimulatedWorker:
             if remaining > 0:
                 time.sleep(remaining)
         return StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    @staticmethod
+    def _embedding(r: _SimRequest) -> list[float]:
+        embed = r.embed
+        if embed.pooling == "mean":
+            return pool(r.hidden_total, r.prompt_len, normalize=embed.normalize)
+        return pool(position_vector(r.state), 1, normalize=embed.normalize)
 
     def _verify(self, e: PlanEntry, r: _SimRequest) -> RequestOutput:
         """A drafted extend: input_ids = [last sampled token] + drafts. Sample

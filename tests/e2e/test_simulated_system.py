@@ -111,18 +111,21 @@ def test_top_p_zero_means_unset_and_unknown_aborts_succeed(address):
 def test_unimplemented_rpcs_say_so(address):
     s = stub(address)
     calls = [
-        lambda: s.Embed(pb.EmbedRequest()),
         lambda: s.StartProfile(cpb.StartProfileRequest()),
+        lambda: s.StopProfile(cpb.StopProfileRequest()),
         lambda: list(s.GetTokenizer(cpb.GetTokenizerRequest())),  # no tokenizer: precondition
+        lambda: s.Embed(pb.EmbedRequest()),  # implemented: an empty input is refused
     ]
     codes = []
     for call in calls:
         with pytest.raises(grpc.RpcError) as err:
             call()
         codes.append(err.value.code())
-        assert "radixserve" in err.value.details() or "tokenizer" in err.value.details()
+        details = err.value.details()
+        assert "radixserve" in details or "tokenizer" in details or "empty" in details
     assert codes[:2] == [grpc.StatusCode.UNIMPLEMENTED] * 2
     assert codes[2] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes[3] == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_health_services_reflection_and_server_info(address):

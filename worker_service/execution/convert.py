@@ -6,6 +6,8 @@ from protos import worker_pb2 as pb
 from worker_service.execution.plan import AdapterSlot, Extend, ForwardMode, Join, Plan, Result
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
+_POOLINGS = {pb.POOLING_NONE: "", pb.POOLING_LAST: "last", pb.POOLING_MEAN: "mean"}
+
 _MODES = {
     pb.FORWARD_MODE_PREFILL: ForwardMode.PREFILL,
     pb.FORWARD_MODE_DECODE: ForwardMode.DECODE,
@@ -57,6 +59,12 @@ def logprobs_from_proto(m: pb.LogprobOptions) -> LogprobOptions:
     )
 
 
+def _pooling_from_proto(value: int) -> str:
+    if value not in _POOLINGS:
+        raise ValueError(f"unknown pooling {value}")
+    return _POOLINGS[value]
+
+
 def plan_from_proto(m: pb.StepPlan) -> Plan:
     return Plan(
         step_id=m.step_id,
@@ -74,6 +82,8 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
                 traceparent=j.trace.traceparent,
                 tracestate=j.trace.tracestate,
                 adapter_slot=j.adapter_slot,
+                pooling=_pooling_from_proto(j.pooling),
+                normalize=j.normalize,
             )
             for j in m.joins
         ],
@@ -123,4 +133,5 @@ def result_to_proto(r: Result) -> pb.StepResult:
         idle_ms=r.idle_ms,
         grammar_ended=r.grammar_ended,
         token_counts=r.token_counts,
+        embeddings=[pb.Embedding(slot=e.slot, values=e.values) for e in r.embeddings],
     )

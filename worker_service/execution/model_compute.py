@@ -5,7 +5,10 @@ sampling request (the last draft_len + 1 of a drafted extend, speculative
 decoding: one sampled row each, in one sampler call with the others; the
 runner accepts the drafts, sampling/draft_acceptance.py), and the prompt
 positions whose logprobs were asked for (the logits at position p score the prompt token at
-p + 1). ``ModelRunner`` (model_runner.py) hands it each step's work in plan
+p + 1). Embedding requests never reach it: their final-norm hidden states are
+pooled instead (the last prompt position's, or the mean over the prompt,
+summed chunk by chunk in float32) and read back with the chunk that ends the
+prompt. ``ModelRunner`` (model_runner.py) hands it each step's work in plan
 order; it runs a drafted step to its end (``run``), never overlapped, so no
 later step gathers its inputs from a drafted step's tokens.
 """
@@ -31,7 +34,12 @@ from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import token_logprobs
 from worker_service.sampling.params import LogprobOptions
-from worker_service.sampling.rows import PromptLogprobs, SampleOutput, SampleRow
+from worker_service.sampling.rows import (
+    PooledEmbedding,
+    PromptLogprobs,
+    SampleOutput,
+    SampleRow,
+)
 from worker_service.sampling.sampler import SampleLaunch, Sampler
 
 logger = structlog.get_logger(__name__)
@@ -56,6 +64,7 @@ class ModelStep:
 
     sample: SampleLaunch | None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    embeddings: list[PooledEmbedding] = field(default_factory=list)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -143,12 +152,18 @@ class ModelCompute:
             step.sample = self._sample(logits, [w for w in work if w.sample], drafted)
         for span in self._prompt_spans(work, batch.seqs):
             step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
+        for s, w in zip(batch.seqs, work[:num_extends], strict=False):
+            if w.state.pooling:
+                pooled = _pool(w, hidden[s.q_start : s.q_start + s.q_len])
+                if pooled is not None:
+                    step.embeddings.append(pooled)
         return step
 
     def finish(self, step: ModelStep) -> SampleOutput:
         """The step's samples on the host: its one wait for the device."""
         out = step.sample.result() if step.sample is not None else SampleOutput()
         out.prompt_logprobs = step.prompt_logprobs
+        out.embeddings = step.embeddings
         return out
 
     # ------------------------------------------------------------- batch
@@ -321,3 +336,24 @@ class ModelCompute:
             if lp.token_ids_logprob:
                 out.ids_logprobs += [x for lps in scored.ids_logprobs for x in lps]
         return out
+
+
+def _pool(w: SeqWork, rows: torch.Tensor) -> PooledEmbedding | None:
+    """An embedding request's chunk (``rows``: its final-norm hidden states):
+    the vector once the chunk ends the prompt, else None (a mean's running
+    sum kept in float32 on the device, as the chunk sizes vary)."""
+    state = w.state
+    end = w.start + len(w.inputs)
+    if state.pooling == "mean":
+        part = rows.float().sum(dim=0)
+        state.pooled = part if state.pooled is None else state.pooled + part
+    if end != state.prompt_len:
+        return None
+    if state.pooling == "mean":
+        vec = state.pooled / state.prompt_len
+        state.pooled = None
+    else:
+        vec = rows[-1].float()
+    if state.normalize:
+        vec = torch.nn.functional.normalize(vec, dim=0)
+    return PooledEmbedding(w.slot, vec.tolist())

@@ -337,6 +337,7 @@ class ModelRunner:
             result.ids_counts.append(len(lps))
             result.ids_logprobs.extend(lps)
         result.prompt_logprobs = out.prompt_logprobs
+        result.embeddings = out.embeddings
         return result
 
     def _settle_drafts(self, step: StartedStep, out: SampleOutput, result: Result) -> None:

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from worker_service.sampling.params import LogprobOptions, SamplingParams
-from worker_service.sampling.rows import PromptLogprobs
+from worker_service.sampling.rows import PooledEmbedding, PromptLogprobs
 
 
 class ForwardMode(enum.Enum):
@@ -33,6 +33,9 @@ class Join:
     # 0: the base model; k >= 1: the adapter in adapter slot k when it joins
     # (the request keeps that adapter for its whole life on the worker).
     adapter_slot: int = 0
+    # An embedding request: "last" or "mean" pooling ("": a generation request).
+    pooling: str = ""
+    normalize: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +94,4 @@ class Result:
     # Tokens per sampling entry (drafted extends: 1..draft_len + 1); empty:
     # one each, and then the per-token lists are per entry.
     token_counts: list[int] = field(default_factory=list)
+    embeddings: list[PooledEmbedding] = field(default_factory=list)

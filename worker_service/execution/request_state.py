@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker_service.execution.plan import Join
 from worker_service.sampling.grammar import GrammarState
@@ -33,6 +33,12 @@ class SlotState:
     # The LoRA adapter of the slot the request joined through (None: the base
     # model); held for the request's life, whatever happens to the slot or name.
     adapter: LoadedAdapter | None = None
+    # An embedding request: "last" or "mean" ("": generation), and what the
+    # model step keeps for it between prompt chunks (mean pooling: the sum of
+    # the hidden states so far).
+    pooling: str = ""
+    normalize: bool = False
+    pooled: Any = None
 
     @classmethod
     def from_join(cls, join: Join, adapter: LoadedAdapter | None = None) -> SlotState:
@@ -47,6 +53,8 @@ class SlotState:
             traceparent=join.traceparent,
             tracestate=join.tracestate,
             adapter=adapter,
+            pooling=join.pooling,
+            normalize=join.normalize,
         )
 
     @property

@@ -12,6 +12,9 @@ reads only the adapter's config (lora/loaders.py). A request
 with a grammar picks by the same hash among the tokens its grammar allows
 (the simulated vocabulary: byte t is token t, 256 ends a grammar).
 
+An embedding request gets the simulated model's vector
+(``simulated_embedding``) with the chunk that ends its prompt.
+
 A drafted extend (speculative decoding) samples after its last known token
 and after each draft by the same rule, and the runner keeps the drafts that
 equal their samples, so the simulated output never depends on the drafts.
@@ -27,10 +30,16 @@ import time
 
 import numpy as np
 
-from common.simulated_model import SIMULATED_VOCAB, absorb, initial_state, token_of
+from common.simulated_model import (
+    SIMULATED_VOCAB,
+    absorb,
+    initial_state,
+    simulated_embedding,
+    token_of,
+)
 from worker_service.execution.model_runner import SeqWork
 from worker_service.sampling.grammar import allocate_bitmask
-from worker_service.sampling.rows import SampleOutput
+from worker_service.sampling.rows import PooledEmbedding, SampleOutput
 
 
 class SimulatedFault(RuntimeError):
@@ -72,6 +81,17 @@ class SimulatedCompute:
         if self.fail_token is not None and any(self.fail_token in w.inputs for w in work):
             raise SimulatedFault(f"the simulated model fails on token {self.fail_token}")
         out = SampleOutput()
+        for w in work[:num_extends]:
+            state = w.state
+            if state.pooling and w.start + len(w.inputs) == state.prompt_len:
+                adapter = None if state.adapter is None else state.adapter.name
+                vec = simulated_embedding(
+                    state.tokens[: state.prompt_len],
+                    state.pooling,
+                    normalize=state.normalize,
+                    adapter=adapter,
+                )
+                out.embeddings.append(PooledEmbedding(w.slot, vec))
         for w in work:
             if w.sample:
                 state = self._context_hash(w)

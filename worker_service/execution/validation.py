@@ -37,6 +37,8 @@ def validate_plan(
         held.discard(slot)
     filled = _check_adapter_slots(plan, adapter_slots or {}, loaded or {})
     joined: dict[int, int] = {}  # slot -> kv_len at join
+    # Slots of embedding requests (they never sample).
+    poolers = {slot for slot, s in slots.items() if s.pooling}
     for j in plan.joins:
         if j.adapter_slot and j.adapter_slot not in filled:
             raise PlanError(
@@ -51,6 +53,15 @@ def validate_plan(
             _check_tokens([end], vocab_size, f"join of {j.rid}: reasoning_end_token")
         if j.prompt_len < 1:
             raise PlanError(f"join of {j.rid}: prompt_len must be >= 1")
+        if j.pooling == "mean" and j.prefix_ids:
+            raise PlanError(
+                f"join of {j.rid}: mean pooling needs the hidden state of every prompt "
+                f"position, but {len(j.prefix_ids)} come from the cache"
+            )
+        if j.pooling:
+            poolers.add(j.slot)
+        else:
+            poolers.discard(j.slot)
         held.add(j.slot)
         joined[j.slot] = len(j.prefix_ids)
     seen: set[int] = set()
@@ -79,6 +90,8 @@ def validate_plan(
             )
         if not e.input_ids:
             raise PlanError(f"extend of slot {e.slot} has no input tokens")
+        if e.sample and e.slot in poolers:
+            raise PlanError(f"extend of slot {e.slot} samples, but it is an embedding request")
         _check_tokens(e.input_ids, vocab_size, f"extend of slot {e.slot}")
         if e.next_token is not None:
             _check_tokens([e.next_token], vocab_size, f"extend of slot {e.slot}: next_token")
@@ -92,7 +105,7 @@ def validate_plan(
         plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
     ):
         kv_len, n_pages, sampled = state_of(slot, "decode")
-        if not sampled:
+        if not sampled or slot in poolers:
             raise PlanError(f"decode of slot {slot}, which has no sampled token")
         if pos != kv_len:
             raise PlanError(f"decode of slot {slot} at position {pos}, its KV ends at {kv_len}")

@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from common import tokenizer_archive
+from common.simulated_model import SIMULATED_HIDDEN
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.device.context import DeviceFailure, use_device
@@ -94,6 +95,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             model.architecture = "simulated"
             model.max_context_len = 1 << 20
+            model.hidden_size = SIMULATED_HIDDEN
+        model.pooling = pb.POOLING_MEAN if w.pooling.pooling == "mean" else pb.POOLING_LAST
+        model.normalize = w.pooling.normalize
         return pb.WorkerInfo(
             protocol_version=PROTOCOL_VERSION,
             model=model,

@@ -20,6 +20,14 @@ class PromptLogprobs:
     ids_logprobs: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class PooledEmbedding:
+    """An embedding request's vector: its prompt's pooled final-norm hidden state."""
+
+    slot: int
+    values: list[float]
+
+
 @dataclass
 class SampleRow:
     """One request that samples this step."""
@@ -60,6 +68,8 @@ class SampleOutput:
     top_logprobs: list[list[float]] = field(default_factory=list)
     ids_logprobs: list[list[float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Embedding requests whose prompt this step finished (the model step's too).
+    embeddings: list[PooledEmbedding] = field(default_factory=list)
     # Tokens per sampling entry once drafts are accepted (draft_acceptance.py);
     # empty: one row per entry.
     token_counts: list[int] = field(default_factory=list)

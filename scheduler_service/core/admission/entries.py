@@ -96,4 +96,5 @@ def join_of(req: Request, tokens: list[int], start: int) -> Join:
         num_output_tokens=len(req.output_ids),
         trace_context=req.trace_context,
         adapter_slot=req.adapter_slot,
+        embed=req.embed,
     )

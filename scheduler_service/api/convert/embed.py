@@ -1,0 +1,82 @@
+"""EmbedRequest -> one prefill-only Submission (SGLang's servicer's
+``_convert_embed_request``: max_new_tokens 0, the prompt's vector back).
+
+The request cannot choose the pooling (the public proto has no field for
+it): the model's does (``pooling_of``, from the worker's GetInfo).
+``sampling_params`` is the proto's "dummy for compatibility": SGLang reads
+nothing of it for an embedding, and neither do we. Fields we cannot honour
+are refused by name.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from scheduler_service.api.convert.public import Limits
+from scheduler_service.core.embedding import EmbedOptions
+from scheduler_service.core.intake import Submission
+from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
+
+
+def pooling_of(worker_info: dict) -> EmbedOptions:
+    """The model's pooling as the worker reports it (GetInfo's ModelInfo, as a dict)."""
+    model = worker_info.get("model", {})
+    pooling = "mean" if model.get("pooling") == "POOLING_MEAN" else "last"
+    return EmbedOptions(pooling, bool(model.get("normalize", False)))
+
+
+def embed_submission(
+    m: pb.EmbedRequest,
+    limits: Limits,
+    encode: Callable[[str], list[int]],
+    *,
+    has_tokenizer: bool,
+    options: EmbedOptions,
+    architecture: str,
+) -> Submission:
+    if m.is_cross_encoder or m.texts:
+        raise InvalidRequestError(
+            "is_cross_encoder / texts: rerank scores a query/document pair with a "
+            f"sequence-classification head, and the served model ({architecture}) has none "
+            "(radixserve loads causal language models only)"
+        )
+    if m.HasField("mm_inputs") and m.mm_inputs.ByteSize():
+        raise InvalidRequestError("multimodal inputs are not supported by radixserve")
+    if m.data_parallel_rank not in (0, -1):
+        raise InvalidRequestError(
+            f"data_parallel_rank: this scheduler has one data-parallel rank (0), "
+            f"got {m.data_parallel_rank}"
+        )
+    if any(m.token_type_ids):
+        raise InvalidRequestError(
+            "token_type_ids: the served model has no token types (segment embeddings); "
+            "only all-zero ids are accepted"
+        )
+    ids = list(m.tokenized.input_ids)
+    if not ids and m.tokenized.original_text:
+        if not has_tokenizer:
+            raise InvalidRequestError("original_text needs a tokenizer, and this model has none")
+        ids = encode(m.tokenized.original_text)
+    if not ids:
+        raise InvalidRequestError("the input is empty: give tokenized.input_ids or original_text")
+    if m.token_type_ids and len(m.token_type_ids) != len(ids):
+        raise InvalidRequestError(
+            f"token_type_ids has {len(m.token_type_ids)} entries for {len(ids)} input tokens"
+        )
+    bad = [t for t in ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"input token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
+        )
+    if len(ids) >= limits.context_len:
+        raise InvalidRequestError(
+            f"the input has {len(ids)} tokens, the model's context is {limits.context_len}"
+        )
+    sub = Submission(
+        m.request_id or uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=0), embed=options
+    )
+    sub.validate(limits.vocab_size, limits.context_len)
+    return sub
