@@ -23,7 +23,7 @@ import structlog
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv.manager import KvManager
-from scheduler_service.core.plan import PlanEntry
+from scheduler_service.core.plan import PlanEntry, decode_entry
 from scheduler_service.core.request import OUT_OF_CAPACITY, FinishAbort, Request
 from scheduler_service.core.spec.drafts import Drafter
 from scheduler_service.core.spec.rows import DraftWatch, plan_drafted_rows
@@ -158,7 +158,7 @@ def plain_decodes(kv: KvManager, reqs: list[Request]) -> list[PlanEntry]:
             page = take()
             r.pages.append(page)
             new_pages = [page]
-        append(PlanEntry(r, r.epoch, pos, input_ids=None, new_pages=new_pages, sample=True))
+        append(decode_entry(r, pos, new_pages))
         r.kv_len = pos + 1
         r.pending += 1
     return entries

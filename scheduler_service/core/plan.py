@@ -108,6 +108,26 @@ class PlanEntry:
         return 1 if self.input_ids is None else len(self.input_ids)
 
 
+_new_entry = PlanEntry.__new__
+
+
+def decode_entry(req: Request, start_pos: int, new_pages: list[int]) -> PlanEntry:
+    """A plain decode's entry (the hot path: one per running request per
+    step), built without the dataclass __init__'s keyword parsing, which
+    costs more than twice as much at a 256-request batch."""
+    e = _new_entry(PlanEntry)
+    e.req = req
+    e.epoch = req.epoch
+    e.start_pos = start_pos
+    e.input_ids = None
+    e.new_pages = new_pages
+    e.sample = True
+    e.next_token = None
+    e.drafts = None
+    e.slot = -1
+    return e
+
+
 @dataclass(slots=True, eq=False)
 class StepPlan:
     step_id: int
