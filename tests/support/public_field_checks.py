@@ -315,3 +315,78 @@ def token_ids_logprob(server: Server) -> None:
         assert list(row.token_ids) == ids
         rows.append(list(row.values))
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(*rows, strict=True)), rows
+
+
+# ------------------------------------------------------ client-side text fields
+def same_ids_whatever_it_says(field: str):
+    """A field that shapes only the client's text (SGLang's gRPC path has no
+    server-side effect for it either): the server's output ids, finish and
+    matched stop are the same for either value."""
+
+    def check(server: Server) -> None:
+        answers = []
+        for value in (True, False):
+            c = complete(server, request(max_new=6, ignore_eos=True, **{field: value}))
+            answers.append((list(c.output_ids), c.finish_reason, c.matched_stop_str))
+        assert answers[0] == answers[1] and len(answers[0][0]) == 6, answers
+
+    return check
+
+
+# ------------------------------------------------------ Embed
+def _embed(server: Server, prompt: list[int] = PROMPT, **fields) -> pb.EmbedResponse:
+    req = pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=prompt), **fields)
+    return stub(server.address).Embed(req, timeout=TIMEOUT_S)
+
+
+def embed_input_ids(server: Server) -> None:
+    a, again, other = _embed(server), _embed(server), _embed(server, PROMPT[:-1] + [999])
+    assert a.embedding_dim == len(a.embedding) > 0 and a.prompt_tokens == len(PROMPT)
+    assert list(a.embedding) == list(again.embedding) != list(other.embedding)
+
+
+def embed_original_text(server: Server) -> None:
+    refused(
+        lambda: stub(server.address).Embed(
+            pb.EmbedRequest(tokenized=pb.TokenizedInput(original_text="hello")),
+            timeout=TIMEOUT_S,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokenizer",  # the simulated model has none; tests/e2e/test_embeddings_real.py has one
+    )
+
+
+def embed_request_id(server: Server) -> None:
+    """The id names the request: a live call's id is refused to an Embed, and
+    free for it once that call ends."""
+    s = stub(server.address)
+    live = request(max_new=100_000, stream=True, ignore_eos=True)
+    live.request_id = "conformance-embed-id"
+    responses = s.Generate(live, timeout=TIMEOUT_S)
+    assert next(responses).HasField("chunk")
+    try:
+        refused(
+            lambda: _embed(server, request_id="conformance-embed-id"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "already in use",
+        )
+    finally:
+        responses.cancel()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert _embed(server, request_id="conformance-embed-id").embedding_dim > 0
+            return
+        except grpc.RpcError as e:
+            assert time.monotonic() < deadline, e.details()
+            time.sleep(0.1)
+
+
+def embed_sampling_params(server: Server) -> None:
+    """Read by nothing, as SGLang (the proto calls it a dummy for
+    compatibility; the gateway sends it): the vector is the same."""
+    plain = _embed(server)
+    odd = _embed(
+        server, sampling_params=pb.SamplingParams(temperature=1.5, max_new_tokens=9, top_k=3, n=2)
+    )
+    assert list(plain.embedding) == list(odd.embedding)

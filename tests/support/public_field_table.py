@@ -4,19 +4,19 @@ test_public_field_conformance.py fails while a field of the proto has no row
 (or a row names a field that is gone); tests/e2e/test_public_field_effects.py
 runs the Here and Refused rows against real servers.
 
-Rows marked with an ``owner`` belong to a branch of issue 29 in flight: they
-record today's behaviour, and the lead updates them when that branch merges
-(``PENDING_OWNERS`` then loses its name)."""
+A field whose effect a branch in flight is building may have a ``Pending``
+row (or an owned refusal) naming that branch in ``PENDING_OWNERS``; none is
+pending today."""
 
 from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from tests.support import public_field_checks as c
-from tests.support.public_fields import Elsewhere, Here, Pending, Refused, Row
+from tests.support.public_fields import Elsewhere, Here, Refused, Row
 
-# Branches of issue 29 whose fields may still be Pending or owned refusals.
-PENDING_OWNERS = frozenset({"text", "prio", "embed", "reason"})
+# Branches in flight whose fields may still be Pending or owned refusals.
+PENDING_OWNERS: frozenset[str] = frozenset()
 
 INVALID = "INVALID_ARGUMENT"
 SMOLLM2 = "tests/e2e/test_smollm2_system.py"
@@ -74,11 +74,10 @@ FIELDS: dict[str, Row] = {
     ),
     "GenerateRequest.data_parallel_rank": Here(c.data_parallel_rank),
     "GenerateRequest.stream": Here(c.stream),
-    "GenerateRequest.require_reasoning": Refused(
-        INVALID,
-        "require_reasoning",
-        _set("GenerateRequest.require_reasoning", True),
-        owner="reason",
+    "GenerateRequest.require_reasoning": Elsewhere(
+        "tests/e2e/test_reasoning_gateway.py::test_the_grammar_waits_for_the_end_of_the_thought",
+        "the grammar applies after </think>, reasoning_tokens counted; refused by name for a "
+        "model without the token (tests/scheduler_service/api/test_require_reasoning.py)",
     ),
     # ------------------------------------------------------- SamplingParams
     f"{SP}.temperature": Here(c.temperature, model="default"),
@@ -91,13 +90,19 @@ FIELDS: dict[str, Row] = {
     f"{SP}.max_new_tokens": Here(c.max_new_tokens),
     f"{SP}.stop": Elsewhere(
         f"{SMOLLM2}::test_stop_tokens_and_stop_strings",
-        "ends at a stop string in the detokenized output (owner: text)",
+        "ends at a stop string in the detokenized output, decoded with special tokens, "
+        "streamed text held back while it may become one (test_stop_strings_simulated.py)",
     ),
     f"{SP}.stop_token_ids": Here(c.stop_token_ids),
-    f"{SP}.skip_special_tokens": Pending(
-        "text", "the stop-string tail is decoded with it (SGLang decodes without skipping)"
+    f"{SP}.skip_special_tokens": Elsewhere(
+        "tests/scheduler_service/engine/test_stop_string_matcher.py::"
+        "test_a_special_token_stop_string_matches_whatever_skip_special_tokens_says",
+        "the client's text only (as SGLang's gRPC path); the stop-string check decodes with "
+        "special tokens whatever it says",
     ),
-    f"{SP}.spaces_between_special_tokens": Pending("text", "stored, never read server-side"),
+    f"{SP}.spaces_between_special_tokens": Here(
+        c.same_ids_whatever_it_says("spaces_between_special_tokens")
+    ),
     f"{SP}.regex": Elsewhere(
         f"{STRUCTURED_SIM}::test_every_output_fully_matches_its_regex", "outputs match the regex"
     ),
@@ -114,20 +119,32 @@ FIELDS: dict[str, Row] = {
     f"{SP}.n": Here(c.n),
     f"{SP}.min_new_tokens": Here(c.min_new_tokens),
     f"{SP}.ignore_eos": Here(c.ignore_eos),
-    f"{SP}.no_stop_trim": Pending(
-        "text", "stored, never read server-side (our client trims with it)"
+    f"{SP}.no_stop_trim": Elsewhere(
+        "tests/e2e/test_clients.py::test_stop_strings_are_trimmed_unless_asked_not_to",
+        "the client keeps the stop string in its text; the server's ids run through the "
+        "stop either way (as SGLang's gRPC path)",
     ),
     f"{SP}.stream_interval": Elsewhere(
-        "tests/e2e/test_simulated_system.py::test_stream_interval_sends_a_chunk_every_n_tokens",
-        "a chunk every N tokens (owner: text, which sends the first token at once)",
+        "tests/e2e/test_stop_strings_simulated.py::test_stream_interval_sends_the_first_token_at_once",
+        "a chunk at the first token, then every N tokens (SGLang's rule)",
     ),
     f"{SP}.logit_bias": Here(c.logit_bias, model="default"),
     f"{SP}.custom_params": Here(c.custom_params, model="default"),
     # ------------------------------------------------------- the other RPCs
-    "EmbedRequest": Refused("UNIMPLEMENTED", "radixserve", whole=True, owner="embed"),
+    "EmbedRequest.request_id": Here(c.embed_request_id),
+    "EmbedRequest.tokenized.input_ids": Here(c.embed_input_ids),
+    "EmbedRequest.tokenized.original_text": Here(c.embed_original_text),
+    "EmbedRequest.mm_inputs": Refused(INVALID, "multimodal inputs", whole=True),
+    "EmbedRequest.sampling_params": Here(c.embed_sampling_params, whole=True),
+    "EmbedRequest.token_type_ids": Refused(INVALID, "token_type_ids"),
+    "EmbedRequest.data_parallel_rank": Refused(INVALID, "data_parallel_rank"),
+    "EmbedRequest.is_cross_encoder": Refused(INVALID, "rerank"),
+    "EmbedRequest.texts": Refused(INVALID, "rerank"),
     "AbortRequest.request_id": Here(c.abort_request_id),
-    "AbortRequest.reason": Pending(
-        "prio", "the core's abort message; the client sees finish_reason abort only"
+    "AbortRequest.reason": Elsewhere(
+        "tests/scheduler_service/api/test_abort_reason.py::"
+        "test_the_abort_reason_reaches_the_core_as_the_requests_abort_message",
+        "the message the core finishes the request with; the stream ends as SGLang's",
     ),
     "GetLoadsRequest.dp_rank": Here(c.get_loads_dp_rank),
     "GetLoadsRequest.include": Here(c.get_loads_include),
@@ -151,4 +168,6 @@ FIELDS: dict[str, Row] = {
     "UnloadLoRAAdapterRequest.lora_id": Elsewhere(LORA_SIM, "unloads the adapter it names"),
 }
 
-WHOLE = frozenset(path for path, row in FIELDS.items() if isinstance(row, Refused) and row.whole)
+WHOLE = frozenset(
+    path for path, row in FIELDS.items() if isinstance(row, Refused | Here) and row.whole
+)

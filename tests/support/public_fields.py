@@ -43,6 +43,9 @@ class Here:
 
     check: Callable[[Server], None]
     model: str = "simulated"
+    # the check covers every field under this path (a message the server
+    # reads nothing of, say EmbedRequest.sampling_params)
+    whole: bool = False
 
 
 @dataclass(frozen=True)

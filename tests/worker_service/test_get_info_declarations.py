@@ -11,6 +11,7 @@ import torch
 from protos import worker_pb2 as pb
 from worker_service.models.config import ModelConfig, SamplingDefaults
 from worker_service.rpc.servicer import WorkerServicer
+from worker_service.weights.pooling_config import PoolingConfig
 
 
 def _info(**declared) -> pb.ModelInfo:
@@ -35,6 +36,11 @@ def _info(**declared) -> pb.ModelInfo:
         tp=SimpleNamespace(rank=0, size=1),
         attention_backend="torch",
         device=torch.device("cpu"),
+        pooling=PoolingConfig(),
+        weight_bytes=0,
+        kv_cache_bytes=0,
+        graph_bytes=0,
+        grammar_backend="none",
     )
     servicer = WorkerServicer(worker)
     return servicer.GetInfo(pb.GetInfoRequest(), None).model
