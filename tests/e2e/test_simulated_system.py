@@ -151,22 +151,6 @@ def test_health_services_reflection_and_server_info(address):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_stream_interval_sends_a_chunk_every_n_tokens(address):
-    prompt = [5, 6, 7]
-    sampling = greedy(10, ignore_eos=True, stream_interval=4)
-    req = pb.GenerateRequest(
-        request_id="interval",
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=sampling,
-        stream=True,
-    )
-    responses = list(stub(address).Generate(req, timeout=30))
-    chunks = [list(r.chunk.token_ids) for r in responses if r.HasField("chunk")]
-    assert [len(c) for c in chunks] == [4, 4, 2]
-    assert [t for c in chunks for t in c] == expected(prompt, 10)
-    assert list(responses[-1].complete.output_ids) == chunks[-1]
-
-
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

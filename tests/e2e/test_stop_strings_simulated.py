@@ -79,5 +79,11 @@ def test_stream_interval_sends_the_first_token_at_once(setup):
     want = expected_output(PROMPT, 10, VOCAB)
     req = _request("si", stream=True, max_new_tokens=10, stream_interval=4)
     chunks = [list(r.chunk.token_ids) for r in s.Generate(req, timeout=60) if r.HasField("chunk")]
-    assert [len(c) for c in chunks] == [1, 4, 4, 1]
     assert [t for c in chunks for t in c] == want
+    assert len(chunks[0]) == 1  # token 1 at once
+    # then never before the 1 + 4k grid: [1, 4, 4, 1] when each step's token
+    # reaches the API alone; a loaded machine may merge two steps' news into
+    # one bigger chunk (a slow reader's rule), never an earlier one
+    ends = [sum(map(len, chunks[: i + 1])) for i in range(len(chunks))]
+    assert all(end >= 1 + 4 * i for i, end in enumerate(ends[:-1])), ends
+    assert len(chunks) <= 4
