@@ -47,7 +47,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "eos_token_ids", "max_context_len", "dtype", "bos_token_id", "pad_token_id", "sampling_defaults", "pooling", "normalize")
+    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "eos_token_ids", "max_context_len", "dtype", "bos_token_id", "pad_token_id", "sampling_defaults", "pooling", "normalize", "num_labels", "labels", "score_activation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class ModelInfo(_message.Message):
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_layers: int
@@ -80,7 +83,10 @@ class ModelInfo(_message.Message):
     sampling_defaults: ModelSamplingDefaults
     pooling: Pooling
     normalize: bool
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., sampling_defaults: _Optional[_Union[ModelSamplingDefaults, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    num_labels: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    score_activation: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., dtype: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., sampling_defaults: _Optional[_Union[ModelSamplingDefaults, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ..., num_labels: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ..., score_activation: _Optional[str] = ...) -> None: ...
 
 class ModelSamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")

@@ -33,7 +33,11 @@ from worker_service.sampling.grammar import (
 )
 from worker_service.sampling.sampler import Sampler
 from worker_service.weights import ModelSource, open_model
-from worker_service.weights.pooling_config import PoolingConfig, resolve_pooling
+from worker_service.weights.pooling_config import (
+    PoolingConfig,
+    classifier_pooling,
+    resolve_pooling,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -120,10 +124,16 @@ def build_worker(cfg: WorkerConfig) -> Worker:
 
     source = open_model(None if cfg.model == "default" else cfg.model)
     model_dir = source.path if source.kind == "hf" else None
-    pooling = resolve_pooling(
-        model_path=model_dir, pooling=cfg.pooling, normalize=cfg.embed_normalize
-    )
     mcfg = source.config
+    # A sequence classifier (a score head, no LM head) only scores prompts:
+    # no decode graphs, no grammars.
+    classifier = mcfg.score_head is not None
+    if classifier:
+        pooling = classifier_pooling(pooling=cfg.pooling, normalize=cfg.embed_normalize)
+    else:
+        pooling = resolve_pooling(
+            model_path=model_dir, pooling=cfg.pooling, normalize=cfg.embed_normalize
+        )
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     kernels = select_kernels(device, dtype, cfg.kernels)
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
@@ -165,14 +175,16 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     max_context = model.rope.max_positions
     graph_bytes = 0
-    if device.type == "cuda" and cfg.cuda_graphs and hasattr(attn, "enable_decode_graphs"):
+    graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
+    if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         compute.capture_decode_graphs()
         graph_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")
     grammars = None
-    if tp.rank == 0 and source.kind != "random":  # the rank that samples; a vocabulary
+    # The rank that samples, a vocabulary, an LM head to constrain.
+    if tp.rank == 0 and source.kind != "random" and not classifier:
         grammars = GrammarCompiler(
             lambda: huggingface_tokenizer_info(
                 source.tokenizer_files(), mcfg.vocab_size, mcfg.eos_token_ids
@@ -188,6 +200,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         max_context=max_context,
         overlap=overlap,
         grammars=grammars,
+        scores_only=classifier,
     )
     logger.info(
         "worker ready",

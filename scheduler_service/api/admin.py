@@ -64,19 +64,26 @@ class AdminRpcs:
         return pb.GetModelInfoResponse(
             model_path=r.model_name,
             tokenizer_path=m.tokenizer_dir,
-            is_generation=True,
+            # A sequence classifier scores (Embed, rerank), never generates.
+            is_generation=m.scoring is None,
             served_model_name=m.served_model_name,
             weight_version=self.core.config.api.weight_version,
             max_context_length=m.limits.context_len,
             vocab_size=r.vocab_size,
             supports_vision=False,
-            model_type=r.architecture.removesuffix("ForCausalLM").lower(),
+            model_type=r.architecture.removesuffix("ForCausalLM")
+            .removesuffix("ForSequenceClassification")
+            .lower(),
             eos_token_ids=eos,
             # 0 where the model declares none, as SGLang's servicer
             pad_token_id=r.pad_token_id or 0,
             bos_token_id=r.bos_token_id or 0,
             max_req_input_len=m.limits.context_len - 1,
             architectures=[r.architecture],
+            # A classifier's labels, as SGLang's servicer reports config.json's
+            # (0 and "" for a causal LM: the proto's "0 if not a classifier").
+            num_labels=m.scoring.num_labels if m.scoring else 0,
+            id2label_json=(json.dumps(dict(enumerate(m.scoring.labels))) if m.scoring else ""),
             default_sampling_params_json=(
                 json.dumps(m.declared_defaults, separators=(",", ":"))
                 if m.declared_defaults

@@ -1,6 +1,8 @@
 """Embed: one prefill-only request through the same core as Generate (queued,
 admitted, chunked and batched with generation traffic, its prefix read from
-the cache where its pooling allows), answered with its pooled vector.
+the cache where its pooling allows), answered with its pooled vector; on a
+sequence classifier, its labels' logits, and a rerank request's scores
+(``is_cross_encoder``: the model's declared activation of them).
 
 Errors are status codes as for Generate; a request the scheduler aborts
 (out of memory, Abort) ends ABORTED with the scheduler's message.
@@ -16,6 +18,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service import ipc
 from scheduler_service.api.convert.embed import embed_submission, pooling_of
+from scheduler_service.api.convert.rerank import activate
 from scheduler_service.api.core_client import CoreClient, CoreUnavailable, QueueFull
 from scheduler_service.api.model_info import ModelContext
 from scheduler_service.core.sampling import InvalidRequestError
@@ -42,6 +45,8 @@ class EmbedRpc:
                 has_tokenizer=model.has_tokenizer,
                 options=self.options,
                 architecture=model.ready.architecture,
+                scoring=model.scoring,
+                encode_pair=model.encode_pair,
             )
             await self.core.wait_free([sub.rid], self.rid_grace_s)
             await self.core.wait_restart(1)
@@ -59,6 +64,8 @@ class EmbedRpc:
             raise
         finally:
             self.core.forget(call)
+        if request.is_cross_encoder:  # embed_submission refused it without a score head
+            vector = activate(vector, model.scoring)
         return pb.EmbedResponse(
             embedding=vector, embedding_dim=len(vector), prompt_tokens=len(sub.prompt_ids)
         )

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from common import tokenizer_archive
 from scheduler_service import ipc
 from scheduler_service.api.convert.public import NO_DEFAULTS, Limits, ModelDefaults
+from scheduler_service.api.convert.rerank import ScoringHead, scoring_head_of
 from scheduler_service.config import ServiceConfig
 
 logger = structlog.get_logger(__name__)
@@ -32,6 +33,9 @@ class ModelContext:
     # those a request's unset fields take; empty under --sampling-defaults openai.
     declared_defaults: dict[str, float | int] = dataclasses.field(default_factory=dict)
     defaults: ModelDefaults = NO_DEFAULTS
+    # A sequence classifier's score head (it scores prompts: Embed, rerank;
+    # it cannot generate); None: a causal LM.
+    scoring: ScoringHead | None = None
 
     @property
     def has_tokenizer(self) -> bool:
@@ -39,6 +43,11 @@ class ModelContext:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A text pair through the tokenizer's pair template (a rerank's
+        query and document, as ``tokenizer(query, document)`` encodes them)."""
+        return self.tokenizer.encode(first, second).ids
 
     @classmethod
     def build(cls, ready: ipc.Ready, config: ServiceConfig, workdir: Path) -> ModelContext:
@@ -67,6 +76,7 @@ class ModelContext:
             tokenizer_dir,
             declared_defaults=declared,
             defaults=ModelDefaults.of(declared),
+            scoring=scoring_head_of(ready.worker_info),
         )
 
 

@@ -50,7 +50,8 @@ from scheduler_service.api.lora_rpcs import LoraRpcs
 from scheduler_service.api.metrics import SchedulerMetrics
 from scheduler_service.api.model_info import ModelContext
 from scheduler_service.api.readiness import WORKERS_LOST
-from scheduler_service.core.sampling import InvalidRequestError
+from scheduler_service.core.intake import Submission
+from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
 
 logger = structlog.get_logger(__name__)
 
@@ -136,6 +137,12 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 code, message = "UNAVAILABLE", SHUTTING_DOWN
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
             try:
+                if self.model.scoring is not None:
+                    raise InvalidRequestError(
+                        f"the served model ({self.model.ready.architecture}) is a sequence "
+                        "classifier: a score head and no LM head, so it cannot generate; "
+                        "it scores prompts through Embed (rerank: is_cross_encoder)"
+                    )
                 g = generate_call(
                     request,
                     self.model.limits,
@@ -296,8 +303,20 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             logprob_start_len=-1,
         )
         try:
-            g = generate_call(probe, self.model.limits, self.model.encode, has_tokenizer=False)
-            call = self.core.submit(g.samples, bounded=False)
+            if self.model.scoring is not None:
+                # A classifier cannot generate: its probe scores one token, as
+                # SGLang's servicer probes an embedding model with an embedding.
+                sub = Submission(
+                    probe.request_id,
+                    [0],
+                    SamplingParams(max_new_tokens=0),
+                    embed=self.embeds.options,
+                )
+                samples = [sub]
+            else:
+                g = generate_call(probe, self.model.limits, self.model.encode, has_tokenizer=False)
+                samples = g.samples
+            call = self.core.submit(samples, bounded=False)
         except (CoreUnavailable, ValueError) as e:
             return pb.HealthCheckResponse(healthy=False, message=f"Health check failed: {e}")
         try:

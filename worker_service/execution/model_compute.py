@@ -8,7 +8,8 @@ positions whose logprobs were asked for (the logits at position p score the prom
 p + 1). Embedding requests never reach it: their final-norm hidden states are
 pooled instead (the last prompt position's, or the mean over the prompt,
 summed chunk by chunk in float32) and read back with the chunk that ends the
-prompt. ``ModelRunner`` (model_runner.py) hands it each step's work in plan
+prompt; a sequence classifier's score head turns its pooled state into the
+labels' logits. ``ModelRunner`` (model_runner.py) hands it each step's work in plan
 order; it runs a drafted step to its end (``run``), never overlapped, so no
 later step gathers its inputs from a drafted step's tokens.
 """
@@ -31,6 +32,7 @@ from worker_service.device.transfer import to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
+from worker_service.models.layers import ScoreHead
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import token_logprobs
 from worker_service.sampling.params import LogprobOptions
@@ -154,7 +156,7 @@ class ModelCompute:
             step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
         for s, w in zip(batch.seqs, work[:num_extends], strict=False):
             if w.state.pooling:
-                pooled = _pool(w, hidden[s.q_start : s.q_start + s.q_len])
+                pooled = _pool(w, hidden[s.q_start : s.q_start + s.q_len], self.model.score)
                 if pooled is not None:
                     step.embeddings.append(pooled)
         return step
@@ -338,10 +340,12 @@ class ModelCompute:
         return out
 
 
-def _pool(w: SeqWork, rows: torch.Tensor) -> PooledEmbedding | None:
+def _pool(w: SeqWork, rows: torch.Tensor, score: ScoreHead | None) -> PooledEmbedding | None:
     """An embedding request's chunk (``rows``: its final-norm hidden states):
     the vector once the chunk ends the prompt, else None (a mean's running
-    sum kept in float32 on the device, as the chunk sizes vary)."""
+    sum kept in float32 on the device, as the chunk sizes vary). A
+    classifier's vector is its ``score`` head's logits at the last token
+    (SGLang's ``score_and_pool``; the worker refuses any other pooling)."""
     state = w.state
     end = w.start + len(w.inputs)
     if state.pooling == "mean":
@@ -352,6 +356,8 @@ def _pool(w: SeqWork, rows: torch.Tensor) -> PooledEmbedding | None:
     if state.pooling == "mean":
         vec = state.pooled / state.prompt_len
         state.pooled = None
+    elif score is not None:
+        vec = score(rows[-1])
     else:
         vec = rows[-1].float()
     if state.normalize:

@@ -121,7 +121,9 @@ class ModelRunner:
         max_context: int = 1 << 30,
         overlap: bool = False,
         grammars: GrammarCompiler | None = None,
+        scores_only: bool = False,
     ) -> None:
+        """``scores_only``: the model is a sequence classifier (validate_plan)."""
         self.compute = compute
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
@@ -131,6 +133,7 @@ class ModelRunner:
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.max_context = max_context  # positions the model can rotate
+        self.scores_only = scores_only
         self.overlap = overlap and hasattr(compute, "launch")
         self.slots: dict[int, SlotState] = {}
         self._running: StartedStep | None = None  # started, not completed
@@ -167,6 +170,7 @@ class ModelRunner:
                 max_context=self.max_context,
                 adapter_slots=self.adapters.slots,
                 loaded=loaded,
+                scores_only=self.scores_only,
             )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))

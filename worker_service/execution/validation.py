@@ -27,9 +27,12 @@ def validate_plan(
     max_context: int,
     adapter_slots: Mapping[int, object] | None = None,
     loaded: Mapping[str, object] | None = None,
+    scores_only: bool = False,
 ) -> None:
     """``adapter_slots``: adapter slot -> adapter before the plan;
-    ``loaded``: the adapters the plan's slot assignments name that are loaded."""
+    ``loaded``: the adapters the plan's slot assignments name that are loaded;
+    ``scores_only``: the model is a sequence classifier (no LM head), so every
+    request must be one its score head reads (last-token pooling)."""
     held = set(slots)
     for slot in plan.leaves:
         if slot not in held:
@@ -53,6 +56,11 @@ def validate_plan(
             _check_tokens([end], vocab_size, f"join of {j.rid}: reasoning_end_token")
         if j.prompt_len < 1:
             raise PlanError(f"join of {j.rid}: prompt_len must be >= 1")
+        if scores_only and j.pooling != "last":
+            raise PlanError(
+                f"join of {j.rid}: the model is a sequence classifier (a score head, no LM "
+                "head); it takes only embedding requests with last-token pooling"
+            )
         if j.pooling == "mean" and j.prefix_ids:
             raise PlanError(
                 f"join of {j.rid}: mean pooling needs the hidden state of every prompt "

@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker_service.models.score_head import (
+    SEQUENCE_CLASSIFIERS,
+    ScoreHeadConfig,
+    UnsupportedScoreHeadError,
+    score_head_from_hf,
+)
+
 # What each architecture implies beyond its config fields.
 ARCHITECTURE_TRAITS: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {},
@@ -75,6 +82,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None  # the tokenizer's pad token, else config.json's
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # A sequence classifier's score head (models/score_head.py); None: a
+    # causal LM, whose LM head generates.
+    score_head: ScoreHeadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -94,13 +104,19 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face ``config.json`` (transformers 4 or 5 spelling)."""
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURE_TRAITS), None)
+        served = {**ARCHITECTURE_TRAITS, **dict.fromkeys(SEQUENCE_CLASSIFIERS)}
+        arch = next((a for a in archs if a in served), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"architectures {archs} are not supported; radixserve serves "
-                f"{sorted(ARCHITECTURE_TRAITS)}"
+                f"architectures {archs} are not supported; radixserve serves {sorted(served)}"
             )
-        traits = ARCHITECTURE_TRAITS[arch]
+        traits = ARCHITECTURE_TRAITS[SEQUENCE_CLASSIFIERS.get(arch, arch)]
+        score_head = None
+        if arch in SEQUENCE_CLASSIFIERS:
+            try:
+                score_head = score_head_from_hf(cfg)
+            except UnsupportedScoreHeadError as err:
+                raise UnsupportedModelError(str(err)) from err
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
@@ -128,6 +144,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            score_head=score_head,
         )
 
 

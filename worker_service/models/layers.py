@@ -185,3 +185,23 @@ class VocabEmbedding(nn.Module):
         rows = tensor[self.lo : min(self.hi, self.vocab)]
         self.weight.data.zero_()
         self.weight.data[: rows.shape[0]].copy_(rows)
+
+
+class ScoreHead(nn.Module):
+    """score.weight, whole on every tensor-parallel rank: the final-norm hidden
+    states are whole on each, and num_labels rows are too few to shard."""
+
+    def __init__(self, hidden: int, num_labels: int, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = _param((num_labels, hidden), dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The labels' logits in float32 (``hidden``: [..., hidden_size])."""
+        return F.linear(hidden, self.weight).float()
+
+    def load(self, tensor: torch.Tensor) -> None:
+        if tensor.shape != self.weight.shape:
+            raise ValueError(
+                f"score.weight is {tuple(tensor.shape)}, the config says {tuple(self.weight.shape)}"
+            )
+        self.weight.data.copy_(tensor)

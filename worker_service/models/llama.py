@@ -39,7 +39,13 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
 from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
-from worker_service.models.layers import FusedColumnLinear, RMSNorm, RowLinear, VocabEmbedding
+from worker_service.models.layers import (
+    FusedColumnLinear,
+    RMSNorm,
+    RowLinear,
+    ScoreHead,
+    VocabEmbedding,
+)
 from worker_service.models.rope import RotaryEmbedding
 
 
@@ -187,11 +193,19 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device, kernels=kernels
         )
-        self.lm_head = (
-            self.embed_tokens
-            if cfg.tie_word_embeddings
-            else VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
-        )
+        # A sequence classifier has a score head instead of an LM head: it
+        # scores prompts (embedding requests) and never samples.
+        self.score: ScoreHead | None = None
+        self.lm_head: VocabEmbedding | None
+        if cfg.score_head is not None:
+            self.lm_head = None
+            self.score = ScoreHead(
+                cfg.hidden_size, cfg.score_head.num_labels, dtype=dtype, device=device
+            )
+        elif cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         self.rope = RotaryEmbedding(cfg, device, kernels)
 
     @property
@@ -236,8 +250,15 @@ class LlamaForCausalLM(nn.Module):
             x, residual = next_norm.add_forward(out, residual)
         return x
 
+    @property
+    def generates(self) -> bool:
+        """Whether it has an LM head (a sequence classifier has none)."""
+        return self.lm_head is not None
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise ValueError("a sequence classifier has no LM head: it scores, never samples")
         return self.lm_head.logits(hidden)
 
     def pack_linears_for_cpu(self) -> int:
@@ -271,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
             for target in self._targets(name):
                 missing.discard(target)
             self._load_one(name, tensor)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings or self.lm_head is None:
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(
@@ -297,8 +318,12 @@ class LlamaForCausalLM(nn.Module):
         if parts[0] == "embed_tokens":
             self.embed_tokens.load(tensor)
         elif parts[0] == "lm_head":
+            if self.lm_head is None:
+                return  # a classifier saved beside its causal LM's head (SGLang skips it too)
             if not self.config.tie_word_embeddings:
                 self.lm_head.load(tensor)
+        elif parts[0] == "score" and self.score is not None and parts[1] == "weight":
+            self.score.load(tensor)
         elif parts[0] == "norm":
             self.norm.load(parts[1], tensor)
         elif parts[0] == "layers":

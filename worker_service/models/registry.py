@@ -8,12 +8,15 @@ from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # The same class with a score head instead of the LM head (config.score_head).
+    **dict.fromkeys(SEQUENCE_CLASSIFIERS, LlamaForCausalLM),
 }
 
 

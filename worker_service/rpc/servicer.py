@@ -92,6 +92,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             for name, value in asdict(mc.sampling_defaults).items():
                 if value is not None:
                     setattr(model.sampling_defaults, name, value)
+            if mc.score_head is not None:
+                model.num_labels = mc.score_head.num_labels
+                model.labels.extend(mc.score_head.labels)
+                model.score_activation = mc.score_head.activation
         else:
             model.architecture = "simulated"
             model.max_context_len = 1 << 20

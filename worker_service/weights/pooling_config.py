@@ -3,7 +3,8 @@
 mode) and perhaps a ``Normalize`` module after it. A model without them
 pools its last token and normalizes it, SGLang's pooler for decoder models
 (``Pooler(LAST, normalize=True)``); the worker's --pooling and
---embed-normalize settings override either.
+--embed-normalize settings override either. A sequence classifier's score
+head reads its last token's state as it is (``classifier_pooling``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def read_pooling_config(model_path: Path | None) -> PoolingConfig | None:
     if pooling is None:
         return None
     return PoolingConfig(pooling, normalize)
+
+
+def classifier_pooling(*, pooling: str, normalize: str) -> PoolingConfig:
+    """A sequence classifier pools its last token, raw, for its score head
+    (transformers' *ForSequenceClassification, SGLang's ``Pooler(LAST,
+    normalize=False)``); settings asking for another are refused, not ignored."""
+    if pooling not in ("auto", "last") or normalize == "on":
+        raise PoolingConfigError(
+            f"--pooling {pooling} / --embed-normalize {normalize}: a sequence classifier's "
+            "score head reads the last token's hidden state, unnormalized"
+        )
+    logger.info("embedding pooling", pooling="last", normalize=False, score_head=True)
+    return PoolingConfig("last", normalize=False)
 
 
 def resolve_pooling(*, model_path: Path | None, pooling: str, normalize: str) -> PoolingConfig:

@@ -5,7 +5,9 @@ The request cannot choose the pooling (the public proto has no field for
 it): the model's does (``pooling_of``, from the worker's GetInfo).
 ``sampling_params`` is the proto's "dummy for compatibility": SGLang reads
 nothing of it for an embedding, and neither do we. Fields we cannot honour
-are refused by name.
+are refused by name. A sequence classifier's vector is its score head's
+logits (SGLang's ``score_and_pool``); a rerank request (``is_cross_encoder``,
+``texts``: rerank.py) needs one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service.api.convert.public import Limits
+from scheduler_service.api.convert.rerank import ScoringHead, pair_ids
 from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.intake import Submission
 from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
@@ -36,12 +39,20 @@ def embed_submission(
     has_tokenizer: bool,
     options: EmbedOptions,
     architecture: str,
+    scoring: ScoringHead | None = None,
+    encode_pair: Callable[[str, str], list[int]] | None = None,
 ) -> Submission:
-    if m.is_cross_encoder or m.texts:
+    """``scoring``: the model's score head (None: a causal LM); ``encode_pair``
+    tokenizes a rerank request's [query, document]."""
+    if m.texts and not m.is_cross_encoder:
         raise InvalidRequestError(
-            "is_cross_encoder / texts: rerank scores a query/document pair with a "
+            "texts: the query/document pair of a rerank request, which sets is_cross_encoder"
+        )
+    if m.is_cross_encoder and scoring is None:
+        raise InvalidRequestError(
+            "is_cross_encoder: rerank scores a query/document pair with a "
             f"sequence-classification head, and the served model ({architecture}) has none "
-            "(radixserve loads causal language models only)"
+            "(serve a *ForSequenceClassification checkpoint to rerank)"
         )
     if m.HasField("mm_inputs") and m.mm_inputs.ByteSize():
         raise InvalidRequestError("multimodal inputs are not supported by radixserve")
@@ -56,12 +67,17 @@ def embed_submission(
             "only all-zero ids are accepted"
         )
     ids = list(m.tokenized.input_ids)
+    if m.is_cross_encoder:
+        ids = pair_ids(m, encode_pair, has_tokenizer=has_tokenizer) or ids
     if not ids and m.tokenized.original_text:
         if not has_tokenizer:
             raise InvalidRequestError("original_text needs a tokenizer, and this model has none")
         ids = encode(m.tokenized.original_text)
     if not ids:
-        raise InvalidRequestError("the input is empty: give tokenized.input_ids or original_text")
+        raise InvalidRequestError(
+            "the input is empty: give tokenized.input_ids or original_text "
+            "(a rerank request: or texts)"
+        )
     if m.token_type_ids and len(m.token_type_ids) != len(ids):
         raise InvalidRequestError(
             f"token_type_ids has {len(m.token_type_ids)} entries for {len(ids)} input tokens"

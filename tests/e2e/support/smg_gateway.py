@@ -19,12 +19,18 @@ SMG = Path(sys.executable).parent / "smg"
 
 
 def start_gateway(
-    tmp: Path, units: list[Unit], probe_tokens: int = 256, *, extra_args: tuple[str, ...] = ()
+    tmp: Path,
+    units: list[Unit],
+    probe_tokens: int = 256,
+    *,
+    extra_args: tuple[str, ...] = (),
+    probe_chat: bool = True,
 ) -> tuple[subprocess.Popen, str]:
     """`smg` over ``units`` (anything with an ``address``), once it lists the
     model and has served a chat completion of ``probe_tokens`` tokens (any
     length shows it has the units' tokenizer): the process, the caller's to
-    stop, and its base URL. ``extra_args``: more smg flags."""
+    stop, and its base URL. ``extra_args``: more smg flags; ``probe_chat``
+    False: once it lists the model (a model that cannot chat)."""
     port = free_port()
     log = open(tmp / "smg.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -47,13 +53,14 @@ def start_gateway(
             pass
         assert proc.poll() is None and time.monotonic() < deadline, (tmp / "smg.log").read_text()
         time.sleep(0.3)
-    while True:  # the gateway fetches each unit's tokenizer after it lists the model
+    while probe_chat:  # the gateway fetches each unit's tokenizer after it lists the model
         try:
             stream_chat(base, -1, -1, probe_tokens)
             return proc, base
         except urllib.error.HTTPError:
             assert time.monotonic() < deadline, (tmp / "smg.log").read_text()
             time.sleep(0.3)
+    return proc, base
 
 
 def stream_chat(base: str, client: int, rnd: int, max_tokens: int) -> tuple[str, str | None]:

@@ -49,7 +49,8 @@ def test_a_request_becomes_one_prefill_only_submission_with_the_models_pooling()
     ("request_", "message"),
     [
         (pb.EmbedRequest(is_cross_encoder=True), "sequence-classification head"),
-        (pb.EmbedRequest(texts=["q", "d"]), "LlamaForCausalLM"),
+        (pb.EmbedRequest(is_cross_encoder=True, texts=["q", "d"]), "LlamaForCausalLM"),
+        (pb.EmbedRequest(texts=["q", "d"]), "sets is_cross_encoder"),
         (pb.EmbedRequest(token_type_ids=[0, 1]), "token_type_ids"),
         (pb.EmbedRequest(data_parallel_rank=2), "data_parallel_rank"),
         (pb.EmbedRequest(mm_inputs=pb.MultimodalInputs(image_urls=["x"])), "multimodal"),
