@@ -138,8 +138,16 @@ FIELDS: dict[str, Row] = {
     "EmbedRequest.sampling_params": Here(c.embed_sampling_params, whole=True),
     "EmbedRequest.token_type_ids": Refused(INVALID, "token_type_ids"),
     "EmbedRequest.data_parallel_rank": Refused(INVALID, "data_parallel_rank"),
-    "EmbedRequest.is_cross_encoder": Refused(INVALID, "rerank"),
-    "EmbedRequest.texts": Refused(INVALID, "rerank"),
+    "EmbedRequest.is_cross_encoder": Elsewhere(
+        "tests/e2e/test_rerank_real.py::test_rerank_scores_equal_transformers",
+        "a query/document pair scored by the model's score head, equal to transformers'; "
+        "refused by name for a model without one (test_embeddings_simulated.py)",
+    ),
+    "EmbedRequest.texts": Elsewhere(
+        "tests/scheduler_service/api/test_rerank_convert.py::"
+        "test_the_pair_comes_from_texts_or_ready_tokenized",
+        "[query, document] tokenized through the tokenizer's pair template",
+    ),
     "AbortRequest.request_id": Here(c.abort_request_id),
     "AbortRequest.reason": Elsewhere(
         "tests/scheduler_service/api/test_abort_reason.py::"
