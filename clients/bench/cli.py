@@ -124,7 +124,7 @@ def text_dataset(args: argparse.Namespace, tokenizer: TokenizerBundle) -> list[B
         paragraphs,
         args.num_prompts,
         args.text_input_len,
-        args.text_output_len,
+        output_len=args.text_output_len,
         range_ratio=args.text_range_ratio,
         questions_per_passage=args.text_questions_per_passage,
         seed=args.seed,
@@ -132,19 +132,36 @@ def text_dataset(args: argparse.Namespace, tokenizer: TokenizerBundle) -> list[B
     )
 
 
+async def prepare(
+    args: argparse.Namespace, driver: Driver, vocab: int | None
+) -> list[BenchRequest]:
+    """The run's requests, with their seeds, saved where asked."""
+    words = args.dataset in (*TEXT_DATASETS, "quote")
+    tokenizer = await driver.tokenizer() if words else None
+    requests = with_seeds(build_workload(args, vocab, tokenizer), sampling_mode(args), args.seed)
+    if args.save_trace:
+        write_trace(args.save_trace, requests)
+    if args.save_prompts:
+        write_prompts(args.save_prompts, requests)
+    return requests
+
+
+async def prompts_only(args: argparse.Namespace) -> list[BenchRequest]:
+    """--prompts-only: build and save the workload, send nothing (the text
+    datasets need only a tokenizer: the server's, or --tokenizer's for
+    --backend openai)."""
+    driver = make_driver(args)
+    try:
+        return await prepare(args, driver, args.vocab_size)
+    finally:
+        await driver.close()
+
+
 async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
     driver = make_driver(args)
     try:
         vocab = args.vocab_size or await driver.vocab_size()
-        words = args.dataset in (*TEXT_DATASETS, "quote")
-        tokenizer = await driver.tokenizer() if words else None
-        requests = with_seeds(
-            build_workload(args, vocab, tokenizer), sampling_mode(args), args.seed
-        )
-        if args.save_trace:
-            write_trace(args.save_trace, requests)
-        if args.save_prompts:
-            write_prompts(args.save_prompts, requests)
+        requests = await prepare(args, driver, vocab)
         if args.warmup_requests:
             rng = random.Random(-1)
             warm = [
@@ -177,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     # Stdout carries the table and the JSON line; the model-loading code's
     # structlog messages would land there too by default.
     configure_logging(args.log_level)
+    if args.prompts_only:
+        try:
+            requests = asyncio.run(prompts_only(args))
+        except (WorkloadError, OSError) as e:
+            print(f"radixserve-bench: {e}", file=sys.stderr)
+            return 2
+        tokens = sum(len(r.prompt_ids) for r in requests)
+        print(f"{len(requests)} prompts, {tokens} prompt tokens; {describe(args)}")
+        return 0
     if args.compare_openai or args.compare_speculative:
         return compare_main(args)
     try:

@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a text workload as vLLM's custom dataset (vllm bench serve "
         "--dataset-name custom --dataset-path FILE sends the same prompts)",
     )
+    w.add_argument(
+        "--prompts-only",
+        action="store_true",
+        help="build the workload and write --save-prompts / --save-trace, send nothing "
+        "(with --backend openai, a text workload needs no server: --tokenizer's)",
+    )
     w.add_argument("--trace", default=None, help="JSONL trace to replay")
     w.add_argument("--save-trace", default=None, help="write the workload as a JSONL trace")
 
@@ -258,6 +264,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.dataset == "trace" and not args.trace:
         p.error("--dataset trace needs --trace PATH")
+    if args.prompts_only and not (args.save_prompts or args.save_trace):
+        p.error("--prompts-only writes --save-prompts or --save-trace: name one")
     if args.dataset == "jsonl" and not args.dataset_path:
         p.error("--dataset jsonl needs --dataset-path FILE")
     if args.num_prompts is None:

@@ -62,8 +62,8 @@ def text_workload(
     paragraphs: list[str],
     num_prompts: int,
     input_len: int,
-    output_len: int,
     *,
+    output_len: int,
     range_ratio: float = 0.5,
     questions_per_passage: int = 1,
     seed: int = 1,
@@ -97,7 +97,7 @@ def text_workload(
     for g, start in enumerate(starts):
         budget = rng.randint(max(1, int(input_len * range_ratio)), input_len)
         questions = rng.sample(QUESTIONS, min(k, num_prompts - len(out)))
-        passage_ids = _passage_ids(tokenizer, paragraphs, start, budget, para_len)
+        passage_ids = _passage_ids(tokenizer, paragraphs, start, budget, para_len=para_len)
         for text, prompt_text, ids in _fit(prompter, passage_ids, questions, budget):
             out.append(
                 BenchRequest(
@@ -117,6 +117,7 @@ def _passage_ids(
     paragraphs: list[str],
     start: int,
     budget: int,
+    *,
     para_len: dict[int, int],
 ) -> list[int]:
     """Token ids of paragraphs start, start + 1, ... (wrapping), enough of

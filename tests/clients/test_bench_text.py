@@ -73,7 +73,7 @@ def _tokens(tok, text: str) -> int:
 def test_text_prompts_fit_their_budget_and_end_with_a_question():
     tok = small_tokenizer()
     paras = default_paragraphs()
-    reqs = text_workload(tok, paras, 40, 200, 32, range_ratio=0.5, seed=7)
+    reqs = text_workload(tok, paras, 40, 200, output_len=32, range_ratio=0.5, seed=7)
     assert [r.index for r in reqs] == list(range(40))
     lens = [len(r.prompt_ids) for r in reqs]
     assert max(lens) <= 200 and min(lens) >= 100 * 0.8, lens
@@ -91,7 +91,7 @@ def test_text_prompts_fit_their_budget_and_end_with_a_question():
     firsts = {r.text.split("\n\n")[0][:80] for r in reqs}
     assert len(firsts) == 40
     # Without the template the message is the prompt.
-    raw = text_workload(tok, paras, 5, 200, 32, seed=7, chat=False)
+    raw = text_workload(tok, paras, 5, 200, output_len=32, seed=7, chat=False)
     assert all(r.prompt_text == r.text and len(r.prompt_ids) <= 200 for r in raw)
 
 
@@ -100,7 +100,7 @@ def test_text_prompts_follow_the_seed():
     paras = default_paragraphs()
 
     def ids(seed: int) -> list[list[int]]:
-        return [r.prompt_ids for r in text_workload(tok, paras, 12, 160, 8, seed=seed)]
+        return [r.prompt_ids for r in text_workload(tok, paras, 12, 160, output_len=8, seed=seed)]
 
     assert ids(3) == ids(3)
     assert ids(3) != ids(4)
@@ -109,7 +109,9 @@ def test_text_prompts_follow_the_seed():
 
 def test_questions_per_passage_share_the_passage_as_a_prefix():
     tok = small_tokenizer()
-    reqs = text_workload(tok, default_paragraphs(), 10, 180, 8, questions_per_passage=4, seed=2)
+    reqs = text_workload(
+        tok, default_paragraphs(), 10, 180, output_len=8, questions_per_passage=4, seed=2
+    )
     assert [r.group for r in reqs] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
     for g in range(3):
         members = [r for r in reqs if r.group == g]
@@ -126,11 +128,11 @@ def test_text_workload_refusals():
     tok = small_tokenizer()
     paras = default_paragraphs()[:5]
     with pytest.raises(WorkloadError, match="6 passages asked for, but the text has 5"):
-        text_workload(tok, paras, 6, 200, 8)
+        text_workload(tok, paras, 6, 200, output_len=8)
     with pytest.raises(WorkloadError, match="raise --text-input-len"):
-        text_workload(tok, paras, 1, 24, 8)
+        text_workload(tok, paras, 1, 24, output_len=8)
     with pytest.raises(WorkloadError, match="questions-per-passage"):
-        text_workload(tok, paras, 1, 200, 8, questions_per_passage=len(QUESTIONS) + 1)
+        text_workload(tok, paras, 1, 200, output_len=8, questions_per_passage=len(QUESTIONS) + 1)
 
 
 def test_jsonl_in_vllm_custom_shape_read_shuffled_by_seed_and_written_back(tmp_path):

@@ -126,3 +126,27 @@ def test_compare_openai_sends_the_peer_the_same_prompts_and_sampling(
         sp = r.sampling_params
         assert sp.temperature == 1.0 and sp.top_p == pytest.approx(0.95)
         assert sp.top_k == -1 and not sp.ignore_eos and sp.max_new_tokens == 16
+
+
+def test_prompts_only_writes_what_a_run_sends_and_sends_nothing(peer, capsys, tmp_path):
+    url, bodies = peer
+    common = ("--dataset", "text", "--num-prompts", "3", "--text-input-len", "160", "--seed", "9")
+    saved = tmp_path / "chat.jsonl"
+    code, out = _bench(
+        capsys, "--backend", "openai", "--base-url", "http://127.0.0.1:9", *common,
+        "--prompts-only", "--save-prompts", str(saved),
+    )  # fmt: skip
+    assert code == 0, out
+    assert out.startswith("3 prompts, ")
+    lines = [json.loads(x) for x in saved.read_text().splitlines()]
+    assert len(lines) == 3 and {x["output_tokens"] for x in lines} == {128}
+    # A run of the same flags sends exactly these messages (through the template).
+    assert _bench(capsys, "--backend", "openai", "--base-url", url, *common)[0] == 0
+    sent = {b["prompt"] for b in bodies if b["max_tokens"] == 128}
+    assert sent == {
+        f"<|im_start|>user\n{x['prompt']}<|im_end|>\n<|im_start|>assistant\n" for x in lines
+    }
+    with pytest.raises(SystemExit) as e:
+        _bench(capsys, "--prompts-only", "--dataset", "text")
+    assert e.value.code == 2
+    assert "--prompts-only writes --save-prompts or --save-trace" in capsys.readouterr().err
