@@ -9,11 +9,13 @@ import json
 import time
 from typing import Protocol
 
+import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from clients.bench.records import BenchRequest, RequestRecord
 from clients.bench.sampling import SamplingMode
+from clients.bench.workloads import WorkloadError
 from clients.client import AsyncRadixClient, build_request
 from clients.results import Sampling
 from clients.tokenizer_bundle import TokenizerBundle
@@ -91,7 +93,13 @@ class RadixDriver:
 
     async def tokenizer(self) -> TokenizerBundle:
         """The server's own (GetTokenizer): text prompts become the ids it reads."""
-        return await self.client.tokenizer()
+        try:
+            return await self.client.tokenizer()
+        except grpc.RpcError as e:
+            raise WorkloadError(
+                f"the server sends no tokenizer ({e.code().name}: {e.details()}); "
+                "the text datasets need the served model's"
+            ) from None
 
     async def flush_cache(self) -> None:
         """Empty the server's prefix cache (it must be idle), so a run does not

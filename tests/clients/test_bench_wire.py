@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from clients.bench import cli
 from tests.clients.support.bench_peers import (
     OUTPUT,
+    RecordingScheduler,
     recording_openai,
     recording_scheduler,
     small_tokenizer,
@@ -150,3 +152,17 @@ def test_prompts_only_writes_what_a_run_sends_and_sends_nothing(peer, capsys, tm
         _bench(capsys, "--prompts-only", "--dataset", "text")
     assert e.value.code == 2
     assert "--prompts-only writes --save-prompts or --save-trace" in capsys.readouterr().err
+
+
+def test_a_server_without_a_tokenizer_is_a_clear_error_for_text(capsys):
+    class NoTokenizer(RecordingScheduler):
+        def GetTokenizer(self, request, context):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the simulated model has none")
+
+    with recording_scheduler(NoTokenizer()) as (address, servicer):
+        code, out = _bench(capsys, "--address", address, *TEXT)
+    assert code == 2
+    assert (
+        "the server sends no tokenizer (FAILED_PRECONDITION: the simulated model has none)" in out
+    )
+    assert not servicer.requests

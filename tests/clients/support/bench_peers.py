@@ -91,8 +91,10 @@ class RecordingScheduler(pb_grpc.SglangSchedulerServicer):
 
 
 @contextmanager
-def recording_scheduler() -> Iterator[tuple[str, RecordingScheduler]]:
-    servicer = RecordingScheduler()
+def recording_scheduler(
+    servicer: RecordingScheduler | None = None,
+) -> Iterator[tuple[str, RecordingScheduler]]:
+    servicer = servicer or RecordingScheduler()
     server = grpc.server(futures.ThreadPoolExecutor(8))
     pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
