@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default="default",
         help="openai backend: the served model ('default', a .gguf file or an HF directory) "
-        "whose tokenizer turns the workload's ids into prompt text",
+        "whose tokenizer builds the text datasets' prompts and turns token ids into text "
+        "(the radixserve backend asks the server for its own)",
     )
     s.add_argument("--tls", action="store_true")
     s.add_argument("--tls-ca", default=None)
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="quote dataset: output tokens per request (its prompts ask to repeat a passage; "
-        "--num-prompts of them, the tokenizer of --tokenizer)",
+        "--num-prompts of them)",
     )
     w.add_argument(
         "--text-files",
