@@ -45,6 +45,9 @@ class Sampling:
     # False turns speculative decoding off for this request (None: the
     # server's --speculative-ngram decides).
     speculative: bool | None = None
+    # The sampling seed (custom_params seed): the same seed and prompt give
+    # the same tokens. None: the server draws from its own generator.
+    seed: int | None = None
 
     def to_proto(self, m: pb.SamplingParams) -> None:
         m.temperature = self.temperature
@@ -76,6 +79,7 @@ class Sampling:
         for field_name, value in given.items():
             setattr(m, field_name, value if isinstance(value, str) else json.dumps(value))
         custom = {
+            "seed": self.seed,
             "priority": self.priority,
             "routing_key": self.routing_key,
             "speculative": self.speculative,

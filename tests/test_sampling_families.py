@@ -43,7 +43,6 @@ CLIENT_NOT_SAMPLING = {"n", "logprobs", "top_logprobs", "priority", "routing_key
 # Core knobs the client does not offer, and why.
 CLIENT_LACKS = {
     "logit_bias": "the public API's logit_bias map; the client does not send it yet",
-    "seed": "sent as custom_params.seed; the client does not set it yet",
     "spaces_between_special_tokens": "the client decodes with the server's tokenizer itself",
     "reasoning_end_token": "set by the API from GenerateRequest.require_reasoning and the "
     "model's vocabulary; the client does not send require_reasoning yet",

@@ -5,6 +5,8 @@
     radixserve-bench --backend openai --base-url http://127.0.0.1:8000 --vocab-size 49152 \
         --dataset random --num-prompts 200 --request-rate 4
     radixserve-bench ... --baseline hf     # the same requests through transformers
+    radixserve-bench --address 127.0.0.1:30000 --compare-openai http://127.0.0.1:8100 \
+        --compare-tokenizer MODEL_DIR --max-concurrency 16   # sampled real text, vs vLLM
 
 Prints a table (and with a baseline, radixserve / baseline ratios), writes
 the JSON report and PNG plots when asked. Exit status 1 when no request
@@ -17,16 +19,18 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
 
 from clients.bench.drivers import Driver, OpenAIDriver, RadixDriver
+from clients.bench.flags import TEXT_DATASETS, build_parser, check_args, describe, sampling_mode
 from clients.bench.metrics import agreement, summarize
 from clients.bench.records import BenchRequest
 from clients.bench.report import ratios, save_plots, table
 from clients.bench.runner import Run, run_workload
+from clients.bench.sampling import with_seeds
+from clients.bench.text_workloads import jsonl_workload, text_workload, write_prompts
 from clients.bench.workloads import (
     WorkloadError,
     quote_workload,
@@ -39,180 +43,19 @@ from clients.tokenizer_bundle import TokenizerBundle
 from observability.logging_setup import configure_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="radixserve-bench",
-        description="Serving benchmark for radixserve (or any OpenAI completions API).",
-    )
-    s = p.add_argument_group("server")
-    s.add_argument("--backend", choices=["radixserve", "openai"], default="radixserve")
-    s.add_argument("--address", default="127.0.0.1:30000", help="radixserve gRPC address")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI API base URL")
-    s.add_argument("--model", default=None, help="OpenAI model name (default: the first listed)")
-    s.add_argument(
-        "--tokenizer",
-        default="default",
-        help="openai backend: the served model ('default', a .gguf file or an HF directory) "
-        "whose tokenizer turns the workload's ids into prompt text",
-    )
-    s.add_argument("--tls", action="store_true")
-    s.add_argument("--tls-ca", default=None)
-    s.add_argument("--tls-server-name", default=None)
-    s.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"))
-
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--dataset",
-        choices=["generated-shared-prefix", "random", "quote", "trace"],
-        default=None,
-        help="default: generated-shared-prefix, or trace when --trace is given",
-    )
-    w.add_argument("--seed", type=int, default=1)
-    w.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="prompt ids are drawn below this (default: the server's vocabulary)",
-    )
-    w.add_argument("--gsp-num-groups", type=int, default=64)
-    w.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    w.add_argument("--gsp-system-prompt-len", type=int, default=2048)
-    w.add_argument("--gsp-question-len", type=int, default=128)
-    w.add_argument("--gsp-output-len", type=int, default=256)
-    w.add_argument("--num-prompts", type=int, default=1000, help="random dataset size")
-    w.add_argument("--random-input-len", type=int, default=1024)
-    w.add_argument("--random-output-len", type=int, default=1024)
-    w.add_argument("--random-range-ratio", type=float, default=0.0)
-    w.add_argument(
-        "--quote-output-len",
-        type=int,
-        default=64,
-        help="quote dataset: output tokens per request (its prompts ask to repeat a passage; "
-        "--num-prompts of them, the tokenizer of --tokenizer)",
-    )
-    w.add_argument("--trace", default=None, help="JSONL trace to replay")
-    w.add_argument("--save-trace", default=None, help="write the workload as a JSONL trace")
-
-    w.add_argument(
-        "--flush-cache",
-        action="store_true",
-        help="radixserve: empty the server's prefix cache before each run, so repeated runs "
-        "of one workload (--repeats) start alike",
-    )
-
-    a = p.add_argument_group("load")
-    a.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals, requests/s (default inf: all at once)",
-    )
-    a.add_argument(
-        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
-    )
-    a.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=2,
-        help="short unrecorded requests (prompts unrelated to the workload) first",
-    )
-
-    b = p.add_argument_group("baseline")
-    b.add_argument(
-        "--baseline",
-        choices=["none", "hf"],
-        default="none",
-        help="hf: the same requests through transformers generate, in this process",
-    )
-    b.add_argument(
-        "--baseline-model",
-        default="default",
-        help="what the server serves: 'default', a .gguf file or an HF directory",
-    )
-    b.add_argument(
-        "--baseline-batch-size",
-        type=int,
-        default=None,
-        help="generate batch size (default: --max-concurrency, else 16)",
-    )
-    b.add_argument("--baseline-device", default="cpu")
-    b.add_argument("--baseline-dtype", default="auto")
-
-    c = p.add_argument_group("peer comparison")
-    c.add_argument(
-        "--compare-openai",
-        default=None,
-        metavar="URL",
-        help="also send the same workload to this OpenAI API (e.g. vLLM's server), "
-        "alternating which goes first; ratios are ours / peer of per-figure medians",
-    )
-    c.add_argument("--compare-model", default=None, help="the peer's model name")
-    c.add_argument(
-        "--compare-tokenizer",
-        default=None,
-        help="the peer's model ('default', a .gguf file or an HF directory), for its "
-        "tokenizer (default: --tokenizer, else 'default')",
-    )
-    c.add_argument(
-        "--compare-speculative",
-        action="store_true",
-        help="radixserve: run the workload with speculative decoding off for every request "
-        "(custom_params speculative=false) and as the server runs it, alternating; ratios "
-        "are speculative / off",
-    )
-    c.add_argument("--repeats", type=int, default=3, help="runs of each side when comparing")
-
-    o = p.add_argument_group("output")
-    o.add_argument("--output-json", default=None)
-    o.add_argument("--plots-dir", default=None)
-    o.add_argument("--no-progress", action="store_true")
-    o.add_argument("--log-level", default="warning", help="of the messages on stderr")
-    return p
-
-
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.dataset is None:
-        args.dataset = "trace" if args.trace else "generated-shared-prefix"
-    if args.dataset == "trace" and not args.trace:
-        p.error("--dataset trace needs --trace PATH")
-    if args.request_rate <= 0:
-        p.error("--request-rate must be > 0")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        p.error("--max-concurrency must be at least 1")
-    if args.baseline_batch_size is not None and args.baseline_batch_size < 1:
-        p.error("--baseline-batch-size must be at least 1")
-    for name in (
-        "gsp_num_groups",
-        "gsp_prompts_per_group",
-        "gsp_system_prompt_len",
-        "gsp_question_len",
-        "gsp_output_len",
-        "num_prompts",
-    ):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.compare_openai and args.baseline != "none":
-        p.error("--compare-openai and --baseline are run one at a time")
-    if args.compare_speculative and (args.compare_openai or args.baseline != "none"):
-        p.error("--compare-speculative runs alone (not with --compare-openai or --baseline)")
-    if args.compare_speculative and args.backend != "radixserve":
-        p.error("--compare-speculative needs --backend radixserve")
-    if args.quote_output_len < 1:
-        p.error("--quote-output-len must be at least 1")
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
-    if args.vocab_size is not None and args.vocab_size < 2:
-        p.error("--vocab-size must be at least 2")
-
-
 def make_driver(args: argparse.Namespace) -> Driver:
     if args.backend == "openai":
         return OpenAIDriver(
-            args.base_url, local_tokenizer(args.tokenizer), args.model, args.api_key
+            args.base_url,
+            local_tokenizer(args.tokenizer),
+            args.model,
+            args.api_key,
+            sampling=sampling_mode(args),
         )
     return RadixDriver(
         args.address,
         speculative=getattr(args, "speculative", None),
+        sampling=sampling_mode(args),
         tls=args.tls,
         tls_ca=args.tls_ca,
         tls_server_name=args.tls_server_name,
@@ -226,15 +69,17 @@ def local_tokenizer(model: str) -> TokenizerBundle:
     return TokenizerBundle(open_model(model).files.tokenizer_files())
 
 
-def build_workload(args: argparse.Namespace, vocab: int | None) -> list[BenchRequest]:
+def build_workload(
+    args: argparse.Namespace, vocab: int | None, tokenizer: TokenizerBundle | None = None
+) -> list[BenchRequest]:
+    """``tokenizer`` (the served model's) for the datasets of words."""
     if args.dataset == "trace":
         return read_trace(args.trace, vocab)
+    if args.dataset in (*TEXT_DATASETS, "quote"):
+        assert tokenizer is not None
+        return text_dataset(args, tokenizer)
     if vocab is None:
         raise WorkloadError("this server does not say its vocabulary size: pass --vocab-size")
-    if args.dataset == "quote":
-        return quote_workload(
-            local_tokenizer(args.tokenizer), args.num_prompts, args.quote_output_len, args.seed
-        )
     if args.dataset == "random":
         return random_workload(
             vocab,
@@ -255,13 +100,68 @@ def build_workload(args: argparse.Namespace, vocab: int | None) -> list[BenchReq
     )
 
 
+def text_dataset(args: argparse.Namespace, tokenizer: TokenizerBundle) -> list[BenchRequest]:
+    chat = not args.skip_chat_template
+    if args.dataset == "quote":
+        return quote_workload(tokenizer, args.num_prompts, args.quote_output_len, args.seed)
+    if args.dataset == "jsonl":
+        return jsonl_workload(
+            tokenizer,
+            args.dataset_path,
+            args.num_prompts,
+            args.text_output_len,
+            seed=args.seed,
+            chat=chat,
+        )
+    from clients.bench.prose import default_paragraphs, read_paragraphs
+
+    try:
+        paragraphs = read_paragraphs(args.text_files) if args.text_files else default_paragraphs()
+    except OSError as e:
+        raise WorkloadError(f"--text-files: {e}") from None
+    return text_workload(
+        tokenizer,
+        paragraphs,
+        args.num_prompts,
+        args.text_input_len,
+        output_len=args.text_output_len,
+        range_ratio=args.text_range_ratio,
+        questions_per_passage=args.text_questions_per_passage,
+        seed=args.seed,
+        chat=chat,
+    )
+
+
+async def prepare(
+    args: argparse.Namespace, driver: Driver, vocab: int | None
+) -> list[BenchRequest]:
+    """The run's requests, with their seeds, saved where asked."""
+    words = args.dataset in (*TEXT_DATASETS, "quote")
+    tokenizer = await driver.tokenizer() if words else None
+    requests = with_seeds(build_workload(args, vocab, tokenizer), sampling_mode(args), args.seed)
+    if args.save_trace:
+        write_trace(args.save_trace, requests)
+    if args.save_prompts:
+        write_prompts(args.save_prompts, requests)
+    return requests
+
+
+async def prompts_only(args: argparse.Namespace) -> list[BenchRequest]:
+    """--prompts-only: build and save the workload, send nothing (the text
+    datasets need only a tokenizer: the server's, or --tokenizer's for
+    --backend openai)."""
+    driver = make_driver(args)
+    try:
+        return await prepare(args, driver, args.vocab_size)
+    finally:
+        await driver.close()
+
+
 async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
     driver = make_driver(args)
     try:
         vocab = args.vocab_size or await driver.vocab_size()
-        requests = build_workload(args, vocab)
-        if args.save_trace:
-            write_trace(args.save_trace, requests)
+        requests = await prepare(args, driver, vocab)
         if args.warmup_requests:
             rng = random.Random(-1)
             warm = [
@@ -294,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     # Stdout carries the table and the JSON line; the model-loading code's
     # structlog messages would land there too by default.
     configure_logging(args.log_level)
+    if args.prompts_only:
+        try:
+            requests = asyncio.run(prompts_only(args))
+        except (WorkloadError, OSError) as e:
+            print(f"radixserve-bench: {e}", file=sys.stderr)
+            return 2
+        tokens = sum(len(r.prompt_ids) for r in requests)
+        print(f"{len(requests)} prompts, {tokens} prompt tokens; {describe(args)}")
+        return 0
     if args.compare_openai or args.compare_speculative:
         return compare_main(args)
     try:
@@ -303,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = {args.backend: (run.records, run.duration_s)}
     summaries = {args.backend: summarize(run.records, run.duration_s)}
-    report: dict = {"config": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    report: dict = {
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "workload": describe(args),
+    }
     if args.baseline == "hf":
         from clients.bench.hf_baseline import run_hf_baseline
 
@@ -323,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         report["baseline"] = {"batch_size": batch, "device": base.device, "dtype": base.dtype}
     report["results"] = summaries
     print(table(summaries, report.get("ratios")))
+    print(f"workload: {report['workload']}")
     if "agreement" in report:
         a = report["agreement"]
         print(
@@ -361,6 +274,8 @@ def compare_main(args: argparse.Namespace) -> int:
     summaries = {name: median_summary(runs) for name, runs in sides.items()}
     report: dict = {
         "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "workload": describe(args),
+        "seeds": [args.seed + (0 if args.repeat_prompts else i) for i in range(args.repeats)],
         "results": summaries,
         "ratios": ratios(summaries[args.backend], summaries[PEER]),
         "ratio_ranges": ratio_ranges(per_repeat),
@@ -369,6 +284,7 @@ def compare_main(args: argparse.Namespace) -> int:
     what = " (peer: this server, speculative decoding off)" if other is not None else ""
     print(f"medians of {args.repeats} alternating runs each; ratio = {args.backend} / {PEER}{what}")
     print(table(summaries, report["ratios"]))
+    print(f"workload: {report['workload']}; seeds {report['seeds']}")
     if args.plots_dir:
         report["plots"] = [str(x) for x in save_plots(last, args.plots_dir)]
     if args.output_json:

@@ -1,9 +1,14 @@
 """--compare-openai: the same workload against this server and a peer's
 OpenAI completions endpoint (e.g. vLLM's own server), alternating which goes
 first, ``--repeats`` times (--compare-speculative: the peer is this server
-with speculative decoding turned off per request); the report quotes each side's per-figure medians
-and ours / peer ratios of the medians (these machines are shared and noisy:
-one run each would measure the neighbours)."""
+with speculative decoding turned off per request); the report quotes each
+side's per-figure medians and ours / peer ratios of the medians (these
+machines are shared and noisy: one run each would measure the neighbours).
+
+Repeat i sends the workload of seed ``--seed + i`` to both sides: fresh
+prompts (and sampling seeds) every repeat, so no repeat is answered from
+what an earlier one left in a prefix cache (or drafted from its cached
+answers); ``--repeat-prompts`` sends the same prompts every time."""
 
 from __future__ import annotations
 
@@ -41,6 +46,15 @@ def speculation_off_args(args: argparse.Namespace) -> argparse.Namespace:
     return off
 
 
+def repeat_args(args: argparse.Namespace, i: int) -> argparse.Namespace:
+    """Repeat ``i``'s arguments: seed + i (the same seed with --repeat-prompts)."""
+    if args.repeat_prompts or i == 0:
+        return args
+    fresh = copy.copy(args)
+    fresh.seed = args.seed + i
+    return fresh
+
+
 def median_summary(summaries: Sequence[Mapping]) -> dict:
     """Per-figure medians of several runs' summaries (errors: all of them)."""
     first = summaries[0]
@@ -70,7 +84,7 @@ def run_alternating(
         order = list(sides) if i % 2 == 0 else list(reversed(sides))
         got = {}
         for name in order:
-            _, run = asyncio.run(serve_run(sides[name]))
+            _, run = asyncio.run(serve_run(repeat_args(sides[name], i)))
             got[name] = summarize(run.records, run.duration_s)
             summaries[name].append(got[name])
             last[name] = (run.records, run.duration_s)
@@ -92,6 +106,7 @@ __all__ = [
     "median_summary",
     "peer_args",
     "ratio_ranges",
+    "repeat_args",
     "run_alternating",
     "speculation_off_args",
 ]

@@ -9,10 +9,13 @@ import json
 import time
 from typing import Protocol
 
+import grpc
 from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from clients.bench.records import BenchRequest, RequestRecord
+from clients.bench.sampling import SamplingMode
+from clients.bench.workloads import WorkloadError
 from clients.client import AsyncRadixClient, build_request
 from clients.results import Sampling
 from clients.tokenizer_bundle import TokenizerBundle
@@ -23,16 +26,46 @@ class Driver(Protocol):
 
     async def vocab_size(self) -> int | None: ...
 
+    async def tokenizer(self) -> TokenizerBundle: ...
+
     async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None: ...
 
     async def close(self) -> None: ...
 
 
-def _sampling(req: BenchRequest, speculative: bool | None = None) -> Sampling:
-    """Greedy, exactly ``output_len`` tokens (EOS ignored), as the baseline."""
+def _sampling(req: BenchRequest, mode: SamplingMode, speculative: bool | None) -> Sampling:
+    """At most ``output_len`` tokens (exactly, with EOS ignored), greedy or
+    sampled with the request's seed."""
     return Sampling(
-        max_new_tokens=req.output_len, temperature=0.0, ignore_eos=True, speculative=speculative
+        max_new_tokens=req.output_len,
+        temperature=mode.temperature,
+        top_p=mode.top_p,
+        top_k=mode.top_k,
+        ignore_eos=mode.ignore_eos,
+        speculative=speculative,
+        seed=req.seed,
     )
+
+
+def openai_body(req: BenchRequest, mode: SamplingMode, model: str | None, prompt: str) -> dict:
+    """A streamed /v1/completions request with the run's sampling (vLLM and
+    the SMG gateway read ``seed``, ``top_k`` and ``ignore_eos`` beside
+    OpenAI's fields)."""
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.output_len,
+        "temperature": mode.temperature,
+        "top_p": mode.top_p,
+        "ignore_eos": mode.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if mode.top_k > 0:
+        body["top_k"] = mode.top_k
+    if req.seed is not None:
+        body["seed"] = req.seed
+    return body
 
 
 class RadixDriver:
@@ -41,15 +74,32 @@ class RadixDriver:
 
     name = "radixserve"
 
-    def __init__(self, address: str, speculative: bool | None = None, **connection) -> None:
+    def __init__(
+        self,
+        address: str,
+        speculative: bool | None = None,
+        sampling: SamplingMode | None = None,
+        **connection,
+    ) -> None:
         self.client = AsyncRadixClient(address, **connection)
         self.speculative = speculative  # False: custom_params speculative=false
+        self.sampling = sampling or SamplingMode()
 
     async def vocab_size(self) -> int | None:
         info = await self.client.stub.GetModelInfo(
             pb.GetModelInfoRequest(), timeout=30, metadata=self.client.metadata
         )
         return info.vocab_size or None
+
+    async def tokenizer(self) -> TokenizerBundle:
+        """The server's own (GetTokenizer): text prompts become the ids it reads."""
+        try:
+            return await self.client.tokenizer()
+        except grpc.RpcError as e:
+            raise WorkloadError(
+                f"the server sends no tokenizer ({e.code().name}: {e.details()}); "
+                "the text datasets need the served model's"
+            ) from None
 
     async def flush_cache(self) -> None:
         """Empty the server's prefix cache (it must be idle), so a run does not
@@ -61,7 +111,7 @@ class RadixDriver:
             raise OSError(f"FlushCache failed: {result.message}")
 
     async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
-        sampling = _sampling(req, self.speculative)
+        sampling = _sampling(req, self.sampling, self.speculative)
         message = build_request(None, req.prompt_ids, sampling, True, f"bench-{req.index}")
         call = self.client.stub.Generate(message, metadata=self.client.metadata)
         async for resp in call:
@@ -83,9 +133,10 @@ class RadixDriver:
 class OpenAIDriver:
     """An OpenAI-compatible /v1/completions endpoint (the SMG gateway), streamed.
 
-    The SMG gateway takes text prompts only, so the workload's ids go as the
-    text ``tokenizer`` decodes them to (the server re-tokenizes it: its usage
-    block's ``prompt_tokens`` is what is reported). Chunks carry text, not
+    The SMG gateway takes text prompts only, so a text workload's prompt goes
+    as its text and a token workload's ids as the text ``tokenizer`` decodes
+    them to (the server re-tokenizes it: its usage block's ``prompt_tokens``
+    is what is reported). Chunks carry text, not
     ids: each chunk with text counts as one token, and the usage block's
     ``completion_tokens`` corrects the count (extra tokens are dated at the
     last chunk)."""
@@ -98,6 +149,7 @@ class OpenAIDriver:
         tokenizer: TokenizerBundle,
         model: str | None = None,
         api_key: str | None = None,
+        sampling: SamplingMode | None = None,
     ):
         import httpx  # the bench extra; only this driver needs it
 
@@ -106,25 +158,27 @@ class OpenAIDriver:
             base_url=base_url.rstrip("/"), headers=headers, timeout=httpx.Timeout(None)
         )
         self.model = model
-        self.tokenizer = tokenizer
+        self.local_tokenizer = tokenizer
+        self.sampling = sampling or SamplingMode()
 
     async def vocab_size(self) -> int | None:
         if self.model is None:
             resp = await self.http.get("/v1/models")
             resp.raise_for_status()
             self.model = resp.json()["data"][0]["id"]
-        return self.tokenizer.tokenizer.get_vocab_size()
+        return self.local_tokenizer.tokenizer.get_vocab_size()
+
+    async def tokenizer(self) -> TokenizerBundle:
+        return self.local_tokenizer
 
     async def send(self, req: BenchRequest, record: RequestRecord, t0: float) -> None:
-        body = {
-            "model": self.model,
-            "prompt": self.tokenizer.decode(req.prompt_ids),
-            "max_tokens": req.output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        # A text workload's prompt goes as its words (decoding the ids would
+        # drop the chat template's special tokens); token workloads as the
+        # text their ids decode to.
+        text = req.prompt_text
+        if text is None:
+            text = self.local_tokenizer.decode(req.prompt_ids)
+        body = openai_body(req, self.sampling, self.model, text)
         usage: dict | None = None
         async with self.http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:

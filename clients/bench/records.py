@@ -10,13 +10,20 @@ from dataclasses import dataclass, field
 class BenchRequest:
     """One request of a workload. ``prompt_ids`` are token ids of the served
     model's vocabulary; ``arrival_s`` is a trace's send time (None: the
-    runner's arrival process decides)."""
+    runner's arrival process decides). Text workloads also keep the words:
+    ``text`` is what the user asked (the chat message; vLLM's custom dataset
+    line) and ``prompt_text`` the whole prompt the ids encode (chat template
+    included), which a text-only API is sent as it is. ``seed`` is the
+    request's sampling seed in sampled runs."""
 
     index: int
     prompt_ids: list[int]
     output_len: int
     group: int = -1
     arrival_s: float | None = None
+    text: str | None = None
+    prompt_text: str | None = None
+    seed: int | None = None
 
 
 @dataclass(slots=True)

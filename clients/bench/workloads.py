@@ -1,4 +1,5 @@
-"""The benchmark's workloads: generated-shared-prefix, random, quote, and JSONL traces.
+"""The benchmark's workloads: generated-shared-prefix, random, quote, and
+JSONL traces (the real-text ones are in text_workloads.py).
 
 Prompts are token ids of the served model's vocabulary, so every driver and
 the baseline see exactly the same input. A trace line is a JSON object:
@@ -81,8 +82,10 @@ def quote_workload(
     for k in range(num_prompts):
         passage, instruction = pairs[k % len(pairs)]
         text = instruction.format(passage=passage)
-        ids = tokenizer.chat_prompt([{"role": "user", "content": text}])
-        out.append(BenchRequest(k, ids, output_len))
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.chat_prompt(messages)
+        chat = tokenizer.chat_text(messages)
+        out.append(BenchRequest(k, ids, output_len, text=text, prompt_text=chat))
     return out
 
 

@@ -1,7 +1,8 @@
 """radixserve-bench against running servers: the simulated-worker system
-(fast: every dataset, arrival mode and output), the real default model with
-the Hugging Face baseline in the same invocation, and the SMG gateway's
-OpenAI API."""
+(fast: every dataset, arrival mode and output; the real-text datasets through
+`radixserve serve --model simulated` with the default model's tokenizer), the
+real default model with the Hugging Face baseline in the same invocation, and
+the SMG gateway's OpenAI API."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from clients.bench.text_workloads import QUESTIONS
 from tests.e2e.support.sim_server import VOCAB, simulated_server
+from tests.e2e.support.system import serve_process
 
 BENCH = [sys.executable, "-m", "clients.bench.cli"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -126,6 +129,51 @@ def test_bad_traces_and_unreachable_servers_give_clear_errors(sim_address, tmp_p
     assert f"{bad}:2: prompt_ids must lie in [0, {VOCAB})" in r.stderr
     r = bench("--address", sim_address, "--trace", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "missing.jsonl" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def sim_text_address(tmp_path_factory, tokenizer_dir):
+    """`radixserve serve --model simulated` that serves the default model's
+    tokenizer (every simulated token has a text)."""
+    env = {"RADIXSERVE_WORKER_SIMULATED_VOCAB": "49152"}
+    args = ("--model", "simulated", "--tokenizer", str(tokenizer_dir), "--log-level", "warning")
+    with serve_process(tmp_path_factory.mktemp("serve"), *args, env=env) as (_, address):
+        yield address
+
+
+def test_sampled_real_text_then_the_same_prompts_as_vllm_custom_jsonl(sim_text_address, tmp_path):
+    saved, out = tmp_path / "prompts.jsonl", tmp_path / "text.json"
+    r = bench(
+        "--address", sim_text_address, "--dataset", "text", "--num-prompts", "8",
+        "--text-input-len", "160", "--text-output-len", "12", "--temperature", "0.8",
+        "--top-p", "0.95", "--max-concurrency", "4", "--seed", "3",
+        "--save-prompts", str(saved), "--output-json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "workload: text: prose of pydoc_data/topics.py" in r.stdout
+    assert "sampled (temperature 0.8, top_p 0.95, a seed per request), EOS honoured" in r.stdout
+    s = json.loads(out.read_text())["results"]["radixserve"]
+    assert (s["completed"], s["failed"]) == (8, 0), s["errors"]
+    assert 8 <= s["output_tokens"] <= 8 * 12
+    # The server's own count of the prompts: within the budget, and real
+    # prose (each at least half of its drawn budget, the budgets >= 80).
+    assert 8 * 40 <= s["input_tokens"] <= 8 * 160
+    lines = [json.loads(x) for x in saved.read_text().splitlines()]
+    assert len(lines) == 8 and {x["output_tokens"] for x in lines} == {12}
+    assert all(x["prompt"].rpartition("\n\n")[2] in QUESTIONS for x in lines)
+
+    # The saved prompts as a jsonl dataset (vLLM's custom shape), EOS ignored:
+    # the same prompts, so the same prompt tokens, and every output token.
+    out2 = tmp_path / "jsonl.json"
+    r = bench(
+        "--address", sim_text_address, "--dataset", "jsonl", "--dataset-path", str(saved),
+        "--temperature", "0.8", "--ignore-eos", "--max-concurrency", "4",
+        "--output-json", str(out2),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    s2 = json.loads(out2.read_text())["results"]["radixserve"]
+    assert (s2["completed"], s2["output_tokens"]) == (8, 8 * 12)
+    assert s2["input_tokens"] == s["input_tokens"]
 
 
 def test_smollm2_with_the_hf_baseline_in_the_same_run(smollm2_address, tmp_path):

@@ -1,0 +1,1 @@
+"""Helpers the tests beside this folder share (not tests themselves)."""
