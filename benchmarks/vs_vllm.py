@@ -19,9 +19,11 @@ servers produce the same number of tokens, unless --honour-eos):
   64 out, C in flight (3 C prompts);
 - randomC: random 384 +- 33% in, 64 +- 33% out, C in flight (3 C prompts);
 - single: random 384 in, 64 out, one stream (4 prompts);
-- chat: a JSONL of {"prompt": ...} lines (--chat-jsonl; vLLM's custom
-  dataset through /v1/chat/completions), EOS honoured, temperature
-  --chat-temperature, 16 in flight.
+- chat: real text through /v1/chat/completions (vLLM's custom dataset), EOS
+  honoured, up to 128 out, temperature --chat-temperature, 16 in flight:
+  by default passages of the Python reference text the standard library
+  ships (pydoc_data.topics) with a question, drawn fresh per run; or a
+  fixed JSONL of {"prompt": ...} lines (--chat-jsonl).
 
 ``--direct-vs-gateway LOAD...`` sizes the gateway: the same radixserve,
 `radixserve-bench` (greedy, EOS ignored) straight to its gRPC port and
@@ -46,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import random
 import resource
 import shlex
 import shutil
@@ -86,11 +89,12 @@ def make_load(name: str, chat_jsonl: str | None, chat_temperature: float) -> Loa
         args += ("--random-output-len", "64", "--random-range-ratio", "0", "--num-prompts", "4")
         return Load(name, args, 1)
     if name == "chat":
-        if not chat_jsonl:
-            raise SystemExit("the chat load needs --chat-jsonl")
-        args = ("--dataset-name", "custom", "--dataset-path", chat_jsonl, "--num-prompts", "48")
+        # The prompt goes as the user message; the server applies the template.
+        args = ("--dataset-name", "custom", "--num-prompts", "48", "--skip-chat-template")
         args += ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions")
         args += ("--temperature", str(chat_temperature), "--custom-output-len", "128")
+        if chat_jsonl:
+            args += ("--dataset-path", chat_jsonl)
         return Load(name, args, 16, chat=True)
     for prefix in ("shared", "random"):
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
@@ -106,6 +110,46 @@ def make_load(name: str, chat_jsonl: str | None, chat_temperature: float) -> Loa
                 args += ("--random-output-len", "64", "--random-range-ratio", "0.33")
             return Load(name, (*args, "--num-prompts", str(3 * c)), c)
     raise SystemExit(f"unknown load {name!r}: sharedN, randomN, single or chat")
+
+
+QUESTIONS = (
+    "Summarize the passage above in three sentences.",
+    "What is the main point of the passage above, and why does it matter?",
+    "Explain the passage above to someone new to Python.",
+    "List the key terms the passage above defines, with a short definition each.",
+    "Write one example that illustrates the passage above, and explain it.",
+)
+
+
+def write_chat_prompts(path: Path, n: int, seed: int, max_chars: int = 1400) -> Path:
+    """``n`` chat prompts of real prose nobody here wrote: consecutive
+    paragraphs of the Python language reference's topic texts as the
+    standard library ships them (``pydoc_data.topics``), up to ``max_chars``
+    (about 300 tokens), then a question. The seed picks the passages, so
+    each run's prompts are fresh."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    paragraphs = [
+        [p.strip() for p in text.split("\n\n") if len(p.strip()) > 80]
+        for _, text in sorted(topics.items())
+    ]
+    paragraphs = [ps for ps in paragraphs if ps]
+    with open(path, "w") as f:
+        for _ in range(n):
+            ps = rng.choice(paragraphs)
+            start = end = rng.randrange(len(ps))
+            size = len(ps[start])
+            # Forward from a random paragraph, then back when the topic ends.
+            while end + 1 < len(ps) and size + len(ps[end + 1]) < max_chars:
+                end += 1
+                size += len(ps[end])
+            while start > 0 and size + len(ps[start - 1]) < max_chars:
+                start -= 1
+                size += len(ps[start])
+            text = "\n\n".join(ps[start : end + 1])[:max_chars] + "\n\n"
+            f.write(json.dumps({"prompt": text + rng.choice(QUESTIONS)}) + "\n")
+    return path
 
 
 def free_port() -> int:
@@ -246,6 +290,9 @@ def vllm_bench(
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
     if ignore_eos and not load.chat:
         cmd.append("--ignore-eos")
+    if load.chat and "--dataset-path" not in cmd:
+        prompts = write_chat_prompts(out / f"chat-seed{seed}.jsonl", 64, seed)
+        cmd += ["--dataset-path", str(prompts)]
     if num_prompts is not None:
         i = cmd.index("--num-prompts")
         cmd[i + 1] = str(num_prompts)
@@ -611,6 +658,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     vllm(args.model, shlex.split(args.vllm_args), out)
                 )
         report: dict = {"seed": args.seed, "radixserve_args": args.radixserve_args}
+        # Both servers stay up: what each burns while the other is measured.
+        before = {n: cpu_seconds(s) for n, s in servers.items() if s.procs}
+        time.sleep(5)
+        idle = {
+            n: sum(cpu_seconds(servers[n]).values()) - sum(c.values()) for n, c in before.items()
+        }
+        report["idle_cpu_fraction"] = {n: round(v / 5, 3) for n, v in idle.items()}
+        print(f"idle CPU (cores busy while idle): {report['idle_cpu_fraction']}", flush=True)
         report["loads"] = run_loads(args, servers, out) if args.loads else {}
         if args.direct_vs_gateway:
             report["direct_vs_gateway"] = direct_vs_gateway(args, rs, out)
