@@ -199,6 +199,10 @@ class Server:
     procs: list[subprocess.Popen] = field(default_factory=list)
     grpc_address: str | None = None
     metrics_urls: tuple[str, ...] = ()  # the scheduler's, then the worker's
+    pgids: tuple[int, ...] = ()  # its process groups (started here: its own)
+
+    def groups(self) -> list[int]:
+        return list(self.pgids) or [p.pid for p in self.procs]
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -416,7 +420,7 @@ def cpu_seconds(server: Server) -> dict[str, float]:
     """CPU seconds (user + system) used so far by each part of ``server``."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for pid, argv in _group_processes([p.pid for p in server.procs]):
+    for pid, argv in _group_processes(server.groups()):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
@@ -428,8 +432,8 @@ def cpu_seconds(server: Server) -> dict[str, float]:
             if Path(f"/proc/{pid}/comm").exists()
             else ""
         )
-        if server.name == "vllm" and "Engine" in comm:
-            name = "vllm-engine"
+        if comm.startswith("VLLM::"):  # vLLM names its processes (EngineCore, Worker)
+            name = comm.lower().replace("::", "-")
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -600,6 +604,28 @@ def direct_vs_gateway(args: argparse.Namespace, server: Server, out: Path) -> di
     return results
 
 
+def markdown(reports: Sequence[Path]) -> str:
+    """Saved reports (report.json) as one markdown table, a row per load."""
+    rows = ["| load | radixserve args | output tok/s (ratio, range) | TPOT p50 ms | TTFT p50 ms |"]
+    rows.append("|---|---|---|---|---|")
+    for path in reports:
+        report = json.loads(Path(path).read_text())
+        for name, r in report["loads"].items():
+            rs, vl, ratio, rng = r["radixserve"], r["vllm"], r["ratio"], r["ratio_range"]
+            cells = []
+            for f, fmt in (
+                ("output_tok_s", "{:.1f}"),
+                ("tpot_p50_ms", "{:.0f}"),
+                ("ttft_p50_ms", "{:.0f}"),
+            ):
+                lo, hi = rng[f]
+                pair = f"{fmt.format(rs[f])} vs {fmt.format(vl[f])}"
+                cells.append(f"{pair}: **{ratio[f]:.2f}x** ({lo:.2f}-{hi:.2f})")
+            args = report.get("radixserve_args") or "defaults"
+            rows.append(f"| {name} | `{args}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -621,6 +647,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grpc-address", help="that radixserve's gRPC address (--direct-vs-gateway)")
     p.add_argument("--vllm-url", help="a running vLLM OpenAI server")
     p.add_argument(
+        "--vllm-pgid",
+        type=int,
+        nargs="*",
+        default=[],
+        help="its process group (for the CPU figures)",
+    )
+    p.add_argument(
         "--honour-eos",
         action="store_true",
         help="synthetic loads stop at EOS too (default: --ignore-eos)",
@@ -640,7 +673,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="py-spy the worker and core for this many seconds of the first run",
     )
     p.add_argument("--out", help="where results and logs go (default: a new temp dir)")
+    p.add_argument("--markdown", nargs="+", metavar="REPORT", help="print saved reports as a table")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="vs-vllm-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"results and logs in {out}; seed {args.seed}", flush=True)
@@ -652,14 +689,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers = {"radixserve": rs}
         if args.loads:
             if args.vllm_url:
-                servers["vllm"] = Server("vllm", args.vllm_url)
+                servers["vllm"] = Server("vllm", args.vllm_url, pgids=tuple(args.vllm_pgid))
             else:
                 servers["vllm"] = stack.enter_context(
                     vllm(args.model, shlex.split(args.vllm_args), out)
                 )
         report: dict = {"seed": args.seed, "radixserve_args": args.radixserve_args}
         # Both servers stay up: what each burns while the other is measured.
-        before = {n: cpu_seconds(s) for n, s in servers.items() if s.procs}
+        before = {n: cpu_seconds(s) for n, s in servers.items() if s.groups()}
         time.sleep(5)
         idle = {
             n: sum(cpu_seconds(servers[n]).values()) - sum(c.values()) for n, c in before.items()
