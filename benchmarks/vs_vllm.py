@@ -12,8 +12,9 @@ parses each run's `--save-result` JSON. It prints per-load medians of output
 tokens/s, TPOT p50 and TTFT p50 for each server, radixserve / vLLM ratios of
 the medians with the per-run ranges, and a final JSON line.
 
-Loads (vLLM bench's datasets; the synthetic ones with --ignore-eos, so both
-servers produce the same number of tokens, unless --honour-eos):
+Loads (vLLM bench's datasets; EOS ends a request as vllm bench serve sends
+them, unless --ignore-eos: then every request runs to its length, the
+requests of a wave finish together and the next wave prefills alone):
 
 - sharedC: prefix_repetition, 4 prefixes of 256 tokens, 32-token suffixes,
   64 out, C in flight (3 C prompts);
@@ -540,7 +541,7 @@ def run_loads(args: argparse.Namespace, servers: dict[str, Server], out: Path) -
                     steps0 = scrape(servers[s]) if servers[s].metrics_urls else {}
                     r = figures(
                         vllm_bench(
-                            servers[s], load, seed, args.model, out, ignore_eos=not args.honour_eos
+                            servers[s], load, seed, args.model, out, ignore_eos=args.ignore_eos
                         )
                     )
                     cpu1 = cpu_seconds(servers[s])
@@ -654,9 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="its process group (for the CPU figures)",
     )
     p.add_argument(
-        "--honour-eos",
+        "--ignore-eos",
         action="store_true",
-        help="synthetic loads stop at EOS too (default: --ignore-eos)",
+        help="synthetic loads run to their output length (default: EOS ends a request, as "
+        "vllm bench serve does; the finishes then spread and arrivals meet running decodes)",
     )
     p.add_argument("--chat-jsonl", help="the chat load's prompts (JSONL, {'prompt': ...})")
     p.add_argument("--chat-temperature", type=float, default=0.8)
@@ -678,6 +680,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         print(markdown(args.markdown))
         return 0
+    # SIGTERM unwinds like Ctrl-C, so the servers started here stop too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     out = Path(args.out or tempfile.mkdtemp(prefix="vs-vllm-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"results and logs in {out}; seed {args.seed}", flush=True)
