@@ -251,6 +251,7 @@ def radixserve(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
         gw += ["--worker-urls", f"grpc://{address}"]
         gw += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         gw += ["--worker-startup-check-interval", "1", "--log-level", "warn"]
+        gw += ["--shutdown-grace-period-secs", "0"]
         procs.append(_popen(gw, tmp / "smg.log"))
         base = f"http://127.0.0.1:{port}"
         wait_models(base, procs[1], tmp / "smg.log", 120)
