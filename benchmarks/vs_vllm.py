@@ -233,6 +233,7 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
 def radixserve(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
     """`radixserve serve` and `smg` in front of it; both stopped on exit."""
     port_file = tmp / "radixserve.port"
+    port_file.unlink(missing_ok=True)  # an earlier run's
     cmd = [str(BIN / "radixserve"), "serve", "--model", model, "--host", "127.0.0.1"]
     cmd += ["--port", "0", "--port-file", str(port_file)]
     cmd += ["--served-model-name", Path(model).name, "--log-level", "warning", *extra]
