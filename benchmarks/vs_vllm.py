@@ -579,12 +579,24 @@ def radixserve_bench(
         cmd += ["--backend", "openai", "--base-url", server.base_url, "--model", Path(model).name]
     else:
         cmd += ["--address", str(server.grpc_address)]
+    steps0 = scrape(server) if server.metrics_urls else {}
+    cpu0 = cpu_seconds(server)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
+    cpu["bench-client"] = round(
+        (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 1
+    )
     s = next(iter(json.loads(path.read_text())["results"].values()))
     return {
         "output_tok_s": s["output_tokens_per_s"],
         "tpot_p50_ms": s["tpot_ms"]["p50"],
         "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "input_tokens": s["input_tokens"],
+        "cached_tokens": s["cached_tokens"],
+        "steps": steps_delta(steps0, scrape(server)) if server.metrics_urls else {},
+        "cpu_s": cpu,
     }
 
 
