@@ -9,6 +9,10 @@ without it (torch's gather and SDPA), alternating, and prints the ratio.
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --context 320 --threads 1
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-decode-kernel 3
     python benchmarks/worker_decode_cpu.py --batch 16 --shared-prefix 256 --groups 4
+    python benchmarks/worker_decode_cpu.py --batch 16 --temperature 1.0 --profile
+
+``--temperature T``: every request samples at T (the sampler's draw path)
+instead of greedy decoding.
 
 ``--shared-prefix N --groups G``: request i belongs to group i % G (so a
 group's rows are not next to each other in the batch); its prompt starts
@@ -32,15 +36,19 @@ import torch
 
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.config import WorkerConfig
+from worker_service.sampling.params import SamplingParams
 from worker_service.worker import build_worker
 
 
-def requests(batch: int, context: int, steps: int, shared: int, groups: int) -> list[DriverRequest]:
+def requests(
+    batch: int, context: int, steps: int, shared: int, groups: int, temperature: float = 0.0
+) -> list[DriverRequest]:
     reqs = []
+    sampling = SamplingParams(temperature=temperature)
     for i in range(batch):
         own = [(7 * i + j) % 40000 + 100 for j in range(context)]
         if not shared:
-            reqs.append(DriverRequest(own, steps + 1))
+            reqs.append(DriverRequest(own, steps + 1, sampling=sampling))
             continue
         g = i % groups
         prefix = [(13 * g + j) % 40000 + 41000 for j in range(shared)]
@@ -51,6 +59,7 @@ def requests(batch: int, context: int, steps: int, shared: int, groups: int) -> 
                 steps + 1,
                 arrive=0 if leader else 1,
                 share_from=None if leader else g,
+                sampling=sampling,
             )
         )
     return reqs
@@ -81,7 +90,7 @@ def measure(runner, batch: int, args: argparse.Namespace, profile: bool = False)
             cpu.append(time.thread_time() - c0)
 
     driver._apply = timed
-    driver.run(requests(batch, context, steps, args.shared_prefix, args.groups))
+    driver.run(requests(batch, context, steps, args.shared_prefix, args.groups, args.temperature))
     if started:
         prof.stop()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -106,6 +115,9 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--ab-decode-kernel", type=int, default=0, metavar="ROUNDS")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="every request samples (0: greedy)"
+    )
     args = p.parse_args()
     worker = build_worker(
         WorkerConfig(model="default", threads=args.threads, page_size=args.page_size)
