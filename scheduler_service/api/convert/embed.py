@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from scheduler_service.api.convert.public import Limits
+from scheduler_service.api.convert.public import Limits, check_input_ids
 from scheduler_service.api.convert.rerank import ScoringHead, pair_ids
 from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.intake import Submission
@@ -82,15 +82,7 @@ def embed_submission(
         raise InvalidRequestError(
             f"token_type_ids has {len(m.token_type_ids)} entries for {len(ids)} input tokens"
         )
-    bad = [t for t in ids if t >= limits.vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"input token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
-        )
-    if len(ids) >= limits.context_len:
-        raise InvalidRequestError(
-            f"the input has {len(ids)} tokens, the model's context is {limits.context_len}"
-        )
+    check_input_ids(ids, limits, noun="input")
     sub = Submission(
         m.request_id or uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=0), embed=options
     )

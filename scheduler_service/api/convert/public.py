@@ -240,15 +240,7 @@ def generate_call(
         ids = encode(m.tokenized.original_text)
     if not ids:
         raise InvalidRequestError("the input is empty: give tokenized.input_ids or original_text")
-    bad = [t for t in ids if t >= limits.vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"input token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
-        )
-    if len(ids) >= limits.context_len:
-        raise InvalidRequestError(
-            f"the prompt has {len(ids)} tokens, the model's context is {limits.context_len}"
-        )
+    check_input_ids(ids, limits, noun="prompt")
     sp = sampling_from_proto(m.sampling_params, len(ids), limits, has_tokenizer, defaults=defaults)
     if m.require_reasoning:
         # SGLang's meaning: the output opens with a thinking section; the
@@ -340,4 +332,18 @@ def _refuse_unsupported(m: pb.GenerateRequest) -> None:
         raise InvalidRequestError(
             "timestamp: radixserve does not read a client timestamp (arrival is "
             "timed on receipt); leave it unset"
+        )
+
+
+def check_input_ids(ids: list[int], limits: Limits, *, noun: str) -> None:
+    """Ids within the vocabulary and shorter than the context (Generate's
+    prompt, Embed's input)."""
+    bad = [t for t in ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"input token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
+        )
+    if len(ids) >= limits.context_len:
+        raise InvalidRequestError(
+            f"the {noun} has {len(ids)} tokens, the model's context is {limits.context_len}"
         )
