@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from clients.bench.records import BenchRequest
-from clients.bench.workloads import WorkloadError
+from clients.bench.workloads import WorkloadError, json_lines
 from clients.tokenizer_bundle import TokenizerBundle
 
 # Appended to a passage after a blank line. Questions about the text, not
@@ -202,14 +202,7 @@ def _read_prompt_lines(path: str | Path) -> list[tuple[str, int | None]]:
     except OSError as e:
         raise WorkloadError(f"{path}: {e.strerror}") from None
     with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise WorkloadError(f"{where}: not JSON ({e.msg})") from None
+        for where, item in json_lines(f, path):
             if not isinstance(item, dict):
                 raise WorkloadError(f"{where}: a line must be a JSON object")
             prompt, tokens = item.get("prompt"), item.get("output_tokens")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from clients.bench.passages import INSTRUCTIONS, PASSAGES
@@ -89,18 +89,23 @@ def quote_workload(
     return out
 
 
+def json_lines(f: Iterable[str], path: str | Path) -> Iterator[tuple[str, object]]:
+    """(where, parsed line) for each non-blank line of a JSONL file."""
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{where}: not JSON ({e.msg})") from None
+
+
 def read_trace(path: str | Path, vocab: int | None = None) -> list[BenchRequest]:
     """A JSONL trace; every line is checked (ids within ``vocab`` when known)."""
     requests: list[BenchRequest] = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise WorkloadError(f"{where}: not JSON ({e.msg})") from None
+        for where, item in json_lines(f, path):
             requests.append(_trace_item(item, len(requests), where, vocab))
     if not requests:
         raise WorkloadError(f"{path}: the trace has no requests")
