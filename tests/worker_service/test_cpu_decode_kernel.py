@@ -91,6 +91,24 @@ def test_kernel_splits_across_threads(kernel) -> None:
     assert torch.equal(got, want)  # the same arithmetic per task, whichever thread runs it
 
 
+@pytest.mark.skipif(not cpu_paged_kernel.torch_uses_openmp(), reason="torch without OpenMP")
+def test_openmp_build_runs_in_torchs_runtime(kernel) -> None:
+    """With several threads the kernel is the OpenMP build, sharing torch's
+    libgomp (no second runtime), and splits rows of uneven length by cost to
+    the same result as one thread."""
+    threaded = load_paged_decode(9, 3, 64, 2)
+    assert threaded is not None and threaded.openmp and threaded.threads == 2
+    assert threaded._pool is None
+    assert len(cpu_paged_kernel._loaded_libgomp()) == 1
+    assert not kernel.openmp  # one thread: the plain build
+    decodes = [400, 3, 17, 250, 64, 5, 1, 90]
+    spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [(9, 40)], decodes)
+    want = attend(spec, kernel, batch, q, k, v, kv)
+    for threads in (2, 3, 64):  # more threads than tasks too
+        got = attend(spec, PagedDecodeKernel(threaded.library, threads), batch, q, k, v, kv)
+        assert torch.equal(got, want)
+
+
 def test_kernel_reads_strided_queries(kernel) -> None:
     """q, k, v arrive as views of one fused projection, as in the model."""
     spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [(4, 30)], [12, 33])

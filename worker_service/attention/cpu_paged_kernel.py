@@ -8,6 +8,14 @@ cache key includes the CPU's feature flags and the compiler's version, and a
 build never runs on a CPU it was not made for. Where there is no compiler
 or the build fails, ``load_paged_decode`` returns None and attention stays on
 the torch path.
+
+Threads: where torch runs on OpenMP (its CPU builds do), the kernel is built
+with -fopenmp and splits its tasks in C over torch's own pool: the library's
+libgomp.so.1 resolves to the copy torch already loaded, so there is one pool,
+and its threads, awake between the matmuls, take attention at once. (A
+Python pool of our own competed with those spinning threads for the same
+cores: 1.3-1.5x slower attention at 16 rows on 2 cores, docs/benchmarks.md.)
+Elsewhere a Python thread pool splits the tasks (ctypes releases the GIL).
 """
 
 from __future__ import annotations
@@ -29,9 +37,11 @@ import torch
 logger = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.c"
-# -fopenmp-simd vectorises the marked loops (reductions included) without
-# linking an OpenMP runtime, which would compete with torch's own threads.
+# -fopenmp-simd vectorises the marked loops (reductions included) without an
+# OpenMP runtime; -fopenmp (OPENMP_FLAG, where torch's pool is OpenMP) adds
+# the threads, in torch's own runtime (module docstring).
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+OPENMP_FLAG = "-fopenmp"
 LIBS = ("-lm",)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
@@ -63,14 +73,22 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build(group: int, head_dim: int, directory: Path | None = None) -> Path:
+def torch_uses_openmp() -> bool:
+    """Whether torch's intra-op threads are an OpenMP (libgomp) pool."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def build(
+    group: int, head_dim: int, directory: Path | None = None, *, openmp: bool = False
+) -> Path:
     """Compile the kernel with a fast copy for ``group`` query heads per kv
     head and ``head_dim`` (or find it already built); return the library's
-    path. Raises RuntimeError when there is no compiler or the build fails."""
+    path. ``openmp``: with OpenMP threads (module docstring). Raises
+    RuntimeError when there is no compiler or the build fails."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler ($CC, cc or gcc) found")
-    flags = [*CFLAGS]
+    flags = [*CFLAGS, OPENMP_FLAG] if openmp else [*CFLAGS]
     if head_dim % 16 == 0:
         flags += [f"-DGROUP={group}", f"-DCHUNKS={head_dim // 16}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
@@ -81,7 +99,8 @@ def build(group: int, head_dim: int, directory: Path | None = None) -> Path:
         + _cpu_identity().encode()
     ).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"paged_decode-g{group}-d{head_dim}-{key}.so"
+    omp = "-omp" if openmp else ""
+    target = directory / f"paged_decode-g{group}-d{head_dim}{omp}-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -99,15 +118,7 @@ def build(group: int, head_dim: int, directory: Path | None = None) -> Path:
     return target
 
 
-class PagedDecodeKernel:
-    """Decode attention for the torch backend on CPU. ``threads`` > 1 splits the
-    (row, kv head) tasks over a pool; ctypes releases the GIL during a call."""
-
-    def __init__(self, library: Path, threads: int = 1) -> None:
-        lib = ctypes.CDLL(str(library))
-        fn = lib.paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
+_ARGTYPES = [
             ctypes.c_void_p,  # q
             ctypes.c_int,
             ctypes.c_void_p,  # cache
@@ -123,13 +134,34 @@ class PagedDecodeKernel:
             ctypes.c_int,  # head_dim
             ctypes.c_int,  # window
             ctypes.c_float,  # scale
-            ctypes.c_int64,  # task_begin
-            ctypes.c_int64,  # task_end
-        ]
+    ctypes.c_int64,  # task_begin (paged_decode_parallel: tasks)
+    ctypes.c_int64,  # task_end (paged_decode_parallel: threads, an int)
+]
+
+
+class PagedDecodeKernel:
+    """Decode attention for the torch backend on CPU. ``threads`` > 1 splits the
+    (row, kv head) tasks: over OpenMP threads in C where the library was built
+    with them, else over a Python pool (ctypes releases the GIL during a call)."""
+
+    def __init__(self, library: Path, threads: int = 1) -> None:
+        lib = ctypes.CDLL(str(library))
+        fn = lib.paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = _ARGTYPES
         self._fn = fn
         self.library = library
         self.threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self.openmp = bool(lib.paged_decode_openmp())
+        self._parallel = None
+        if self.openmp:
+            par = lib.paged_decode_parallel
+            par.restype = ctypes.c_int
+            par.argtypes = [*_ARGTYPES[:-1], ctypes.c_int]
+            self._parallel = par
+        self._pool = None
+        if self.threads > 1 and not self.openmp:
+            self._pool = ThreadPoolExecutor(self.threads - 1)
 
     @staticmethod
     def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -178,6 +210,9 @@ class PagedDecodeKernel:
             scale,
         )
         tasks = layout.num_rows * kv_heads
+        if self._parallel is not None:
+            self._check(self._parallel(*args, tasks, self.threads))
+            return
         if self._pool is None or tasks < 2 * self.threads:
             self._check(self._fn(*args, 0, tasks))
             return
@@ -234,8 +269,29 @@ def load_paged_decode(
     if not PagedDecodeKernel.supports(torch.float32, heads, kv_heads, head_dim):
         logger.info("CPU decode kernel does not fit this model's heads; attention stays on torch")
         return None
+    group = heads // kv_heads
+    if threads > 1 and torch_uses_openmp():
+        try:
+            kernel = PagedDecodeKernel(build(group, head_dim, openmp=True), threads)
+            if len(_loaded_libgomp()) == 1:
+                return kernel
+            logger.warning(
+                "CPU decode kernel: a second OpenMP runtime was loaded; using its plain build",
+                libgomp=sorted(_loaded_libgomp()),
+            )
+        except (RuntimeError, OSError) as e:
+            logger.info("CPU decode kernel: no OpenMP build; its plain build", error=str(e))
     try:
-        return PagedDecodeKernel(build(heads // kv_heads, head_dim), threads)
+        return PagedDecodeKernel(build(group, head_dim), threads)
     except (RuntimeError, OSError) as e:
         logger.warning("CPU decode kernel unavailable; attention stays on torch", error=str(e))
         return None
+
+
+def _loaded_libgomp() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (one: torch's)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
+    except OSError:
+        return set()

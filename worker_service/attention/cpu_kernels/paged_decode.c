@@ -10,6 +10,12 @@
  * from memory once for all of them. The caller runs the task range
  * [task_begin, task_end) and may split the range across threads.
  *
+ * paged_decode_parallel splits the tasks over OpenMP threads, by keys to
+ * read; built with -fopenmp, it runs in torch's own OpenMP pool (the same
+ * libgomp, already loaded by torch), whose threads are awake between the
+ * model's matmuls, so attention neither wakes threads nor competes with
+ * spinning ones. Built without, it runs the tasks in the calling thread.
+ *
  * Plain C, called through ctypes with raw pointers; built by
  * cpu_paged_kernel.py with the host compiler. */
 
@@ -17,6 +23,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -226,4 +236,55 @@ int paged_decode(
     free(scores);
     free(row);
     return 0;
+}
+
+/* 1 when built with OpenMP (paged_decode_parallel uses threads), else 0. */
+int paged_decode_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* First task whose cumulative cost reaches `target` (costs: keys + a constant). */
+static int64_t task_at_cost(const int64_t *lens, int kv_heads, int64_t tasks, int64_t target) {
+    int64_t cum = 0;
+    for (int64_t t = 0; t < tasks; t++) {
+        if (cum >= target) return t;
+        cum += lens[t / kv_heads] + 16;
+    }
+    return tasks;
+}
+
+/* paged_decode over tasks [0, tasks) on up to `threads` OpenMP threads, each
+ * a contiguous range of about equal cost (neighbouring rows share prefix
+ * pages: they stay on one thread). Returns the first failing status, else 0. */
+int paged_decode_parallel(
+    const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
+    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int64_t *page_ids,
+    int page_size, int heads, int kv_heads, int head_dim, int window, float scale,
+    int64_t tasks, int threads) {
+#ifdef _OPENMP
+    if (threads > 1 && tasks > 1) {
+        int64_t total = 0;
+        for (int64_t t = 0; t < tasks; t++) total += lens[t / kv_heads] + 16;
+        int status = 0;
+        if (threads > tasks) threads = (int)tasks;
+#pragma omp parallel num_threads(threads) reduction(min : status)
+        {
+            const int n = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t begin = task_at_cost(lens, kv_heads, tasks, total * id / n);
+            const int64_t end = task_at_cost(lens, kv_heads, tasks, total * (id + 1) / n);
+            if (begin < end)
+                status = paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens, indptr,
+                                      page_ids, page_size, heads, kv_heads, head_dim, window,
+                                      scale, begin, end);
+        }
+        return status;
+    }
+#endif
+    (void)threads;
+    return paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens, indptr, page_ids,
+                        page_size, heads, kv_heads, head_dim, window, scale, 0, tasks);
 }
