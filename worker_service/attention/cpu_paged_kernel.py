@@ -119,21 +119,21 @@ def build(
 
 
 _ARGTYPES = [
-            ctypes.c_void_p,  # q
-            ctypes.c_int,
-            ctypes.c_void_p,  # cache
-            ctypes.c_int,
-            ctypes.c_void_p,  # out
-            _I64P,  # rows
-            _I64P,  # lens
-            _I64P,  # indptr
-            _I64P,  # page_ids
-            ctypes.c_int,  # page_size
-            ctypes.c_int,  # heads
-            ctypes.c_int,  # kv_heads
-            ctypes.c_int,  # head_dim
-            ctypes.c_int,  # window
-            ctypes.c_float,  # scale
+    ctypes.c_void_p,  # q
+    ctypes.c_int,
+    ctypes.c_void_p,  # cache
+    ctypes.c_int,
+    ctypes.c_void_p,  # out
+    _I64P,  # rows
+    _I64P,  # lens
+    _I64P,  # indptr
+    _I64P,  # page_ids
+    ctypes.c_int,  # page_size
+    ctypes.c_int,  # heads
+    ctypes.c_int,  # kv_heads
+    ctypes.c_int,  # head_dim
+    ctypes.c_int,  # window
+    ctypes.c_float,  # scale
     ctypes.c_int64,  # task_begin (paged_decode_parallel: tasks)
     ctypes.c_int64,  # task_end (paged_decode_parallel: threads, an int)
 ]
