@@ -56,8 +56,9 @@ class WorkerConfig:
     kernels: str = setting(
         "auto",
         "norms, RoPE, SiLU-and-mul and the sampling filters (auto: FlashInfer's fused "
-        "kernels on CUDA when flashinfer imports, torch otherwise)",
-        choices=("auto", "torch", "flashinfer"),
+        "kernels on CUDA when flashinfer imports, C ones built on the host for a float32 "
+        "model on the CPU, torch otherwise)",
+        choices=("auto", "torch", "flashinfer", "cpu"),
     )
     page_size: int = setting(16, "tokens per KV page")
     kv_memory: str = setting(

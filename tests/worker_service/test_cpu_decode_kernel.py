@@ -15,6 +15,7 @@ from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import KERNEL_MAX_QUERIES, TorchAttention
 from worker_service.device.kv_cache import KvCache
+from worker_service.kernels import c_build
 
 CPU = torch.device("cpu")
 NUM_PAGES = 320
@@ -91,7 +92,7 @@ def test_kernel_splits_across_threads(kernel) -> None:
     assert torch.equal(got, want)  # the same arithmetic per task, whichever thread runs it
 
 
-@pytest.mark.skipif(not cpu_paged_kernel.torch_uses_openmp(), reason="torch without OpenMP")
+@pytest.mark.skipif(not c_build.torch_uses_openmp(), reason="torch without OpenMP")
 def test_openmp_build_runs_in_torchs_runtime(kernel) -> None:
     """With several threads the kernel is the OpenMP build, sharing torch's
     libgomp (no second runtime), and splits rows of uneven length by cost to
@@ -99,7 +100,7 @@ def test_openmp_build_runs_in_torchs_runtime(kernel) -> None:
     threaded = load_paged_decode(9, 3, 64, 2)
     assert threaded is not None and threaded.openmp and threaded.threads == 2
     assert threaded._pool is None
-    assert len(cpu_paged_kernel._loaded_libgomp()) == 1
+    assert len(c_build.loaded_libgomp()) == 1
     assert not kernel.openmp  # one thread: the plain build
     decodes = [400, 3, 17, 250, 64, 5, 1, 90]
     spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [(9, 40)], decodes)

@@ -88,7 +88,7 @@ def api_fakes(monkeypatch) -> Iterator[None]:
 
 
 def test_select_kernels() -> None:
-    assert select_kernels(CPU).name == "torch"
+    assert select_kernels(CPU).name == "torch"  # the sampler's: no model dtype
     assert select_kernels("cuda", torch.float32).name == "torch"  # no fp32 kernels
     assert select_kernels("cuda", torch.bfloat16, "torch").name == "torch"
     with pytest.raises(ValueError, match="CUDA"):

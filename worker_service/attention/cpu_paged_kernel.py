@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (cpu_kernels/paged_decode.c): built with the
-host's C compiler on first use, cached, and called through ctypes.
+host's C compiler on first use, cached (kernels/c_build.py), and called
+through ctypes.
 
 It reads every decode row's keys and values where they lie in the page pool,
 instead of gathering them into a padded batch first and handing that to
@@ -14,19 +15,14 @@ with -fopenmp and splits its tasks in C over torch's own pool: the library's
 libgomp.so.1 resolves to the copy torch already loaded, so there is one pool,
 and its threads, awake between the matmuls, take attention at once. (A
 Python pool of our own competed with those spinning threads for the same
-cores: 1.3-1.5x slower attention at 16 rows on 2 cores, docs/benchmarks.md.)
+cores: 2.2-2.7x slower attention at 16 rows on 2 cores, docs/benchmarks.md.)
 Elsewhere a Python thread pool splits the tasks (ctypes releases the GIL).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
-import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,48 +30,21 @@ import numpy as np
 import structlog
 import torch
 
+from worker_service.kernels.c_build import (
+    CFLAGS,
+    OPENMP_FLAG,
+    build_library,
+    loaded_libgomp,
+    torch_uses_openmp,
+)
+
 logger = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.c"
-# -fopenmp-simd vectorises the marked loops (reductions included) without an
-# OpenMP runtime; -fopenmp (OPENMP_FLAG, where torch's pool is OpenMP) adds
-# the threads, in torch's own runtime (module docstring).
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
-OPENMP_FLAG = "-fopenmp"
-LIBS = ("-lm",)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept (under $XDG_CACHE_HOME, else ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixserve" / "kernels"
-
-
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def torch_uses_openmp() -> bool:
-    """Whether torch's intra-op threads are an OpenMP (libgomp) pool."""
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def build(
@@ -85,37 +54,11 @@ def build(
     head and ``head_dim`` (or find it already built); return the library's
     path. ``openmp``: with OpenMP threads (module docstring). Raises
     RuntimeError when there is no compiler or the build fails."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler ($CC, cc or gcc) found")
     flags = [*CFLAGS, OPENMP_FLAG] if openmp else [*CFLAGS]
     if head_dim % 16 == 0:
         flags += [f"-DGROUP={group}", f"-DCHUNKS={head_dim // 16}"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
-    key = hashlib.sha256(
-        SOURCE.read_bytes()
-        + " ".join(flags).encode()
-        + version.stdout.encode()
-        + _cpu_identity().encode()
-    ).hexdigest()[:16]
-    directory = directory or cache_dir()
     omp = "-omp" if openmp else ""
-    target = directory / f"paged_decode-g{group}-d{head_dim}{omp}-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Build to a private name, then rename: workers starting together may
-    # build at once, and none may load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    done = subprocess.run(
-        [cc, *flags, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, target)
-    return target
+    return build_library(SOURCE, flags, f"paged_decode-g{group}-d{head_dim}{omp}", directory)
 
 
 _ARGTYPES = [
@@ -273,11 +216,11 @@ def load_paged_decode(
     if threads > 1 and torch_uses_openmp():
         try:
             kernel = PagedDecodeKernel(build(group, head_dim, openmp=True), threads)
-            if len(_loaded_libgomp()) == 1:
+            if len(loaded_libgomp()) == 1:
                 return kernel
             logger.warning(
                 "CPU decode kernel: a second OpenMP runtime was loaded; using its plain build",
-                libgomp=sorted(_loaded_libgomp()),
+                libgomp=sorted(loaded_libgomp()),
             )
         except (RuntimeError, OSError) as e:
             logger.info("CPU decode kernel: no OpenMP build; its plain build", error=str(e))
@@ -286,12 +229,3 @@ def load_paged_decode(
     except (RuntimeError, OSError) as e:
         logger.warning("CPU decode kernel unavailable; attention stays on torch", error=str(e))
         return None
-
-
-def _loaded_libgomp() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (one: torch's)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            return {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
-    except OSError:
-        return set()

@@ -1,0 +1,97 @@
+"""C sources built on the host that runs them: the CPU decode-attention kernel
+(attention/cpu_kernels/) and the small ops (kernels/c_sources/).
+
+Built for the machine (-march=native) on first use and cached, keyed by the
+source, the flags, the compiler's version and the CPU's feature flags, so a
+build never runs on a CPU it was not made for. OpenMP builds (-fopenmp) run
+in torch's own pool: their libgomp.so.1 resolves to the copy torch already
+loaded (``loaded_libgomp`` checks that there is one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+# -fopenmp-simd vectorises the marked loops (reductions included) without an
+# OpenMP runtime; OPENMP_FLAG adds the threads.
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+OPENMP_FLAG = "-fopenmp"
+LIBS = ("-lm",)
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (under $XDG_CACHE_HOME, else ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "radixserve" / "kernels"
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def torch_uses_openmp() -> bool:
+    """Whether torch's intra-op threads are an OpenMP (libgomp) pool."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def loaded_libgomp() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (one: torch's)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
+    except OSError:
+        return set()
+
+
+def build_library(source: Path, flags: list[str], stem: str, directory: Path | None = None) -> Path:
+    """Compile ``source`` with ``flags`` (or find it built) into
+    ``<directory>/<stem>-<key>.so``; raises RuntimeError when there is no
+    compiler or the build fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC, cc or gcc) found")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    key = hashlib.sha256(
+        source.read_bytes()
+        + " ".join(flags).encode()
+        + version.stdout.encode()
+        + _cpu_identity().encode()
+    ).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build to a private name, then rename: workers starting together may
+    # build at once, and none may load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    done = subprocess.run(
+        [cc, *flags, "-o", tmp, str(source), *LIBS], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {source.name} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,111 @@
+/* The model's small per-token ops on the CPU in float32, one call each instead
+ * of a handful of torch ops: residual add + RMSNorm, RMSNorm, RoPE in place,
+ * SiLU-and-mul. A decode step of the default model runs about 25 such torch
+ * ops per layer, each a dispatch and an allocation for a few thousand floats.
+ *
+ * The arithmetic follows worker_service/kernels/torch_kernels.py: RoPE and the
+ * products bit for bit (built with -ffp-contract=off, so no multiply-add is
+ * fused); RMSNorm's mean sums in another order and SiLU's exp is this file's,
+ * both to within a few float32 ulp.
+ *
+ * Rows split over OpenMP threads (torch's own runtime, as in
+ * attention/cpu_kernels/paged_decode.c) when there are enough of them;
+ * `threads` is torch's thread count. Called through ctypes with raw pointers;
+ * built by kernels/cpu_kernels.py with the host compiler. */
+
+#include <math.h>
+#include <stdint.h>
+
+/* Below this many floats an op stays on the calling thread: waking a team
+ * costs more than the work (a decode batch's rows are a few thousand floats). */
+#define PARALLEL_FLOATS (1 << 16)
+
+static inline float rms_inverse(const float *x, int dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < dim; d++) sum += x[d] * x[d];
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* residual += x; x = weight * rmsnorm(residual). Both (rows, dim), contiguous. */
+void add_rmsnorm(float *x, float *residual, const float *weight, int64_t rows, int dim,
+                 float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * dim, *rr = residual + r * dim;
+#pragma omp simd
+        for (int d = 0; d < dim; d++) rr[d] = rr[d] + xr[d];
+        const float inv = rms_inverse(rr, dim, eps);
+#pragma omp simd
+        for (int d = 0; d < dim; d++) xr[d] = weight[d] * (rr[d] * inv);
+    }
+}
+
+/* out = weight * rmsnorm(x) over rows of dim floats, contiguous. */
+void rmsnorm(const float *x, const float *weight, float *out, int64_t rows, int dim, float eps,
+             int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        const float inv = rms_inverse(xr, dim, eps);
+#pragma omp simd
+        for (int d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv);
+    }
+}
+
+/* Rotate-half RoPE in place. x: token t's head h starts at t * row_stride +
+ * h * head_dim; cos_sin: per position, head_dim / 2 cosines then as many sines. */
+static inline void rotate(float *x, const float *cs, int half) {
+    const float *cos = cs, *sin = cs + half;
+#pragma omp simd
+    for (int d = 0; d < half; d++) {
+        const float x1 = x[d], x2 = x[d + half];
+        x[d] = x1 * cos[d] - x2 * sin[d];
+        x[d + half] = x2 * cos[d] + x1 * sin[d];
+    }
+}
+
+void rope(const int64_t *positions, int64_t tokens, float *q, int64_t q_stride, int heads,
+          float *k, int64_t k_stride, int kv_heads, int head_dim, const float *cos_sin,
+          int threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * (heads + kv_heads) * head_dim >= PARALLEL_FLOATS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        for (int h = 0; h < heads; h++) rotate(q + t * q_stride + (int64_t)h * head_dim, cs, half);
+        for (int h = 0; h < kv_heads; h++)
+            rotate(k + t * k_stride + (int64_t)h * head_dim, cs, half);
+    }
+}
+
+/* e^x to within a few ulp over float32's range (x clamped to [-104, 88.7]):
+ * 2^n * e^r, |r| <= ln2 / 2, a degree-6 polynomial; vectorisable. */
+static inline float exp_f32(float x) {
+    x = x < -104.0f ? -104.0f : (x > 88.7f ? 88.7f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* 2^n in two halves: n reaches -150 below the normal range */
+    const int32_t ni = (int32_t)n, a = ni / 2, b = ni - a;
+    union { uint32_t u; float f; } sa = {.u = (uint32_t)(a + 127) << 23},
+                                   sb = {.u = (uint32_t)(b + 127) << 23};
+    return p * sa.f * sb.f;
+}
+
+/* out (rows, inter) = silu(gate) * up for gate_up (rows, 2 * inter) = [gate | up]. */
+void silu_and_mul(const float *gate_up, float *out, int64_t rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * (int64_t)inter, *u = g + inter;
+        float *o = out + r * (int64_t)inter;
+#pragma omp simd
+        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}

@@ -1,0 +1,157 @@
+"""The small ops on the CPU in C (c_sources/cpu_ops.c): one ctypes call per op
+instead of the handful of torch ops (and allocations) of ``TorchKernels``.
+
+For float32 and the layouts the model hands them (contiguous rows; q and k
+as views of the fused projection, rows apart); anything else goes to the
+torch ops this class inherits, as does the sampler's filter. RoPE and the
+products are the torch arithmetic bit for bit; RMSNorm's sum and SiLU's exp
+differ from torch's within a few float32 ulp (the C source says how). In
+place where ``base.Kernels`` allows it: ``add_rmsnorm`` returns its x and
+residual arguments, overwritten; ``rope`` rotates q and k where they lie.
+
+``load_cpu_kernels`` builds the library (kernels/c_build.py) and returns None
+where it cannot (no compiler, a failed build): the torch kernels run then.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import structlog
+import torch
+
+from worker_service.kernels.c_build import (
+    CFLAGS,
+    OPENMP_FLAG,
+    build_library,
+    loaded_libgomp,
+    torch_uses_openmp,
+)
+from worker_service.kernels.torch_kernels import TorchKernels
+
+logger = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "c_sources" / "cpu_ops.c"
+# No fused multiply-adds: RoPE and the products stay torch's arithmetic.
+FLAGS = (*CFLAGS, "-ffp-contract=off")
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "add_rmsnorm": [_P, _P, _P, _I64, _INT, _F, _INT],
+    "rmsnorm": [_P, _P, _P, _I64, _INT, _F, _INT],
+    "rope": [_P, _I64, _P, _I64, _INT, _P, _I64, _INT, _INT, _P, _INT],
+    "silu_and_mul": [_P, _P, _I64, _INT, _INT],
+}
+
+
+def _rows_of(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+
+
+def _heads_of(x: torch.Tensor) -> bool:
+    """(T, H, D) float32 whose heads are contiguous within a token (a view of
+    the fused projection's output qualifies: its tokens are a stride apart)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+    )
+
+
+class CpuKernels(TorchKernels):
+    name = "cpu"
+
+    def __init__(self, library: Path, threads: int) -> None:
+        lib = ctypes.CDLL(str(library))
+        for fn_name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, fn_name)
+            fn.restype = None
+            fn.argtypes = argtypes
+        self._lib = lib
+        self.library = library
+        self.threads = max(1, threads)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not (_rows_of(x) and _rows_of(weight)):
+            return super().rmsnorm(x, weight, eps)
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        self._lib.rmsnorm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+            self.threads,
+        )  # fmt: skip
+        return out
+
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (_rows_of(x) and _rows_of(residual) and _rows_of(weight)):
+            return super().add_rmsnorm(x, residual, weight, eps)
+        if x.shape != residual.shape:
+            raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+        dim = x.shape[-1]
+        self._lib.add_rmsnorm(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps,
+            self.threads,
+        )  # fmt: skip
+        return x, residual
+
+    def rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ok = (
+            _heads_of(q)
+            and _heads_of(k)
+            and q.shape[0] == k.shape[0] == positions.shape[0]
+            and q.shape[2] == k.shape[2] == cos_sin_cache.shape[1]
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and _rows_of(cos_sin_cache)
+        )
+        if not ok:
+            return super().rope(positions, q, k, cos_sin_cache)
+        self._lib.rope(
+            positions.data_ptr(), q.shape[0],
+            q.data_ptr(), q.stride(0), q.shape[1],
+            k.data_ptr(), k.stride(0), k.shape[1],
+            q.shape[2], cos_sin_cache.data_ptr(), self.threads,
+        )  # fmt: skip
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (_rows_of(gate_up) and gate_up.shape[-1] % 2 == 0):
+            return super().silu_and_mul(gate_up)
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+        self._lib.silu_and_mul(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+            self.threads,
+        )  # fmt: skip
+        return out
+
+
+def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:
+    """The C small ops for ``threads`` (default: torch's count), built if
+    needed; None (and a warning) where they cannot be built."""
+    threads = torch.get_num_threads() if threads is None else threads
+    openmp = torch_uses_openmp()
+    flags = [*FLAGS, OPENMP_FLAG] if openmp else [*FLAGS]
+    try:
+        kernels = CpuKernels(
+            build_library(SOURCE, flags, "cpu_ops" + ("-omp" if openmp else "")), threads
+        )
+    except (RuntimeError, OSError) as e:
+        logger.warning("C small ops unavailable; the torch ops run", error=str(e))
+        return None
+    if openmp and len(loaded_libgomp()) > 1:
+        logger.warning(
+            "C small ops: a second OpenMP runtime was loaded", libgomp=sorted(loaded_libgomp())
+        )
+    return kernels
