@@ -94,8 +94,9 @@ class WorkerConfig:
     )
     onednn_linears: bool = setting(
         True,
-        "CPU: run the projections and the LM head through oneDNN with weights packed once "
-        "(faster than torch's plain linear; keeps a second copy of the weights)",
+        "CPU: run the projections and the LM head with weights packed once: steps of up to "
+        "128 rows through a C kernel, longer ones through oneDNN (faster than torch's plain "
+        "linear; keeps two more copies of float32 weights)",
     )
     cpu_decode_kernel: bool = setting(
         True,

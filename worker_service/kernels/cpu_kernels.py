@@ -11,11 +11,15 @@ residual arguments, overwritten; ``rope`` rotates q and k where they lie.
 
 ``load_cpu_kernels`` builds the library (kernels/c_build.py) and returns None
 where it cannot (no compiler, a failed build): the torch kernels run then.
+
+``load_skinny_linear``: the decode step's projections (c_sources/skinny_linear.c,
+whose header says why), used by models/cpu_linear.py for steps of few rows.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import structlog
@@ -33,6 +37,7 @@ from worker_service.kernels.torch_kernels import TorchKernels
 logger = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "c_sources" / "cpu_ops.c"
+LINEAR_SOURCE = Path(__file__).parent / "c_sources" / "skinny_linear.c"
 # No fused multiply-adds: RoPE and the products stay torch's arithmetic.
 FLAGS = (*CFLAGS, "-ffp-contract=off")
 
@@ -155,3 +160,60 @@ def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:
             "C small ops: a second OpenMP runtime was loaded", libgomp=sorted(loaded_libgomp())
         )
     return kernels
+
+
+class SkinnyLinear:
+    """x . W^T (+ bias) for float32 rows against a weight packed by ``pack``."""
+
+    BLOCK = 16  # output features per packed block, as in the C source
+
+    def __init__(self, library: Path, threads: int) -> None:
+        lib = ctypes.CDLL(str(library))
+        lib.skinny_pack.restype = None
+        lib.skinny_pack.argtypes = [_P, _P, _I64, _I64]
+        lib.skinny_linear.restype = None
+        lib.skinny_linear.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _INT]
+        self._lib = lib
+        self.library = library
+        self.threads = max(1, threads)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """(out, in) float32 into blocks of 16 output features, 64-byte aligned."""
+        n, k = weight.shape
+        size = -(-n // self.BLOCK) * self.BLOCK * k
+        base = torch.empty(size + 16, dtype=torch.float32)
+        start = (-base.data_ptr() % 64) // 4
+        packed = base[start : start + size]
+        w = weight.detach().contiguous()
+        self._lib.skinny_pack(w.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x.contiguous()
+        rows, k = x.shape
+        if packed.numel() != -(-out_features // self.BLOCK) * self.BLOCK * k:
+            raise ValueError(
+                f"a packed weight of {packed.numel()} floats is not ({out_features}, {k})"
+            )
+        y = x.new_empty((rows, out_features))
+        self._lib.skinny_linear(
+            x.data_ptr(), rows, k, packed.data_ptr(), out_features,
+            None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), self.threads,
+        )  # fmt: skip
+        return y
+
+
+@functools.cache
+def load_skinny_linear(threads: int) -> SkinnyLinear | None:
+    """The decode-step linear for ``threads``, built if needed; None (and a
+    warning) where it cannot be built."""
+    openmp = torch_uses_openmp()
+    flags = [*CFLAGS, OPENMP_FLAG] if openmp else [*CFLAGS]
+    stem = "skinny_linear" + ("-omp" if openmp else "")
+    try:
+        return SkinnyLinear(build_library(LINEAR_SOURCE, flags, stem), threads)
+    except (RuntimeError, OSError) as e:
+        logger.warning("C decode linear unavailable; oneDNN runs every step", error=str(e))
+        return None

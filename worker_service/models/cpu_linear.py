@@ -1,21 +1,40 @@
-"""Linear layers on the CPU through oneDNN with weights packed once.
+"""Linear layers on the CPU with weights packed once, two ways.
 
-torch's ``F.linear`` on the CPU hands each call's weight to MKL in its
-plain (out, in) layout; oneDNN's linear with the weight reordered once into
-its own blocked layout runs the skinny matmuls of a decode step (a few to a
-few dozen rows against every weight of the model) about 1.3x (1 row) to
-1.7x (16 rows) faster, and the 49k-row LM head about 2x, measured on the
-default model's shapes on one core (docs/benchmarks.md). The packed copy is
-made after the weights are loaded; the plain weight stays (the embedding,
-LoRA's shape checks and tensor-parallel loading read it).
+- Steps of few rows (decode batches, verify rows, short extends: up to
+  ``SKINNY_MAX_ROWS``) go through our C kernel (kernels/c_sources/
+  skinny_linear.c): 0.66x of oneDNN's time at 1 row, 0.69x at 8, 0.88x at 16
+  and 32 on the default model's projections, and its threads take work
+  dynamically, so a core lost to another process for a while slows the step
+  instead of stalling it (docs/benchmarks.md).
+- Longer steps (prefill) go through oneDNN's linear with the weight reordered
+  into its blocked layout: about 1.3x (1 row) to 2x (the LM head) faster
+  than torch's ``F.linear``, and ahead of the C kernel past a few hundred rows.
+
+Both copies are made after the weights are loaded (float32; bf16 weights get
+the oneDNN copy only); the plain weight stays (the embedding, LoRA's shape
+checks and tensor-parallel loading read it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from worker_service.kernels.cpu_kernels import SkinnyLinear, load_skinny_linear
 
 # The batch size oneDNN picks the packed layout for: decode batches.
 PACK_FOR_ROWS = 16
+# Steps of at most this many rows take the C kernel.
+SKINNY_MAX_ROWS = 128
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    onednn: torch.Tensor
+    skinny: torch.Tensor | None  # None: no C kernel here (or not float32)
+    kernel: SkinnyLinear | None  # with torch's thread count when packed
+    out_features: int
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -27,13 +46,26 @@ def available(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's layout, or None where it does not apply."""
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight's packed copies, or None where packing does not apply."""
     if not available(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+    skinny = None
+    kernel = load_skinny_linear(torch.get_num_threads())
+    if kernel is not None and weight.dtype == torch.float32:
+        skinny = kernel.pack(weight)
+    return PackedWeight(onednn, skinny, kernel, weight.shape[0])
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T (+ bias) with a packed weight; x is (rows, in)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    kernel = packed.kernel
+    if (
+        kernel is not None
+        and packed.skinny is not None
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype == torch.float32
+    ):
+        return kernel(x, packed.skinny, packed.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.onednn, bias, "none", [], "")

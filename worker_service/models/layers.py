@@ -84,7 +84,7 @@ class FusedColumnLinear(nn.Module):
         self.sizes = [size for _, size, _ in self.offsets.values()]
         self.weight = _param((start, in_features), dtype, device)
         self.bias = _param((start,), dtype, device) if bias else None
-        self.packed: torch.Tensor | None = None  # pack_for_cpu()
+        self.packed: cpu_linear.PackedWeight | None = None  # pack_for_cpu()
 
     def pack_for_cpu(self) -> None:
         self.packed = cpu_linear.pack(self.weight)
@@ -125,7 +125,7 @@ class RowLinear(nn.Module):
         self.lo, self.hi = tp.shard(in_features, "row-parallel input features")
         self.weight = _param((out_features, self.hi - self.lo), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
-        self.packed: torch.Tensor | None = None  # pack_for_cpu()
+        self.packed: cpu_linear.PackedWeight | None = None  # pack_for_cpu()
 
     def pack_for_cpu(self) -> None:
         self.packed = cpu_linear.pack(self.weight)
@@ -160,7 +160,7 @@ class VocabEmbedding(nn.Module):
         padded = -(-vocab // tp.size) * tp.size
         self.lo, self.hi = tp.shard(padded, "vocabulary")
         self.weight = _param((self.hi - self.lo, dim), dtype, device)
-        self.packed: torch.Tensor | None = None  # pack_for_cpu(): the LM head's copy
+        self.packed: cpu_linear.PackedWeight | None = None  # pack_for_cpu(): the LM head's copy
 
     def pack_for_cpu(self) -> None:
         self.packed = cpu_linear.pack(self.weight)

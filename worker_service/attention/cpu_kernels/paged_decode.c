@@ -10,8 +10,8 @@
  * from memory once for all of them. The caller runs the task range
  * [task_begin, task_end) and may split the range across threads.
  *
- * paged_decode_parallel splits the tasks over OpenMP threads, by keys to
- * read; built with -fopenmp, it runs in torch's own OpenMP pool (the same
+ * paged_decode_parallel splits the tasks over OpenMP threads, in chunks of
+ * about equal keys to read, taken dynamically; built with -fopenmp, it runs in torch's own OpenMP pool (the same
  * libgomp, already loaded by torch), whose threads are awake between the
  * model's matmuls, so attention neither wakes threads nor competes with
  * spinning ones. Built without, it runs the tasks in the calling thread.
@@ -257,9 +257,14 @@ static int64_t task_at_cost(const int64_t *lens, int kv_heads, int64_t tasks, in
     return tasks;
 }
 
-/* paged_decode over tasks [0, tasks) on up to `threads` OpenMP threads, each
- * a contiguous range of about equal cost (neighbouring rows share prefix
- * pages: they stay on one thread). Returns the first failing status, else 0. */
+/* paged_decode over tasks [0, tasks) on up to `threads` OpenMP threads: the
+ * tasks are cut into CHUNKS_PER_THREAD * threads contiguous chunks of about
+ * equal cost (neighbouring rows share prefix pages: a chunk keeps them
+ * together) that the threads take as they come free, so a thread that loses
+ * its core for a while delays one chunk, not the step. Returns the first
+ * failing status, else 0. */
+enum { CHUNKS_PER_THREAD = 4 };
+
 int paged_decode_parallel(
     const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
     const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int64_t *page_ids,
@@ -269,17 +274,20 @@ int paged_decode_parallel(
     if (threads > 1 && tasks > 1) {
         int64_t total = 0;
         for (int64_t t = 0; t < tasks; t++) total += lens[t / kv_heads] + 16;
-        int status = 0;
+        int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD;
+        if (chunks > tasks) chunks = tasks;
         if (threads > tasks) threads = (int)tasks;
-#pragma omp parallel num_threads(threads) reduction(min : status)
-        {
-            const int n = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t begin = task_at_cost(lens, kv_heads, tasks, total * id / n);
-            const int64_t end = task_at_cost(lens, kv_heads, tasks, total * (id + 1) / n);
-            if (begin < end)
-                status = paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens, indptr,
-                                      page_ids, page_size, heads, kv_heads, head_dim, window,
-                                      scale, begin, end);
+        int status = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(min : status)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t begin = task_at_cost(lens, kv_heads, tasks, total * c / chunks);
+            const int64_t end = task_at_cost(lens, kv_heads, tasks, total * (c + 1) / chunks);
+            if (begin < end) {
+                const int st = paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens,
+                                            indptr, page_ids, page_size, heads, kv_heads,
+                                            head_dim, window, scale, begin, end);
+                if (st < status) status = st;
+            }
         }
         return status;
     }
