@@ -10,6 +10,13 @@ without it (torch's gather and SDPA), alternating, and prints the ratio.
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-decode-kernel 3
     python benchmarks/worker_decode_cpu.py --batch 16 --shared-prefix 256 --groups 4
     python benchmarks/worker_decode_cpu.py --batch 16 --temperature 1.0 --profile
+    python benchmarks/worker_decode_cpu.py --batch 1 16 32 --threads 2 --ab-linear 3
+    python benchmarks/worker_decode_cpu.py --batch 1 16 --threads 2 --kernels torch
+
+``--ab-linear N``: each batch size N times with the C linear for steps of
+few rows and N times with oneDNN for every step, alternating (the same
+packed weights; models/cpu_linear.SKINNY_MAX_ROWS set to 0 for oneDNN).
+``--kernels``: the small ops' implementation (auto: C on the CPU; torch).
 
 ``--temperature T``: every request samples at T (the sampler's draw path)
 instead of greedy decoding.
@@ -36,6 +43,7 @@ import torch
 
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from worker_service.config import WorkerConfig
+from worker_service.models import cpu_linear
 from worker_service.sampling.params import SamplingParams
 from worker_service.worker import build_worker
 
@@ -118,12 +126,19 @@ def main() -> None:
     p.add_argument(
         "--temperature", type=float, default=0.0, help="every request samples (0: greedy)"
     )
+    p.add_argument("--ab-linear", type=int, default=0, metavar="ROUNDS")
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "cpu"))
     args = p.parse_args()
     worker = build_worker(
-        WorkerConfig(model="default", threads=args.threads, page_size=args.page_size)
+        WorkerConfig(
+            model="default", threads=args.threads, page_size=args.page_size, kernels=args.kernels
+        )
     )
     if args.ab_decode_kernel:
         ab_decode_kernel(worker, args)
+        return
+    if args.ab_linear:
+        ab_linear(worker, args)
         return
     out = []
     for b in args.batch:
@@ -163,6 +178,28 @@ def ab_decode_kernel(worker, args) -> None:
             flush=True,
         )
         report.append(row)
+    print(json.dumps(report))
+
+
+def ab_linear(worker, args) -> None:
+    small = cpu_linear.SKINNY_MAX_ROWS
+    report = []
+    try:
+        for b in args.batch:
+            sides: dict[str, list[float]] = {"c": [], "onednn": []}
+            for _ in range(args.ab_linear):
+                for side, runs in sides.items():
+                    cpu_linear.SKINNY_MAX_ROWS = small if side == "c" else 0
+                    runs.append(measure(worker.runner, b, args)["ms_per_step"])
+            c, o = statistics.median(sides["c"]), statistics.median(sides["onednn"])
+            print(
+                f"batch {b}: C linear {c:.1f} ms, oneDNN {o:.1f} ms per decode step "
+                f"(C/oneDNN {c / o:.2f}); runs {sides}",
+                flush=True,
+            )
+            report.append({"batch": b, "c_ms": round(c, 2), "onednn_ms": round(o, 2)})
+    finally:
+        cpu_linear.SKINNY_MAX_ROWS = small
     print(json.dumps(report))
 
 
