@@ -118,3 +118,25 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path) -> None:
     assert select_kernels(CPU, torch.float32).name == "torch"
     with pytest.raises(ValueError, match="did not build"):
         select_kernels(CPU, torch.float32, "cpu")
+
+
+def test_a_failed_openmp_build_falls_back_to_one_thread(monkeypatch, tmp_path) -> None:
+    """A compiler without libgomp's development files fails -fopenmp: the plain
+    build runs instead (one thread), not the torch ops."""
+    from worker_service.kernels import c_build
+
+    real = c_build.build_library
+
+    def no_openmp(source, flags, stem, directory=None):
+        if c_build.OPENMP_FLAG in flags:
+            raise RuntimeError("building cpu_ops.c failed: cannot find -lgomp")
+        return real(source, flags, stem, tmp_path)
+
+    monkeypatch.setattr(c_build, "build_library", no_openmp)
+    monkeypatch.setattr(c_build, "torch_uses_openmp", lambda: True)
+    kernels = load_cpu_kernels(2)
+    assert kernels is not None and "-omp" not in kernels.library.name
+    x, residual, weight = torch.randn(3, 4, 64).unbind(0)
+    want = REF.add_rmsnorm(x.clone(), residual.clone(), weight[0], 1e-6)
+    got = kernels.add_rmsnorm(x, residual, weight[0], 1e-6)
+    close(got[0], want[0])

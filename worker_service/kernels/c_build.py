@@ -17,7 +17,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import structlog
 import torch
+
+logger = structlog.get_logger(__name__)
 
 # -fopenmp-simd vectorises the marked loops (reductions included) without an
 # OpenMP runtime; OPENMP_FLAG adds the threads.
@@ -95,3 +98,19 @@ def build_library(source: Path, flags: list[str], stem: str, directory: Path | N
         raise RuntimeError(f"building {source.name} failed: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, target)
     return target
+
+
+def build_threaded(source: Path, flags: list[str], stem: str) -> Path:
+    """``build_library`` with OpenMP where torch's pool is OpenMP and the
+    OpenMP build succeeds (a compiler without libgomp's development files
+    fails it), else without: one thread then. Raises as build_library."""
+    if torch_uses_openmp():
+        try:
+            return build_library(source, [*flags, OPENMP_FLAG], stem + "-omp")
+        except RuntimeError as e:
+            logger.warning(
+                "OpenMP build failed; building without threads",
+                source=source.name,
+                error=str(e)[-300:],
+            )
+    return build_library(source, flags, stem)

@@ -25,13 +25,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from worker_service.kernels.c_build import (
-    CFLAGS,
-    OPENMP_FLAG,
-    build_library,
-    loaded_libgomp,
-    torch_uses_openmp,
-)
+from worker_service.kernels.c_build import CFLAGS, build_threaded, loaded_libgomp
 from worker_service.kernels.torch_kernels import TorchKernels
 
 logger = structlog.get_logger(__name__)
@@ -146,16 +140,12 @@ def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:
     """The C small ops for ``threads`` (default: torch's count), built if
     needed; None (and a warning) where they cannot be built."""
     threads = torch.get_num_threads() if threads is None else threads
-    openmp = torch_uses_openmp()
-    flags = [*FLAGS, OPENMP_FLAG] if openmp else [*FLAGS]
     try:
-        kernels = CpuKernels(
-            build_library(SOURCE, flags, "cpu_ops" + ("-omp" if openmp else "")), threads
-        )
+        kernels = CpuKernels(build_threaded(SOURCE, [*FLAGS], "cpu_ops"), threads)
     except (RuntimeError, OSError) as e:
         logger.warning("C small ops unavailable; the torch ops run", error=str(e))
         return None
-    if openmp and len(loaded_libgomp()) > 1:
+    if len(loaded_libgomp()) > 1:
         logger.warning(
             "C small ops: a second OpenMP runtime was loaded", libgomp=sorted(loaded_libgomp())
         )
@@ -209,11 +199,8 @@ class SkinnyLinear:
 def load_skinny_linear(threads: int) -> SkinnyLinear | None:
     """The decode-step linear for ``threads``, built if needed; None (and a
     warning) where it cannot be built."""
-    openmp = torch_uses_openmp()
-    flags = [*CFLAGS, OPENMP_FLAG] if openmp else [*CFLAGS]
-    stem = "skinny_linear" + ("-omp" if openmp else "")
     try:
-        return SkinnyLinear(build_library(LINEAR_SOURCE, flags, stem), threads)
+        return SkinnyLinear(build_threaded(LINEAR_SOURCE, [*CFLAGS], "skinny_linear"), threads)
     except (RuntimeError, OSError) as e:
         logger.warning("C decode linear unavailable; oneDNN runs every step", error=str(e))
         return None
