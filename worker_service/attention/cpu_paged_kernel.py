@@ -32,10 +32,9 @@ import torch
 
 from worker_service.kernels.c_build import (
     CFLAGS,
-    OPENMP_FLAG,
     build_library,
-    loaded_libgomp,
-    torch_uses_openmp,
+    build_threaded,
+    one_openmp_runtime,
 )
 
 logger = structlog.get_logger(__name__)
@@ -52,13 +51,16 @@ def build(
 ) -> Path:
     """Compile the kernel with a fast copy for ``group`` query heads per kv
     head and ``head_dim`` (or find it already built); return the library's
-    path. ``openmp``: with OpenMP threads (module docstring). Raises
+    path. ``openmp``: with OpenMP threads where they build (module
+    docstring; ``c_build.build_threaded``). Raises
     RuntimeError when there is no compiler or the build fails."""
-    flags = [*CFLAGS, OPENMP_FLAG] if openmp else [*CFLAGS]
+    flags = [*CFLAGS]
     if head_dim % 16 == 0:
         flags += [f"-DGROUP={group}", f"-DCHUNKS={head_dim // 16}"]
-    omp = "-omp" if openmp else ""
-    return build_library(SOURCE, flags, f"paged_decode-g{group}-d{head_dim}{omp}", directory)
+    stem = f"paged_decode-g{group}-d{head_dim}"
+    if openmp:
+        return build_threaded(SOURCE, flags, stem, directory)
+    return build_library(SOURCE, flags, stem, directory)
 
 
 _ARGTYPES = [
@@ -213,19 +215,11 @@ def load_paged_decode(
         logger.info("CPU decode kernel does not fit this model's heads; attention stays on torch")
         return None
     group = heads // kv_heads
-    if threads > 1 and torch_uses_openmp():
-        try:
-            kernel = PagedDecodeKernel(build(group, head_dim, openmp=True), threads)
-            if len(loaded_libgomp()) == 1:
-                return kernel
-            logger.warning(
-                "CPU decode kernel: a second OpenMP runtime was loaded; using its plain build",
-                libgomp=sorted(loaded_libgomp()),
-            )
-        except (RuntimeError, OSError) as e:
-            logger.info("CPU decode kernel: no OpenMP build; its plain build", error=str(e))
     try:
-        return PagedDecodeKernel(build(group, head_dim), threads)
+        kernel = PagedDecodeKernel(build(group, head_dim, openmp=threads > 1), threads)
+        if kernel.openmp and not one_openmp_runtime("CPU decode kernel"):
+            kernel = PagedDecodeKernel(build(group, head_dim), threads)  # its plain build
+        return kernel
     except (RuntimeError, OSError) as e:
         logger.warning("CPU decode kernel unavailable; attention stays on torch", error=str(e))
         return None

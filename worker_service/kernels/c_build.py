@@ -67,6 +67,16 @@ def loaded_libgomp() -> set[str]:
         return set()
 
 
+def one_openmp_runtime(what: str) -> bool:
+    """Whether at most one OpenMP runtime is loaded (after loading an OpenMP
+    build): a second one would run its own pool beside torch's. Warns if not."""
+    runtimes = loaded_libgomp()
+    if len(runtimes) <= 1:
+        return True
+    logger.warning(f"{what}: a second OpenMP runtime was loaded", libgomp=sorted(runtimes))
+    return False
+
+
 def build_library(source: Path, flags: list[str], stem: str, directory: Path | None = None) -> Path:
     """Compile ``source`` with ``flags`` (or find it built) into
     ``<directory>/<stem>-<key>.so``; raises RuntimeError when there is no
@@ -100,17 +110,19 @@ def build_library(source: Path, flags: list[str], stem: str, directory: Path | N
     return target
 
 
-def build_threaded(source: Path, flags: list[str], stem: str) -> Path:
+def build_threaded(
+    source: Path, flags: list[str], stem: str, directory: Path | None = None
+) -> Path:
     """``build_library`` with OpenMP where torch's pool is OpenMP and the
     OpenMP build succeeds (a compiler without libgomp's development files
     fails it), else without: one thread then. Raises as build_library."""
     if torch_uses_openmp():
         try:
-            return build_library(source, [*flags, OPENMP_FLAG], stem + "-omp")
+            return build_library(source, [*flags, OPENMP_FLAG], stem + "-omp", directory)
         except RuntimeError as e:
             logger.warning(
                 "OpenMP build failed; building without threads",
                 source=source.name,
                 error=str(e)[-300:],
             )
-    return build_library(source, flags, stem)
+    return build_library(source, flags, stem, directory)

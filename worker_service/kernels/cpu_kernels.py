@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from worker_service.kernels.c_build import CFLAGS, build_threaded, loaded_libgomp
+from worker_service.kernels.c_build import CFLAGS, build_threaded, one_openmp_runtime
 from worker_service.kernels.torch_kernels import TorchKernels
 
 logger = structlog.get_logger(__name__)
@@ -145,10 +145,7 @@ def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:
     except (RuntimeError, OSError) as e:
         logger.warning("C small ops unavailable; the torch ops run", error=str(e))
         return None
-    if len(loaded_libgomp()) > 1:
-        logger.warning(
-            "C small ops: a second OpenMP runtime was loaded", libgomp=sorted(loaded_libgomp())
-        )
+    one_openmp_runtime("C small ops")
     return kernels
 
 
@@ -200,7 +197,9 @@ def load_skinny_linear(threads: int) -> SkinnyLinear | None:
     """The decode-step linear for ``threads``, built if needed; None (and a
     warning) where it cannot be built."""
     try:
-        return SkinnyLinear(build_threaded(LINEAR_SOURCE, [*CFLAGS], "skinny_linear"), threads)
+        kernel = SkinnyLinear(build_threaded(LINEAR_SOURCE, [*CFLAGS], "skinny_linear"), threads)
     except (RuntimeError, OSError) as e:
         logger.warning("C decode linear unavailable; oneDNN runs every step", error=str(e))
         return None
+    one_openmp_runtime("C decode linear")
+    return kernel
