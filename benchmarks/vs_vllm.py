@@ -34,6 +34,11 @@ through the gateway's /v1/completions, alternating, fresh seeds.
 core process during radixserve's first run of each load (py-spy must be on
 PATH or beside this Python; the files land in --out).
 
+Its parts: vs_vllm_loads.py (the loads and the chat prompts),
+vs_vllm_servers.py (starting and stopping the servers),
+vs_vllm_accounting.py (CPU seconds, step figures, py-spy); this file runs
+`vllm bench serve`, alternates the runs and reports.
+
 Examples (from the repository root):
 
     M=$(bash ../shared/peers/vllm_cpu.sh model)
@@ -49,232 +54,25 @@ import argparse
 import json
 import math
 import os
-import random
 import resource
 import shlex
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parent.parent
+from vs_vllm_accounting import cpu_seconds, py_spy, radixserve_pids, scrape, steps_delta
+from vs_vllm_loads import Load, make_load, write_chat_prompts
+from vs_vllm_servers import BIN, Server, radixserve, vllm
+
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", Path.home() / ".cache" / "radixserve-peers"))
-VLLM_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm_cpu.sh"
 SERVERS = ("radixserve", "vllm")
 FIGURES = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")
-
-
-@dataclass(frozen=True)
-class Load:
-    name: str
-    bench_args: tuple[str, ...]
-    concurrency: int
-    chat: bool = False
-
-
-def make_load(name: str, chat_jsonl: str | None, chat_temperature: float) -> Load:
-    """A load by name: shared16, random32, single, chat, ..."""
-    if name == "single":
-        args = ("--dataset-name", "random", "--random-input-len", "384")
-        args += ("--random-output-len", "64", "--random-range-ratio", "0", "--num-prompts", "4")
-        return Load(name, args, 1)
-    if name == "chat":
-        # The prompt goes as the user message; the server applies the template.
-        args = ("--dataset-name", "custom", "--num-prompts", "48", "--skip-chat-template")
-        args += ("--backend", "openai-chat", "--endpoint", "/v1/chat/completions")
-        args += ("--temperature", str(chat_temperature), "--custom-output-len", "128")
-        if chat_jsonl:
-            args += ("--dataset-path", chat_jsonl)
-        return Load(name, args, 16, chat=True)
-    for prefix in ("shared", "random"):
-        if name.startswith(prefix) and name[len(prefix) :].isdigit():
-            c = int(name[len(prefix) :])
-            if prefix == "shared":
-                args = ("--dataset-name", "prefix_repetition")
-                args += ("--prefix-repetition-num-prefixes", "4")
-                args += ("--prefix-repetition-prefix-len", "256")
-                args += ("--prefix-repetition-suffix-len", "32")
-                args += ("--prefix-repetition-output-len", "64")
-            else:
-                args = ("--dataset-name", "random", "--random-input-len", "384")
-                args += ("--random-output-len", "64", "--random-range-ratio", "0.33")
-            return Load(name, (*args, "--num-prompts", str(3 * c)), c)
-    raise SystemExit(f"unknown load {name!r}: sharedN, randomN, single or chat")
-
-
-QUESTIONS = (
-    "Summarize the passage above in three sentences.",
-    "What is the main point of the passage above, and why does it matter?",
-    "Explain the passage above to someone new to Python.",
-    "List the key terms the passage above defines, with a short definition each.",
-    "Write one example that illustrates the passage above, and explain it.",
-)
-
-
-def write_chat_prompts(path: Path, n: int, seed: int, max_chars: int = 1400) -> Path:
-    """``n`` chat prompts of real prose nobody here wrote: consecutive
-    paragraphs of the Python language reference's topic texts as the
-    standard library ships them (``pydoc_data.topics``), up to ``max_chars``
-    (about 300 tokens), then a question. The seed picks the passages, so
-    each run's prompts are fresh."""
-    from pydoc_data.topics import topics
-
-    rng = random.Random(seed)
-    paragraphs = [
-        [p.strip() for p in text.split("\n\n") if len(p.strip()) > 80]
-        for _, text in sorted(topics.items())
-    ]
-    paragraphs = [ps for ps in paragraphs if ps]
-    with open(path, "w") as f:
-        for _ in range(n):
-            ps = rng.choice(paragraphs)
-            start = end = rng.randrange(len(ps))
-            size = len(ps[start])
-            # Forward from a random paragraph, then back when the topic ends.
-            while end + 1 < len(ps) and size + len(ps[end + 1]) < max_chars:
-                end += 1
-                size += len(ps[end])
-            while start > 0 and size + len(ps[start - 1]) < max_chars:
-                start -= 1
-                size += len(ps[start])
-            text = "\n\n".join(ps[start : end + 1])[:max_chars] + "\n\n"
-            f.write(json.dumps({"prompt": text + rng.choice(QUESTIONS)}) + "\n")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_models(base: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Until GET /v1/models lists a model (the process must stay alive)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
-                if json.loads(r.read()).get("data"):
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{log} did not get ready:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
-
-
-def probe_completion(base: str, model: str, timeout_s: float) -> None:
-    """One small completion (the gateway fetches the unit's tokenizer after it
-    lists the model: until then completions fail)."""
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4}).encode()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        req = urllib.request.Request(
-            base + "/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                r.read()
-                return
-        except urllib.error.URLError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
-@dataclass
-class Server:
-    name: str
-    base_url: str
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    grpc_address: str | None = None
-    metrics_urls: tuple[str, ...] = ()  # the scheduler's, then the worker's
-    pgids: tuple[int, ...] = ()  # its process groups (started here: its own)
-
-    def groups(self) -> list[int]:
-        return list(self.pgids) or [p.pid for p in self.procs]
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-
-def _popen(cmd: Sequence[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    out = open(log, "w")  # noqa: SIM115 (the child holds it)
-    # Its own process group: stopped as a whole, children included.
-    return subprocess.Popen(
-        list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def stop(procs: Sequence[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-@contextmanager
-def radixserve(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
-    """`radixserve serve` and `smg` in front of it; both stopped on exit."""
-    port_file = tmp / "radixserve.port"
-    port_file.unlink(missing_ok=True)  # an earlier run's
-    cmd = [str(BIN / "radixserve"), "serve", "--model", model, "--host", "127.0.0.1"]
-    cmd += ["--port", "0", "--port-file", str(port_file)]
-    cmd += ["--served-model-name", Path(model).name, "--log-level", "warning", *extra]
-    metrics = free_port()  # the worker serves its metrics on the next port
-    cmd += ["--metrics-port", str(metrics)]
-    procs = [_popen(cmd, tmp / "radixserve.log")]
-    try:
-        deadline = time.monotonic() + 600
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise SystemExit((tmp / "radixserve.log").read_text()[-3000:])
-            time.sleep(0.5)
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
-        port = free_port()
-        gw = [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port)]
-        gw += ["--worker-urls", f"grpc://{address}"]
-        gw += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        gw += ["--worker-startup-check-interval", "1", "--log-level", "warn"]
-        gw += ["--shutdown-grace-period-secs", "0"]
-        procs.append(_popen(gw, tmp / "smg.log"))
-        base = f"http://127.0.0.1:{port}"
-        wait_models(base, procs[1], tmp / "smg.log", 120)
-        probe_completion(base, Path(model).name, 120)
-        urls = (f"http://127.0.0.1:{metrics}/metrics", f"http://127.0.0.1:{metrics + 1}/metrics")
-        yield Server("radixserve", base, procs, address, urls)
-    finally:
-        stop(procs)
-
-
-@contextmanager
-def vllm(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
-    """vLLM's OpenAI server (the peer script); stopped on exit."""
-    port = free_port()
-    cmd = ["bash", str(VLLM_SCRIPT), "serve", model, str(port), *extra]
-    procs = [_popen(cmd, tmp / "vllm.log")]
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_models(base, procs[0], tmp / "vllm.log", 900)  # its first start compiles
-        yield Server("vllm", base, procs)
-    finally:
-        stop(procs)
 
 
 def vllm_bench(
@@ -326,163 +124,6 @@ def figures(result: dict) -> dict[str, float]:
         "duration_s": float(result["duration"]),
         "client_cpu_s": float(result["client_cpu_s"]),
     }
-
-
-@contextmanager
-def py_spy(pids: dict[str, int], seconds: float, out: Path, tag: str) -> Iterator[None]:
-    """py-spy samples (collapsed stacks, "raw") of ``pids`` for ``seconds``; on
-    exit, each process's busiest functions are printed (inclusive share of
-    the samples; idle threads are not sampled, so samples / (rate x seconds)
-    is the busy fraction of one thread's worth)."""
-    exe = shutil.which("py-spy") or str(BIN / "py-spy")
-    procs = {}
-    for name, pid in pids.items():
-        dest = out / f"{tag}-{name}.pyspy.txt"
-        cmd = [exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", str(SPY_RATE)]
-        cmd += ["-f", "raw", "-o", str(dest), "--nonblocking"]
-        procs[name] = (
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            dest,
-        )
-    try:
-        yield
-    finally:
-        for name, (p, dest) in procs.items():
-            try:
-                p.wait(timeout=seconds + 30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if dest.exists():
-                print(profile_summary(name, dest, seconds), flush=True)
-
-
-SPY_RATE = 100
-
-
-def profile_summary(name: str, path: Path, seconds: float, top: int = 25) -> str:
-    """The functions that most samples were inside (inclusive), from py-spy's
-    collapsed stacks ("frame;frame;... count")."""
-    total = 0
-    inclusive: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        n = int(count)
-        total += n
-        for frame in set(stack.split(";")):
-            inclusive[frame] = inclusive.get(frame, 0) + n
-    lines = [f"-- {name}: {total} samples, {total / (SPY_RATE * seconds):.2f} busy threads"]
-    for frame, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"{100 * n / max(total, 1):6.1f}%  {frame[:150]}")
-    return "\n".join(lines)
-
-
-def _group_processes(pgids: Sequence[int]) -> Iterator[tuple[int, str]]:
-    """(pid, command line) of every process in the process groups ``pgids``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            pgid = os.getpgid(int(entry.name))
-            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ProcessLookupError):
-            continue
-        if pgid in pgids:
-            yield int(entry.name), argv
-
-
-def role(argv: str) -> str:
-    """A process's part, from its command line."""
-    for key, name in (
-        ("worker_service", "worker"),
-        ("resource_tracker", "other"),
-        ("spawn_main", "core"),
-        ("radixserve serve", "api"),
-        ("smg", "gateway"),
-        ("EngineCore", "vllm-engine"),
-        ("vllm", "vllm-api"),
-    ):
-        if key in argv:
-            return name
-    return "other"
-
-
-def radixserve_pids(server: Server) -> dict[str, int]:
-    """The worker and core processes under `radixserve serve`."""
-    found = {}
-    for pid, argv in _group_processes([server.procs[0].pid]):
-        name = role(argv)
-        if name in ("worker", "core"):
-            found[name] = pid
-    return found
-
-
-def cpu_seconds(server: Server) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each part of ``server``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for pid, argv in _group_processes(server.groups()):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        name = role(argv)
-        # vLLM's engine core renames itself (its /proc comm), not its argv.
-        comm = (
-            Path(f"/proc/{pid}/comm").read_text().strip()
-            if Path(f"/proc/{pid}/comm").exists()
-            else ""
-        )
-        if comm.startswith("VLLM::"):  # vLLM names its processes (EngineCore, Worker)
-            name = comm.lower().replace("::", "-")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def scrape(server: Server) -> dict[str, float]:
-    """radixserve's step accounting so far: per forward mode the steps and
-    their seconds, the worker's busy and idle seconds, the drafts."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for url in server.metrics_urls:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name, labels = sample.name, sample.labels
-                if name.startswith("radixserve_worker_step_duration_seconds_"):
-                    kind = name.rsplit("_", 1)[1]
-                    if kind in ("sum", "count"):
-                        out[f"{labels['mode']}_{kind}"] = sample.value
-                elif name in (
-                    "radixserve_worker_busy_seconds_total",
-                    "radixserve_worker_idle_seconds_total",
-                    "radixserve_spec_verify_steps_total",
-                    "radixserve_spec_draft_tokens_total",
-                    "radixserve_spec_accepted_tokens_total",
-                ):
-                    out[name.removeprefix("radixserve_").removesuffix("_total")] = sample.value
-    return out
-
-
-def steps_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What one run added: steps and mean milliseconds per mode, busy / idle s, drafts."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
-    out: dict[str, float] = {}
-    for mode in ("prefill", "decode", "mixed", "idle"):
-        n = d.get(f"{mode}_count", 0.0)
-        if n:
-            out[f"{mode}_steps"] = n
-            out[f"{mode}_s"] = round(d[f"{mode}_sum"], 2)
-            out[f"{mode}_ms_mean"] = round(1000 * d[f"{mode}_sum"] / n, 1)
-    for k in ("worker_busy_seconds", "worker_idle_seconds"):
-        out[k] = round(d.get(k, 0.0), 2)
-    for k in ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens"):
-        out[k] = d.get(k, 0.0)
-    return out
 
 
 def summarize(runs: dict[str, list[dict[str, float]]]) -> dict:
