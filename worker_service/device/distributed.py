@@ -2,11 +2,19 @@
 
 Ranks join with torch.distributed (NCCL on GPUs, gloo on CPU, so CPU tests
 cover it). With tp_size 1 every collective is a no-op and no group exists.
+
+Besides the device group, every group has a host-side (gloo) one for
+``agree``: the step's go / no-go, decided on the host before any of the
+step's device collectives is queued. On CPU it is the device group itself;
+with NCCL it is a second, gloo group, so agreeing never waits for the GPU
+stream (an NCCL all-reduce read on the host would wait for every kernel
+queued before it: the previous step, which overlap keeps running).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -14,11 +22,23 @@ import torch.distributed as dist
 
 logger = structlog.get_logger(__name__)
 
+# all_gather_single is torch 2.13's name for all_gather_into_tensor (which it
+# deprecates); torch >= 2.4 (pyproject) has at least the older one.
+_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GroupStepFailed(RuntimeError):
+    """A step that every rank of the group fails, each learning it within the
+    step (``TensorParallel.agree`` before it, or rank 0's status on the token
+    broadcast): no rank's collectives run ahead of another's."""
+
 
 @dataclass
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # The host-side group ``agree`` runs on (None: the default group, gloo on CPU).
+    host_group: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -37,9 +57,24 @@ class TensorParallel:
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        # One collective into one buffer, ranks along dim 0 (what NCCL and
+        # gloo gather into without a copy), then their columns side by side.
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _gather_into_tensor(out, x.contiguous())
+        merged = (*x.shape[:-1], self.size * x.shape[-1])
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(merged)
+
+    def agree(self, code: int) -> list[int]:
+        """Every rank's ``code`` for this step (0: go), one host all-reduce:
+        each rank writes its own entry of a zero vector and the sum is
+        everyone's. Blocks until every rank has called it; never waits for
+        the device."""
+        if self.size == 1:
+            return [code]
+        codes = torch.zeros(self.size, dtype=torch.int64)
+        codes[self.rank] = code
+        dist.all_reduce(codes, group=self.host_group)
+        return codes.tolist()
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -69,4 +104,5 @@ def init_tensor_parallel(
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{dist_addr}", rank=rank, world_size=size
     )
-    return TensorParallel(rank, size)
+    host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return TensorParallel(rank, size, host_group)
