@@ -79,6 +79,11 @@ class WorkerConfig:
         "fault tests: every step of the simulated model that computes this token fails "
         "(the worker answers it with an error)",
     )
+    fail_sample_token: int | None = setting(
+        None,
+        "fault tests: rank 0's sampler fails every step of the real model whose inputs "
+        "hold this token (the step fails on every tensor-parallel rank)",
+    )
     max_message_mb: int = setting(64, "gRPC message size limit")
     drain_timeout_s: float = setting(
         60.0,

@@ -103,6 +103,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             page_size=cfg.page_size,
             vocab_size=vocab,
             grammars=grammars,
+            tp=tp,
         )
         return Worker(
             config=cfg,
@@ -173,6 +174,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         device=device,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
+    compute.fail_token = cfg.fail_sample_token
     max_context = model.rope.max_positions
     graph_bytes = 0
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
@@ -201,6 +203,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         overlap=overlap,
         grammars=grammars,
         scores_only=classifier,
+        tp=tp,
     )
     logger.info(
         "worker ready",

@@ -26,15 +26,15 @@ import structlog
 import torch
 
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
-from worker_service.device.distributed import TensorParallel
+from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
-from worker_service.device.transfer import to_device
+from worker_service.device.transfer import to_device, to_host
 from worker_service.execution.cuda_graphs import DecodeGraphs
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.models.layers import ScoreHead
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.sampling.logprobs import token_logprobs
+from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.params import LogprobOptions
 from worker_service.sampling.rows import (
     PooledEmbedding,
@@ -60,13 +60,50 @@ class _PromptSpan:
     rows: list[int]  # hidden rows of positions max(start, 1) - 1 .. end - 2
 
 
+@dataclass(slots=True)
+class _PromptScores:
+    """A span's prompt logprobs, left on the device by ``launch``; ``finish``
+    reads them with the step's tokens, after its one wait."""
+
+    slot: int
+    start: int  # first prompt position reported (0: its logprob is NaN)
+    logprobs: torch.Tensor  # (rows, 1 + requested ids): the prompt token's, then theirs
+    top_ids: torch.Tensor | None  # (rows, top_n); None: no top logprobs asked for
+    top_logprobs: torch.Tensor | None
+    ids_asked: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        top = [self.top_ids, self.top_logprobs] if self.top_ids is not None else []
+        return [self.logprobs, *top]
+
+    def on_host(self, host: list[torch.Tensor]) -> PromptLogprobs:
+        """``host``: ``tensors()`` on the host, in order."""
+        lp_rows = host[0].tolist()
+        head = [math.nan] if self.start == 0 else []
+        out = PromptLogprobs(self.slot, self.start, head + [row[0] for row in lp_rows])
+        if self.top_ids is not None:
+            out.top_ids = [i for row in host[1].tolist() for i in row]
+            out.top_logprobs = [x for row in host[2].tolist() for x in row]
+        if self.ids_asked:
+            out.ids_logprobs = [x for row in lp_rows for x in row[1:]]
+        return out
+
+
+class SampleFault(RuntimeError):
+    """The fault tests' injected sampler failure (``--fail-sample-token``)."""
+
+
 @dataclass
 class ModelStep:
     """A model step queued on the device (ModelCompute.launch)."""
 
     sample: SampleLaunch | None
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[_PromptScores] = field(default_factory=list)
     embeddings: list[PooledEmbedding] = field(default_factory=list)
+    # Tensor parallelism: rank 0's sampling status (1: it failed), broadcast
+    # with the tokens; every rank reads it in ``finish``.
+    sample_status: torch.Tensor | None = None
+    sample_error: Exception | None = None  # rank 0: why its sampler failed
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -77,6 +114,10 @@ class ModelStep:
 
 class ModelCompute:
     """One step of the real model (see the module docstring)."""
+
+    # Fault tests (--fail-sample-token): rank 0's sampler fails every step whose
+    # inputs hold this token.
+    fail_token: int | None = None
 
     def __init__(
         self,
@@ -131,7 +172,7 @@ class ModelCompute:
         if self.graphs is not None and num_extends == 0 and lora is None:
             logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
             if logits is not None:  # every row of a decode step samples
-                return ModelStep(self._sample(logits, work))
+                return self._sample(logits, work)
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
@@ -151,7 +192,7 @@ class ModelCompute:
         if sample_rows:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
-            step.sample = self._sample(logits, [w for w in work if w.sample], drafted)
+            step = self._sample(logits, [w for w in work if w.sample], drafted)
         for span in self._prompt_spans(work, batch.seqs):
             step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
         for s, w in zip(batch.seqs, work[:num_extends], strict=False):
@@ -162,9 +203,26 @@ class ModelCompute:
         return step
 
     def finish(self, step: ModelStep) -> SampleOutput:
-        """The step's samples on the host: its one wait for the device."""
-        out = step.sample.result() if step.sample is not None else SampleOutput()
-        out.prompt_logprobs = step.prompt_logprobs
+        """The step's samples and prompt logprobs on the host: its one wait
+        for the device. Under tensor parallelism every rank raises here if
+        rank 0's sampling failed (GroupStepFailed)."""
+        if step.sample_error is not None:
+            error = step.sample_error
+            raise GroupStepFailed(f"rank 0 failed sampling: {error!r}") from error
+        extra = [t for p in step.prompt_logprobs for t in p.tensors()]
+        if step.sample_status is not None:
+            extra.append(step.sample_status)
+        if step.sample is not None:
+            out, host = step.sample.result_with(extra)
+        else:
+            out, host = SampleOutput(), to_host(*extra)
+        if step.sample_status is not None and host.pop().tolist()[0]:
+            raise GroupStepFailed("tensor-parallel rank 0 failed sampling this step")
+        at = 0
+        for p in step.prompt_logprobs:
+            n = len(p.tensors())
+            out.prompt_logprobs.append(p.on_host(host[at : at + n]))
+            at += n
         out.embeddings = step.embeddings
         return out
 
@@ -248,25 +306,45 @@ class ModelCompute:
     # ------------------------------------------------------------- sample
     def _sample(
         self, logits: torch.Tensor, work: list[SeqWork], drafted: bool = False
-    ) -> SampleLaunch:
-        """One batched sampler call; a drafted extend has draft_len + 1 rows."""
+    ) -> ModelStep:
+        """One batched sampler call; a drafted extend has draft_len + 1 rows.
+
+        Tensor parallelism: rank 0 samples and broadcasts the tokens, every
+        rank keeps them on its device (the next step's decode inputs are
+        gathered from them, overlap) and the ranks agree. The broadcast has
+        one more entry, rank 0's status: had its sampler raised before the
+        broadcast, the other ranks would wait in it while rank 0 went on to
+        the next step's collectives. Instead rank 0 broadcasts zeros and the
+        status, and every rank fails the step in ``finish``."""
         if drafted:
             rows = [row for w in work for row in self._draft_rows(w)]
         else:
             rows = [self._sample_row(w) for w in work]
+        if not self.tp.enabled:
+            self._inject_fault(work)
+            return ModelStep(self.sampler.launch(logits, rows))
+        n = len(rows)
+        shared = torch.zeros(n + 1, dtype=torch.long, device=self.device)
+        step = ModelStep(sample=None, sample_status=shared[n:])
         if self.tp.rank == 0:
-            launched = self.sampler.launch(logits, rows)
-        else:  # the tokens come from rank 0; the logprobs are rank 0's to report
-            n = len(rows)
-            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            try:
+                self._inject_fault(work)
+                step.sample = self.sampler.launch(logits, rows)
+                shared[:n].copy_(step.sample.tokens)
+            except Exception as e:  # raised in finish, on every rank
+                step.sample, step.sample_error = None, e
+                shared[n] = 1
+        if step.sample is None:  # the tokens come from rank 0; the logprobs are its to report
             plain = [SampleRow(r.sampling, LogprobOptions(), (), ()) for r in rows]
             zeros = torch.zeros((n, 1), dtype=torch.float32, device=self.device)
-            launched = SampleLaunch(tokens, [zeros], plain)
-        if self.tp.enabled:
-            # Every rank keeps the tokens on its device: the next step's decode
-            # inputs are gathered from them (overlap), and all ranks agree.
-            self.tp.broadcast_from_first(launched.tokens)
-        return launched
+            step.sample = SampleLaunch(shared[:n], [zeros], plain)
+        self.tp.broadcast_from_first(shared)
+        return step
+
+    def _inject_fault(self, work: list[SeqWork]) -> None:
+        token = self.fail_token
+        if token is not None and any(token in w.inputs for w in work):
+            raise SampleFault(f"the sampler fails on token {token} (--fail-sample-token)")
 
     def _sample_row(self, w: SeqWork) -> SampleRow:
         """The token lists are copied only for rows whose penalties read them."""
@@ -306,38 +384,50 @@ class ModelCompute:
             for j in range(1, w.draft_len + 1)
         ]
 
-    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> PromptLogprobs:
-        """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time:
-        a long prompt's full float32 logits (rows x vocabulary) would not fit."""
+    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> _PromptScores:
+        """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time
+        (a long prompt's full float32 logits, rows x vocabulary, would not
+        fit), left on the device: ``finish`` reads them after the step's wait."""
         w, state = span.work, span.work.state
         lp = state.logprobs
         first = max(span.start, 1)
-        targets = np.array(
-            [
-                state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
-                for p in range(first, span.end)
-            ],
-            dtype=np.int64,
-        )
-        head = [math.nan] if span.start == 0 else []
-        out = PromptLogprobs(w.slot, span.start, head)
+        # Column 0: the prompt token each row scores; then the requested ids.
+        cols = np.empty((span.end - first, 1 + len(lp.token_ids_logprob)), dtype=np.int64)
+        cols[:, 0] = [
+            state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
+            for p in range(first, span.end)
+        ]
+        cols[:, 1:] = lp.token_ids_logprob
         rows = np.array(span.rows, dtype=np.int64)
+        parts = []
         for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
             index, ids = to_device(
-                [rows[at : at + PROMPT_LOGIT_ROWS], targets[at : at + PROMPT_LOGIT_ROWS]],
+                [rows[at : at + PROMPT_LOGIT_ROWS], cols[at : at + PROMPT_LOGIT_ROWS]],
                 self.device,
             )
             logits = self.model.logits(hidden.index_select(0, index))
-            scored = token_logprobs(
-                logits, ids, top_n=lp.top_logprobs_num, token_ids=lp.token_ids_logprob
-            )
-            out.logprobs += scored.logprobs
-            if lp.top_logprobs_num:
-                out.top_ids += [i for ids_ in scored.top_ids for i in ids_]
-                out.top_logprobs += [x for lps in scored.top_logprobs for x in lps]
-            if lp.token_ids_logprob:
-                out.ids_logprobs += [x for lps in scored.ids_logprobs for x in lps]
-        return out
+            parts.append(logprob_tensors(logits, ids, top_n=lp.top_logprobs_num))
+        top_n = max(lp.top_logprobs_num, 0)
+        if not parts:  # position 0 alone: no row
+            empty = torch.empty((0, cols.shape[1]), dtype=torch.float32)
+            logprobs, top_ids, top_lps = empty, torch.empty((0, top_n)), torch.empty((0, top_n))
+        else:
+            logprobs = _cat([p.logprobs for p in parts])
+            top_ids = _cat([p.top_ids for p in parts])
+            top_lps = _cat([p.top_logprobs for p in parts])
+        asked_top = bool(lp.top_logprobs_num)
+        return _PromptScores(
+            w.slot,
+            span.start,
+            logprobs,
+            top_ids if asked_top else None,
+            top_lps if asked_top else None,
+            ids_asked=bool(lp.token_ids_logprob),
+        )
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _pool(w: SeqWork, rows: torch.Tensor, score: ScoreHead | None) -> PooledEmbedding | None:

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from worker_service.device.context import DeviceFailure, is_sticky_device_error
+from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.execution.plan import Plan, Result
 from worker_service.execution.request_state import SlotState
 from worker_service.execution.validation import PlanError, validate_plan
@@ -75,6 +76,11 @@ class OverlapCompute(Compute, Protocol):
 
 PENDING = -1  # a sampled token whose value is still on the device (overlap)
 
+# What a rank tells the others about a step before queueing any of its
+# collectives (TensorParallel.agree): it can run it, it refused the plan
+# (not applied), or it failed (its state is dropped, or was already).
+_GO, _REFUSED, _FAILED = 0, 1, 2
+
 
 @dataclass
 class StartedStep:
@@ -109,6 +115,15 @@ class ModelRunner:
     one completes the step before it first (its first input must be a known
     token), and runs to its result at once (how many tokens it keeps is known
     only then), so the plan after it starts from settled state.
+
+    Tensor parallelism (``tp``): the ranks must queue the same collectives in
+    the same order, so each step is run or failed by all of them. Before
+    queueing anything, ``start`` has the ranks agree on it (one host
+    all-reduce): a rank that refused the plan, failed to prepare it, or
+    failed an earlier step alone makes every rank fail it and drop its
+    state. Rank 0 alone samples; its failure there rides to the others on
+    the token broadcast, and every rank raises it in ``finish``
+    (model_compute.py).
     """
 
     def __init__(
@@ -122,9 +137,11 @@ class ModelRunner:
         overlap: bool = False,
         grammars: GrammarCompiler | None = None,
         scores_only: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         """``scores_only``: the model is a sequence classifier (validate_plan)."""
         self.compute = compute
+        self.tp = tp or TensorParallel()
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
@@ -137,9 +154,13 @@ class ModelRunner:
         self.overlap = overlap and hasattr(compute, "launch")
         self.slots: dict[int, SlotState] = {}
         self._running: StartedStep | None = None  # started, not completed
+        # This rank failed a step the others may have run (tensor parallelism):
+        # its state differs from theirs until every rank drops its own.
+        self._diverged = False
 
     def reset(self) -> None:
         """Drop every request (a new scheduler stream starts from nothing)."""
+        self._diverged = False
         self.slots.clear()
         self.adapters.clear_slots()
         self._running = None  # its kernels finish on their own; nobody reads them
@@ -160,6 +181,8 @@ class ModelRunner:
         # One look-up of the names the plan puts in slots: the same objects are
         # checked and applied, whatever an UnloadAdapter does meanwhile.
         loaded = self.adapters.lookup(a.name for a in plan.adapter_slots)
+        refused: PlanError | None = None
+        failed: Exception | None = None
         try:
             validate_plan(
                 plan,
@@ -174,18 +197,25 @@ class ModelRunner:
             )
         except PlanError as e:
             logger.warning("plan rejected", step_id=plan.step_id, error=str(e))
-            step.result = Result(plan.step_id, error=f"step {plan.step_id}: {e}")
+            refused = e
+        else:
+            step.work = self._apply(plan, loaded)
+            step.num_extends = len(plan.extends)
+            step.drafted = any(e.draft_len for e in plan.extends)
+            try:
+                self._attach_grammars(step.work)
+            except GrammarError as e:
+                failed = e
+        refused, failed = self._agree(plan.step_id, refused, failed)
+        if refused is not None:
+            step.result = Result(plan.step_id, error=f"step {plan.step_id}: {refused}")
             return step
-        step.work = work = self._apply(plan, loaded)
-        step.num_extends = len(plan.extends)
-        step.drafted = any(e.draft_len for e in plan.extends)
-        try:
-            self._attach_grammars(work)
-        except GrammarError as e:
+        if failed is not None:
             if previous is not None:
                 self.complete(previous)
-            step.result = self._failed(step, e)
+            step.result = self._failed(step, failed, agreed=True)
             return step
+        work = step.work
         if previous is not None:
             for w in work:
                 if w.inputs[0] == PENDING and w.start + 1 == len(w.state.tokens):
@@ -203,7 +233,7 @@ class ModelRunner:
         except Exception as e:
             if previous is not None:
                 self.complete(previous)  # queued before this step: its result still counts
-            step.result = self._failed(step, e)
+            step.result = self._failed(step, e, agreed=isinstance(e, GroupStepFailed))
         return step
 
     def complete(self, step: StartedStep) -> Result:
@@ -213,11 +243,9 @@ class ModelRunner:
         if self._running is step:
             self._running = None
         try:
-            out = self.compute.finish(step.launched)
+            step.result = self._result(step, self.compute.finish(step.launched))
         except Exception as e:
-            step.result = self._failed(step, e)
-            return step.result
-        step.result = self._result(step, out)
+            step.result = self._failed(step, e, agreed=isinstance(e, GroupStepFailed))
         return step.result
 
     def _can_overlap(self, plan: Plan, previous: StartedStep) -> bool:
@@ -252,8 +280,41 @@ class ModelRunner:
                     state.sampling.reasoning_end_token,
                 )
 
-    def _failed(self, step: StartedStep, error: Exception) -> Result:
-        if is_sticky_device_error(error):
+    def _agree(
+        self, step_id: int, refused: PlanError | None, failed: Exception | None
+    ) -> tuple[PlanError | None, Exception | None]:
+        """The step's fixed point under tensor parallelism, before any of its
+        collectives is queued: what every rank does with it, decided the same
+        way on each. A refusal every rank shares leaves every state as it was
+        (the plan was applied nowhere); any other failure anywhere fails the
+        step on every rank, each dropping its state (``_failed``)."""
+        if not self.tp.enabled:
+            return refused, failed
+        if failed is not None or self._diverged:
+            code = _FAILED
+        else:
+            code = _GO if refused is None else _REFUSED
+        codes = self.tp.agree(code)
+        if max(codes) == _GO:
+            return None, None
+        if min(codes) == max(codes) == _REFUSED:
+            return refused, None
+        if failed is None:
+            failed = refused
+        if failed is None:
+            if code == _FAILED:
+                why = "this rank failed an earlier step the others ran"
+            else:
+                ranks = [r for r, c in enumerate(codes) if c != _GO]
+                why = f"tensor-parallel rank(s) {ranks} could not run it"
+            failed = GroupStepFailed(f"step {step_id}: {why}")
+        return None, failed
+
+    def _failed(self, step: StartedStep, error: Exception, *, agreed: bool = False) -> Result:
+        """``agreed``: every rank fails this step (tensor parallelism); if not,
+        the others may have run it and the next step's ``_agree`` fails them."""
+        cause = error.__cause__
+        if is_sticky_device_error(error) or (cause is not None and is_sticky_device_error(cause)):
             raise DeviceFailure(f"step {step.step_id}: {error}") from error
         # The KV cache may be half written: start over.
         logger.error(
@@ -263,6 +324,7 @@ class ModelRunner:
             exc_info=error,
         )
         self.reset()
+        self._diverged = self.tp.enabled and not agreed
         return Result(step.step_id, error=f"step {step.step_id} failed on the worker: {error!r}")
 
     def _apply(self, plan: Plan, loaded: dict[str, LoadedAdapter]) -> list[SeqWork]:

@@ -20,6 +20,8 @@ logits: no copy, no softmax, no sort.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -189,13 +191,19 @@ class SampleLaunch:
 
     def result(self) -> SampleOutput:
         """Everything back on the host, after the step's one wait for the device."""
+        return self.result_with(())[0]
+
+    def result_with(self, extra: Sequence[torch.Tensor]) -> tuple[SampleOutput, list[torch.Tensor]]:
+        """``result()``, and the step's ``extra`` tensors on the host after the
+        same one wait (prompt logprobs, the tensor-parallel status)."""
         if self._result is not None:
-            return self._result
+            return self._result, to_host(*extra)
         rows = self._rows
         if not rows:
             self._result = SampleOutput()
-            return self._result
-        chosen_h, lp_h, *top = to_host(self.tokens, *self._tensors)
+            return self._result, to_host(*extra)
+        chosen_h, lp_h, *rest = to_host(self.tokens, *self._tensors, *extra)
+        top, extra_h = rest[: len(rest) - len(extra)], rest[len(rest) - len(extra) :]
         if top:
             top_ids, top_lps = top[0].tolist(), top[1].tolist()
         else:
@@ -208,4 +216,4 @@ class SampleLaunch:
             out.top_logprobs.append(top_lps[i][:n])
             out.ids_logprobs.append(lp_rows[i][1 : 1 + len(r.logprobs.token_ids_logprob)])
         self._result = out
-        return out
+        return out, extra_h
