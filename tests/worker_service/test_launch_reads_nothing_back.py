@@ -66,8 +66,8 @@ def test_prompt_logprobs_stay_on_the_device_until_finish(tmp_path, monkeypatch):
     (req,) = PlanDriver(runner, 4, chunk=8).run([DriverRequest(prompt, 3, logprobs=lp)])
     scored = [p for s in steps for p in s.prompt_logprobs]
     assert len(scored) == 4  # one per chunk of the prompt
-    assert all(isinstance(t, torch.Tensor) for p in scored for t in p.tensors())
     assert read_back == []
+    assert all(isinstance(t, torch.Tensor) for p in scored for t in p.tensors())
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     assert sorted(req.prompt_logprobs) == list(range(30))
