@@ -1,15 +1,24 @@
 """Tensor-parallel collectives on 2 gloo ranks: the logits gather is one
 all_gather_into_tensor (no list all_gather, no cat of parts) with the old
-result, and ``agree`` gives every rank every rank's code."""
+result; ``agree`` gives every rank every rank's code, and a rank that is
+gone breaks a runner's agreement at once as a DeviceFailure (the servicer
+ends the process, to be restarted with a fresh group), not a hang."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.worker_service.support.gloo_ranks import on_gloo_ranks
+from worker_service.device.context import DeviceFailure
 from worker_service.device.distributed import TensorParallel
+from worker_service.execution.model_runner import ModelRunner
+from worker_service.execution.plan import ForwardMode, Plan
+from worker_service.execution.simulated_compute import SimulatedCompute
 
 # Spawns the ranks (tests/support/process_guard.py).
 pytestmark = pytest.mark.server
@@ -43,3 +52,18 @@ def _gather_body(tp: TensorParallel) -> None:
 
 def test_logits_gather_is_one_collective_with_the_old_result_and_ranks_agree():
     on_gloo_ranks(_gather_body)
+
+
+def _lost_rank_body(tp: TensorParallel) -> None:
+    runner = ModelRunner(SimulatedCompute(), num_pages=8, page_size=4, vocab_size=64, tp=tp)
+    assert runner.execute(Plan(1, ForwardMode.IDLE)).error == ""  # both ranks agree
+    if tp.rank == 1:
+        os._exit(0)  # gone, as a crashed rank is
+    t0 = time.monotonic()
+    with pytest.raises(DeviceFailure, match="tensor-parallel group broke"):
+        runner.start(Plan(2, ForwardMode.IDLE))
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_lost_rank_breaks_the_step_agreement_at_once():
+    on_gloo_ranks(_lost_rank_body)

@@ -294,7 +294,13 @@ class ModelRunner:
             code = _FAILED
         else:
             code = _GO if refused is None else _REFUSED
-        codes = self.tp.agree(code)
+        try:
+            codes = self.tp.agree(code)
+        except RuntimeError as e:
+            # A rank is gone (its connection reset) or hung past the group's
+            # timeout: no collective of this group can work again, so end the
+            # process (the servicer does) for a fresh group, like a broken GPU.
+            raise DeviceFailure(f"step {step_id}: the tensor-parallel group broke: {e}") from e
         if max(codes) == _GO:
             return None, None
         if min(codes) == max(codes) == _REFUSED:
