@@ -3,12 +3,13 @@
 Ranks join with torch.distributed (NCCL on GPUs, gloo on CPU, so CPU tests
 cover it). With tp_size 1 every collective is a no-op and no group exists.
 
-Besides the device group, every group has a host-side (gloo) one for
+Besides the device group, the ranks share a second, gloo group for
 ``agree``: the step's go / no-go, decided on the host before any of the
-step's device collectives is queued. On CPU it is the device group itself;
-with NCCL it is a second, gloo group, so agreeing never waits for the GPU
+step's device collectives is queued. Agreeing never waits for the GPU
 stream (an NCCL all-reduce read on the host would wait for every kernel
-queued before it: the previous step, which overlap keeps running).
+queued before it: the previous step, which overlap keeps running), and
+never pairs with a device collective of a rank that is out of step. It is
+a group of its own on CPU too, so the CPU tests run the GPU's arrangement.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class GroupStepFailed(RuntimeError):
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    # The host-side group ``agree`` runs on (None: the default group, gloo on CPU).
+    # The host-side gloo group ``agree`` runs on (see the module docstring).
     host_group: Any = None
 
     @property
@@ -104,5 +105,4 @@ def init_tensor_parallel(
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{dist_addr}", rank=rank, world_size=size
     )
-    host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
-    return TensorParallel(rank, size, host_group)
+    return TensorParallel(rank, size, dist.new_group(backend="gloo"))
