@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tests.worker_service.support import flashinfer_cpu_harness as harness
 from tests.worker_service.support import flashinfer_reference as reference
 from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
 from tests.worker_service.support.flashinfer_conformance import (
@@ -44,6 +45,7 @@ from worker_service.attention.base import (
 from worker_service.attention.flashinfer_backend import FlashInferAttention
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs
 
 flashinfer = pytest.importorskip(
     "flashinfer",
@@ -215,3 +217,40 @@ def test_graph_decode_conforms(monkeypatch, page_size, heads, window) -> None:
             assert torch.equal(g[:scratch].float(), r[:scratch])
     too_many = make_batch([], [1] * 9, page_size, num_pages, gen)
     assert graphs.replay(too_many, {}) is None
+
+
+@pytest.mark.usefixtures("fi_cpu")
+def test_a_larger_replay_leaves_a_smaller_replays_output(monkeypatch) -> None:
+    """Both sizes capture into one pool. The forward frees an intermediate as
+    the last layers of a model do; the caching allocator hands that block to
+    the smaller graph's capture, whose output lands in it. Replaying the
+    larger graph rewrites the block: an output kept in the pool would change
+    under a reader that has not read it yet."""
+    heads, page_size = HEADS[0], 16
+    spec = spec_for(heads, page_size, None, torch.bfloat16, "cpu")
+    gen = seed("pool", heads)
+    num_pages = 512 // page_size
+    harness.install_graph_stand_ins(monkeypatch)
+    kv, _ = random_caches(spec, num_pages, gen)
+    graphed = FlashInferAttention(spec, workspace_bytes=2**20)
+    graphed.enable_decode_graphs(num_pages - 1, -(-200 // page_size), sizes=(4, 8))
+    bufs = dict(zip("qkv", random_qkv(spec, 8, gen), strict=True))
+
+    def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        attn = graphed.forward(0, x["q"], x["k"], x["v"], kv=kv)
+        mid = harness.pool_empty(tuple(attn.shape), attn.dtype)
+        harness.launch(lambda: torch.mul(attn, 2, out=mid))
+        out = harness.pool_empty(tuple(attn.shape), attn.dtype)
+        harness.launch(lambda: torch.add(mid, 1, out=out))
+        harness.pool_free(mid)
+        return out
+
+    graphs = DecodeGraphs(graphed, forward, bufs, page_size)
+    graphs.capture()
+    small = like_the_runner(make_batch([], [40, 3, 17], page_size, num_pages, gen))
+    out_small = graphs.replay(small, dict(zip("qkv", random_qkv(spec, 3, gen), strict=True)))
+    assert out_small is not None
+    read_later = out_small.clone()
+    large = like_the_runner(make_batch([], [5, 9, 1, 30, 2, 8, 70], page_size, num_pages, gen))
+    assert graphs.replay(large, dict(zip("qkv", random_qkv(spec, 7, gen), strict=True))) is not None
+    assert torch.equal(out_small, read_later), "the larger replay overwrote the smaller output"

@@ -54,7 +54,13 @@ from worker_service.attention.base import (
 )
 from worker_service.device.kv_cache import KvCache
 
-DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# As SGLang: 1, 2, 4, then every 8 up to 256. A batch is padded by at most 7 rows
+# (at most 3 below 8), so above batch 64 padding is under 10% of the rows replayed;
+# powers of two padded batch 129 to 256. A size costs a capture at start and its
+# output buffer (DecodeGraphs), its intermediates share one pool.
+GRAPH_SIZE_STEP = 8
+MAX_GRAPH_SIZE = 256
+DEFAULT_GRAPH_SIZES = (1, 2, 4, *range(GRAPH_SIZE_STEP, MAX_GRAPH_SIZE + 1, GRAPH_SIZE_STEP))
 _INT32_MAX = 2**31 - 1
 
 

@@ -26,9 +26,22 @@ runs eagerly (ModelCompute.launch), its per-group matmuls depending on which
 rows use which adapter.
 
 ``forward(inputs)`` runs the model's decode forward on ``inputs`` (tensors of
-one batch size) and returns a tensor whose first dimension is that size, e.g.
-the last hidden states or the logits. The tensor ``replay`` returns is the
-graph's output buffer: read it before the next replay of the same size.
+one batch size) and returns a tensor whose first dimension is that size: the
+final hidden states (ModelCompute runs the LM head after the replay, eagerly).
+
+Memory. All sizes capture into one memory pool: a graph's intermediates live
+there, and a later (smaller) capture reuses the blocks an earlier one freed,
+so the pool costs about what the largest graph needs, not the sum. Graph
+outputs must not stay there: a smaller graph's output may sit in blocks that
+were a larger graph's intermediates, and replaying the larger one would
+overwrite it. So each graph's last captured op copies its output into a
+buffer of its own allocated outside the pool (``keep_output``), and ``replay``
+returns a view of that buffer: it holds until the next replay of the same
+size, whatever other sizes replay meanwhile. Those buffers are rows x
+hidden x 2 bytes per size (8 KiB a row for a 4096-wide bf16 model; 4.2k rows
+over the default sizes, ~35 MB), which is why the forward stops before the LM
+head: logits per size would be rows x vocabulary x 4 bytes (2.2 GB at a 128k
+vocabulary).
 """
 
 from __future__ import annotations
@@ -51,6 +64,12 @@ class GraphAttention(Protocol):
     def graph_size_for(self, batch: AttentionBatch) -> int | None: ...
 
     def begin_graph_step(self, batch: AttentionBatch, size: int) -> None: ...
+
+
+def keep_output(held: torch.Tensor, out: torch.Tensor) -> None:
+    """A graph's output copied into its buffer outside the pool (a captured op;
+    the CPU harness records it like a kernel)."""
+    held.copy_(out)
 
 
 def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
@@ -91,7 +110,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (a smaller
-        graph reuses the larger one's intermediate buffers)."""
+        graph reuses the larger one's intermediate buffers); each output is kept
+        outside the pool (module docstring)."""
         pool = torch.cuda.graph_pool_handle()
         empty = empty_decode_batch(self.page_size)
         for size in sorted(self.attention.graph_sizes, reverse=True):
@@ -103,12 +123,16 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
-                    self.forward(views)
+                    warm = self.forward(views)
             torch.cuda.current_stream().wait_stream(side)
+            # Allocated here, before the capture: the caching allocator's own
+            # memory, which no graph of the pool can hand to another.
+            held = torch.empty_like(warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(views)
-            self.graphs[size] = (graph, out)
+                keep_output(held, self.forward(views))
+            self.graphs[size] = (graph, held)
         torch.cuda.synchronize()
 
     def replay(

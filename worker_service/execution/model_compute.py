@@ -99,8 +99,11 @@ class ModelCompute:
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> None:
-        """Capture decode forwards (model + LM head) in CUDA graphs, one per batch
-        size the attention backend offers; decode-only steps then replay them."""
+        """Capture decode forwards (the model up to its final norm) in CUDA graphs,
+        one per batch size the attention backend offers; decode-only steps replay
+        them and run the LM head eagerly on the replay's output: one GEMM, and
+        the per-size outputs kept outside the graphs' pool stay hidden-sized,
+        not vocabulary-sized (cuda_graphs.py)."""
         largest = max(self.attn.graph_sizes)
         buffers = {
             "ids": torch.zeros(largest, dtype=torch.long, device=self.device),
@@ -108,8 +111,7 @@ class ModelCompute:
         }
 
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            hidden = self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
-            return self.model.logits(hidden)
+            return self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
 
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
         self.graphs.capture()
@@ -129,9 +131,9 @@ class ModelCompute:
         lora = self._lora_batch(work, batch.seqs)
         # The graphs hold the base model only: a step with adapter rows runs eagerly.
         if self.graphs is not None and num_extends == 0 and lora is None:
-            logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
-            if logits is not None:  # every row of a decode step samples
-                return ModelStep(self._sample(logits, work))
+            hidden = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
+            if hidden is not None:  # every row of a decode step samples
+                return ModelStep(self._sample(self.model.logits(hidden), work))
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 

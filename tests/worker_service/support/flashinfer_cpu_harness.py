@@ -28,8 +28,13 @@ What is replaced, and why:
   no-op.
 * For CUDA graphs (``install_graph_stand_ins``): ``torch.cuda.CUDAGraph`` /
   ``graph`` / streams / ``synchronize`` as used by worker_service/execution/cuda_graphs.py,
-  backed by flashinfer_reference.GraphTape; our ``store_kv`` launches through the
-  tape too, since under a real graph its ``index_copy_`` is a captured kernel.
+  backed by flashinfer_reference.GraphTape; our ``store_kv`` and DecodeGraphs'
+  ``keep_output`` launch through the tape too, since under a real graph their
+  copies are captured kernels. ``graph_pool_handle`` gives a ``SharedPool``: what a
+  test's forward allocates with ``pool_empty`` during a capture comes from one arena
+  shared by every capture into that pool, first fit, and ``pool_free`` returns it,
+  as the caching allocator does with a graph pool (a block freed after one capture
+  is handed to the next capture, while the graph that freed it still writes it).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import pytest
 import torch
 
 import worker_service.attention.flashinfer_backend as backend
+import worker_service.execution.cuda_graphs as cuda_graphs
 from tests.worker_service.support import flashinfer_reference as reference
 from tests.worker_service.support.flashinfer_reference import (
     GraphTape,
@@ -221,13 +227,68 @@ class _TapeGraph:
             kernel(*args)
 
 
+class SharedPool:
+    """A graph memory pool: one arena, blocks handed out first fit (512-byte
+    aligned, as CUDA's allocator) and split; a freed block is free for any later
+    capture into the pool."""
+
+    ALIGN = 512
+
+    def __init__(self, nbytes: int = 1 << 22) -> None:
+        self.arena = torch.zeros(nbytes, dtype=torch.uint8)
+        self.free_blocks: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
+        self.blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> its block
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        for i, (offset, free) in enumerate(self.free_blocks):
+            if free >= size:
+                self.free_blocks[i : i + 1] = [(offset + size, free - size)] if free > size else []
+                t = self.arena[offset : offset + nbytes].view(dtype).view(shape)
+                self.blocks[t.data_ptr()] = (offset, size)
+                return t
+        raise MemoryError("stand-in graph pool exhausted")
+
+    def free(self, t: torch.Tensor) -> None:
+        self.free_blocks.append(self.blocks.pop(t.data_ptr()))
+        self.free_blocks.sort()
+        merged: list[tuple[int, int]] = []
+        for offset, size in self.free_blocks:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self.free_blocks = merged
+
+
+_CAPTURING_INTO: list[SharedPool] = []  # the pool of the capture in progress, if any
+
+
 @contextlib.contextmanager
 def _capture(graph: _TapeGraph, pool: Any = None, **_: Any) -> Iterator[None]:
     reference.TAPE.start()
+    if isinstance(pool, SharedPool):
+        _CAPTURING_INTO.append(pool)
     try:
         yield
     finally:
         graph.launches = reference.TAPE.stop()
+        _CAPTURING_INTO.clear()
+
+
+def pool_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` for a test's forward: from the pool while a graph captures
+    into one, from the host allocator otherwise (warm-up, eager runs)."""
+    if _CAPTURING_INTO:
+        return _CAPTURING_INTO[-1].empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def pool_free(t: torch.Tensor) -> None:
+    """What the caching allocator does when a forward's intermediate goes out of scope."""
+    if _CAPTURING_INTO:
+        _CAPTURING_INTO[-1].free(t)
 
 
 class _Stream:
@@ -237,7 +298,7 @@ class _Stream:
 
 def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let worker_service.execution.cuda_graphs.DecodeGraphs capture and replay on the CPU."""
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", SharedPool)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -250,6 +311,12 @@ def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
         reference.TAPE.launch(real_store_kv, *args)
 
     monkeypatch.setattr(backend, "store_kv", store_kv)
+    real_keep_output = cuda_graphs.keep_output
+
+    def keep_output(*args: Any) -> None:
+        reference.TAPE.launch(real_keep_output, *args)
+
+    monkeypatch.setattr(cuda_graphs, "keep_output", keep_output)
 
 
 def launch(kernel: Callable[..., Any], *args: Any) -> None:
