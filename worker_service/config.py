@@ -107,6 +107,12 @@ class WorkerConfig:
     cuda_graphs: bool = setting(
         True, "replay captured CUDA graphs for decode steps (CUDA + flashinfer)"
     )
+    cuda_graph_max_draft: int = setting(
+        8,
+        "with --cuda-graphs: also capture graphs for drafted (speculative) steps of up to "
+        "32 requests whose drafts are at most this long, each request's rows padded to "
+        "this + 1 (the scheduler's --speculative-max-draft); 0: drafted steps run eagerly",
+    )
     overlap: str = setting(
         "auto",
         "queue step N+1 before waiting for step N's tokens (auto: on CUDA; on the CPU it "

@@ -179,6 +179,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        if cfg.cuda_graph_max_draft > 0:
+            attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
         compute.capture_decode_graphs()
         graph_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")

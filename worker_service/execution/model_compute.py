@@ -29,7 +29,7 @@ from worker_service.attention.base import AttentionBackend, AttentionBatch, Sequ
 from worker_service.device.distributed import TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.transfer import to_device
-from worker_service.execution.cuda_graphs import DecodeGraphs
+from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.models.layers import ScoreHead
@@ -97,14 +97,19 @@ class ModelCompute:
         self.page_size = kv.page_size
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # drafted steps
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
-        one per batch size the attention backend offers; decode-only steps replay
-        them and run the LM head eagerly on the replay's output: one GEMM, and
-        the per-size outputs kept outside the graphs' pool stay hidden-sized,
-        not vocabulary-sized (cuda_graphs.py)."""
+        one per batch size the attention backend offers, and, where it offers
+        verify graphs, drafted-step forwards per number of sequences; those steps
+        replay them and run the LM head eagerly on the replay's output: one GEMM,
+        and the per-size outputs kept outside the graphs' pool stay hidden-sized,
+        not vocabulary-sized (cuda_graphs.py). One pool for all."""
+        verify = getattr(self.attn, "verify_graphs", None)
         largest = max(self.attn.graph_sizes)
+        if verify is not None:
+            largest = max(largest, max(verify.graph_sizes) * verify.rows_per_seq)
         buffers = {
             "ids": torch.zeros(largest, dtype=torch.long, device=self.device),
             "positions": torch.zeros(largest, dtype=torch.long, device=self.device),
@@ -113,8 +118,14 @@ class ModelCompute:
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
             return self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
 
+        pool = torch.cuda.graph_pool_handle()
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
-        self.graphs.capture()
+        self.graphs.capture(pool)
+        if verify is not None:
+            self.verify_graphs = DecodeGraphs(
+                verify, forward, buffers, self.page_size, rows_per_seq=verify.rows_per_seq
+            )
+            self.verify_graphs.capture(pool)
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         return self.finish(self.launch(work, num_extends, previous=None))
@@ -134,10 +145,14 @@ class ModelCompute:
             hidden = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
             if hidden is not None:  # every row of a decode step samples
                 return ModelStep(self._sample(self.model.logits(hidden), work))
+        drafted = any(w.draft_len for w in work[:num_extends])
+        if drafted and self.verify_graphs is not None and lora is None:
+            replayed = self._replay_drafted(work, num_extends, batch, input_ids)
+            if replayed is not None:
+                return replayed
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
-        drafted = any(w.draft_len for w in work[:num_extends])
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
             sample_rows = [
                 row
@@ -162,6 +177,38 @@ class ModelCompute:
                 if pooled is not None:
                     step.embeddings.append(pooled)
         return step
+
+    def _replay_drafted(
+        self,
+        work: list[SeqWork],
+        num_extends: int,
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+    ) -> ModelStep | None:
+        """A drafted step through a verify graph: every extend drafted (no prompt
+        chunk) and no row longer than the graphs' rows; None: run it eagerly."""
+        graphs = self.verify_graphs
+        assert graphs is not None
+        q = graphs.rows_per_seq
+        if not all(w.draft_len for w in work[:num_extends]):
+            return None
+        if any(s.q_len > q for s in batch.seqs):
+            return None
+        scratch = graphs.attention.scratch_page
+        padded, ids, _ = pad_verify_batch(batch, input_ids, rows_per_seq=q, scratch_page=scratch)
+        hidden = graphs.replay(padded, {"ids": ids, "positions": padded.positions})
+        if hidden is None:
+            return None
+        # A sequence's samples: its last draft_len + 1 real rows (one for a decode).
+        rows = [
+            i * q + r
+            for i, (s, w) in enumerate(zip(batch.seqs, work, strict=True))
+            if w.sample
+            for r in range(s.q_len - 1 - w.draft_len, s.q_len)
+        ]
+        (index,) = to_device([np.array(rows, dtype=np.int64)], self.device)
+        logits = self.model.logits(hidden.index_select(0, index))
+        return ModelStep(self._sample(logits, [w for w in work if w.sample], drafted=True))
 
     def finish(self, step: ModelStep) -> SampleOutput:
         """The step's samples on the host: its one wait for the device."""
