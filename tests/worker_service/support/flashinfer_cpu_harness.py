@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import worker_service.attention.flashinfer_backend as backend
 import worker_service.execution.cuda_graphs as cuda_graphs
@@ -223,8 +224,11 @@ class _TapeGraph:
         self.launches: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
 
     def replay(self) -> None:
-        for kernel, args in self.launches:
-            kernel(*args)
+        # A real replay runs kernels, nothing autograd could see: inference mode, so
+        # the model's inference tensors (it runs under inference_mode) can be rewritten.
+        with torch.inference_mode():
+            for kernel, args in self.launches:
+                kernel(*args)
 
 
 class SharedPool:
@@ -322,3 +326,47 @@ def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
 def launch(kernel: Callable[..., Any], *args: Any) -> None:
     """Run ``kernel`` now, or record it if a graph is capturing (for a test's own ops)."""
     reference.TAPE.launch(kernel, *args)
+
+
+# ---- whole-model graphs: every torch op recorded ----------------------------------------
+
+
+class _OpRecorder(TorchDispatchMode):
+    """While a stand-in graph captures a whole model: every aten op runs (its
+    outputs give the capture its tensors) and is recorded on the tape, to run
+    again at replay on the very tensors of the capture with its results copied
+    into the capture's outputs; what a captured kernel does. A host read
+    (``.item()``, ``.tolist()``) fails, as it fails a real capture."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise KernelContractError(f"host read during graph capture: {func}")
+        out = func(*args, **kwargs)
+        reference.TAPE.launch(_rerun, func, args, kwargs, out)
+        return out
+
+
+def _rerun(func: Any, args: Any, kwargs: Any, captured: Any) -> None:
+    result = func(*args, **kwargs)
+    pairs = (
+        zip(captured, result, strict=True)
+        if isinstance(captured, tuple | list)
+        else [(captured, result)]
+    )
+    for old, new in pairs:
+        if isinstance(old, torch.Tensor) and new is not old and old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+
+
+@contextlib.contextmanager
+def _capture_model(graph: _TapeGraph, pool: Any = None, **_: Any) -> Iterator[None]:
+    with _capture(graph, pool), _OpRecorder():
+        yield
+
+
+def install_model_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """install_graph_stand_ins, and captures record every torch op as well, so
+    a whole model's forward (ModelCompute.capture_decode_graphs) replays."""
+    install_graph_stand_ins(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "graph", _capture_model)
