@@ -21,9 +21,10 @@ from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.kernels import select_kernels
+from worker_service.lora.graph_slots import LoraSlots
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
-from worker_service.models.lora_loader import ModelAdapterLoader
+from worker_service.models.lora_loader import ModelAdapterLoader, lora_targets
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
@@ -181,6 +182,14 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
         if cfg.cuda_graph_max_draft > 0:
             attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
+        if cfg.cuda_graph_lora_slots > 0:
+            compute.lora_slots = LoraSlots.create(
+                lora_targets(model),
+                slots=cfg.cuda_graph_lora_slots,
+                max_rank=cfg.cuda_graph_lora_max_rank,
+                dtype=dtype,
+                device=device,
+            )
         compute.capture_decode_graphs()
         graph_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")

@@ -27,9 +27,9 @@ forward of ``rows_per_seq`` rows each; ``pad_verify_batch`` turns a drafted
 step (every sequence a drafted extend of at most k drafts, or a decode) into
 that shape, the rows a sequence did not draft writing the scratch page.
 
-The graphs hold the base model only: a step with any LoRA adapter row runs
-eagerly (ModelCompute.launch), its per-group matmuls depending on which rows
-use which adapter (docs/design.md, CUDA graphs).
+Decode steps with LoRA rows replay graphs of their own whose forward reads
+the adapters from fixed slots (lora/graph_slots.py; ModelCompute.lora_graphs),
+the row -> slot map being one more input.
 
 ``forward(inputs)`` runs the model's decode forward on ``inputs`` (tensors of
 one batch size) and returns a tensor whose first dimension is that size: the

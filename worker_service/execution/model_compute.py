@@ -32,6 +32,7 @@ from worker_service.device.transfer import to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
+from worker_service.lora.graph_slots import LoraSlots, SlotLoraBatch
 from worker_service.models.layers import ScoreHead
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import token_logprobs
@@ -98,6 +99,10 @@ class ModelCompute:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # drafted steps
+        # Decode steps with adapter rows: adapters copied into fixed slots (set
+        # before capture_decode_graphs to capture them).
+        self.lora_slots: LoraSlots | None = None
+        self.lora_graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
@@ -118,6 +123,12 @@ class ModelCompute:
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
             return self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
 
+        def lora_forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            assert self.lora_slots is not None
+            lora = SlotLoraBatch(self.lora_slots, inputs["lora_slot"])
+            ids, positions = inputs["ids"], inputs["positions"]
+            return self.model(ids, positions, attn=self.attn, kv=self.kv, lora=lora)
+
         pool = torch.cuda.graph_pool_handle()
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
         self.graphs.capture(pool)
@@ -126,6 +137,12 @@ class ModelCompute:
                 verify, forward, buffers, self.page_size, rows_per_seq=verify.rows_per_seq
             )
             self.verify_graphs.capture(pool)
+        if self.lora_slots is not None:
+            size = max(self.attn.graph_sizes)
+            slot_buffer = torch.full((size,), -1, dtype=torch.long, device=self.device)
+            with_slots = buffers | {"lora_slot": slot_buffer}
+            self.lora_graphs = DecodeGraphs(self.attn, lora_forward, with_slots, self.page_size)
+            self.lora_graphs.capture(pool)
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         return self.finish(self.launch(work, num_extends, previous=None))
@@ -139,12 +156,12 @@ class ModelCompute:
         the device from ``previous``'s sampled tokens."""
         device = self.device
         batch, input_ids = self._batch(work, num_extends, previous)
-        lora = self._lora_batch(work, batch.seqs)
-        # The graphs hold the base model only: a step with adapter rows runs eagerly.
-        if self.graphs is not None and num_extends == 0 and lora is None:
-            hidden = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
+        adapters = any(w.state.adapter is not None for w in work)
+        if self.graphs is not None and num_extends == 0:
+            hidden = self._replay_decode(work, batch, input_ids, adapters=adapters)
             if hidden is not None:  # every row of a decode step samples
                 return ModelStep(self._sample(self.model.logits(hidden), work))
+        lora = self._lora_batch(work, batch.seqs) if adapters else None
         drafted = any(w.draft_len for w in work[:num_extends])
         if drafted and self.verify_graphs is not None and lora is None:
             replayed = self._replay_drafted(work, num_extends, batch, input_ids)
@@ -177,6 +194,35 @@ class ModelCompute:
                 if pooled is not None:
                     step.embeddings.append(pooled)
         return step
+
+    def _replay_decode(
+        self,
+        work: list[SeqWork],
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+        *,
+        adapters: bool,
+    ) -> torch.Tensor | None:
+        """A decode step's hidden states from a graph: the base model's, or with
+        adapter rows the LoRA graphs' once its adapters hold slots; None: eager."""
+        inputs = {"ids": input_ids, "positions": batch.positions}
+        if not adapters:
+            assert self.graphs is not None
+            return self.graphs.replay(batch, inputs)
+        if self.lora_graphs is None or self.lora_slots is None:
+            return None
+        if self.lora_graphs.attention.graph_size_for(batch) is None:
+            return None  # checked first: assigning slots copies weights
+        held = [w.state.adapter for w in work if w.state.adapter is not None]
+        where = self.lora_slots.assign(held)
+        if where is None:
+            return None
+        row_slot = np.array(
+            [-1 if w.state.adapter is None else where[id(w.state.adapter)] for w in work],
+            dtype=np.int64,
+        )
+        (inputs["lora_slot"],) = to_device([row_slot], self.device)
+        return self.lora_graphs.replay(batch, inputs)
 
     def _replay_drafted(
         self,
