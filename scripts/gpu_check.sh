@@ -6,12 +6,23 @@
 #
 # Points Python at the bundle (FlashInfer + prebuilt sm_90a kernels, JIT disabled;
 # `make fi-bundle` builds it here), installs from the bundle only the test
-# dependencies the machine lacks, prints the GPU, runs `pytest -m gpu` (at most
-# 150 s), then scripts/gpu_decode_bench.py (at most 170 s: the Llama-3.1-8B shape in
-# bf16, random weights, batches 1/64/256, 1k context, flashinfer then torch, measured
-# copy bandwidth, fraction of roofline, busy fraction). At most 6 minutes in all.
-# Logs and gpu_bench.json go to $OUT when set (else /tmp/gpu_check). Exit status: the
-# tests', else the benchmark's.
+# dependencies the machine lacks, prints the GPU, then, each step under its own
+# timeout:
+#   1. scripts/gpu_facts.py (at most 90 s, each fact 30 s; ~20-40 s expected): torch,
+#      CUDA, FlashInfer versions, the bundle's kernel modules, bf16/fp16, our attention
+#      per dtype x head dim x decode kernel against torch, CUDA-graph capture and
+#      replay, NCCL (all_reduce, all_gather_into_tensor), pinned non-blocking copies,
+#      set_sync_debug_mode;
+#   2. `pytest -m gpu` (at most 150 s);
+#   3. scripts/gpu_decode_bench.py (at most 170 s: the Llama-3.1-8B shape in bf16,
+#      random weights, batches 1/64/256, 1k context, flashinfer then torch, timed with
+#      overlap; measured copy bandwidth, fraction of roofline, busy fraction).
+# At most 410 s of steps plus ~30 s of setup (7.5 min; ~5 min expected), so a
+# 15-minute device window holds the machine's start and a rerun of one step.
+# Logs, gpu_facts.json and gpu_bench.json (both rewritten after each fact or
+# configuration, so a timeout keeps what finished) go to $OUT when set (else
+# /tmp/gpu_check). Exit status: the tests', else the benchmark's (a fact that fails
+# is reported, not an exit status: it is what the run is for).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -59,18 +70,12 @@ fi
 
 echo "== GPU"
 nvidia-smi
-"$PY" - <<'EOF'
-import sys
-
-import torch
-import tvm_ffi
-
-import flashinfer
-
-print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}),",
-      f"{torch.cuda.get_device_name()} sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
-print(f"flashinfer {flashinfer.__version__} from {flashinfer.__file__}, tvm_ffi {tvm_ffi.__version__}")
-EOF
+echo "== scripts/gpu_facts.py"
+set +e
+OUT=$LOGS timeout "${GPU_FACTS_TIMEOUT:-90}" "$PY" scripts/gpu_facts.py --fact-timeout-s 30 \
+  2>&1 | tee "$LOGS/gpu_facts.log"
+facts_rc=${PIPESTATUS[0]}
+set -e
 
 echo "== pytest -m gpu"
 set +e
@@ -90,6 +95,7 @@ OUT=$LOGS timeout "${GPU_BENCH_TIMEOUT:-170}" "$PY" scripts/gpu_decode_bench.py 
   2>&1 | tee "$LOGS/gpu_decode_bench.log"
 bench_rc=${PIPESTATUS[0]}
 set -e
-echo "== done in $((SECONDS - start)) s: pytest exit $tests_rc, benchmark exit $bench_rc"
+echo "== done in $((SECONDS - start)) s: facts exit $facts_rc, pytest exit $tests_rc," \
+  "benchmark exit $bench_rc"
 ((tests_rc == 0)) || exit "$tests_rc"
 exit "$bench_rc"

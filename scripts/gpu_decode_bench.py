@@ -6,7 +6,14 @@ steps of the whole batch through the worker's model runner (plan in, tokens out:
 model, attention, sampling and bookkeeping; CUDA graphs where the backend has
 them). Reported per (model, backend, batch):
 
-- ms / step (median) and tokens / s;
+- ms / step (median) and tokens / s. Steps are timed as the worker runs them
+  with ``--overlap`` (the default here, ``--overlap on``): step N+1 is started
+  (planned, its kernels queued, its decode inputs gathered on the device from
+  N's tokens) before step N is completed, so a timed step is one iteration of
+  "start N+1, complete N", the period the worker sustains. ``--overlap off``
+  times "start N, complete N" with a device sync before each, as before issue
+  31 (which under-reported against the roofline: the host's planning was not
+  hidden behind the GPU's work);
 - bytes read per step: every weight once (the LM head included; an untied
   input embedding is not counted, a step reads only ``batch`` rows of it; tied
   embeddings count once, as the LM head) plus the KV read,
@@ -23,8 +30,11 @@ them). Reported per (model, backend, batch):
   span also holds the host's bookkeeping after the token copy. n/a on CPU.
 
 Then flashinfer / torch speed-up per (model, batch). One line per
-configuration, a JSON line at the end, also written to ``$OUT/gpu_bench.json``
-when ``$OUT`` is set.
+configuration, a JSON line at the end. The JSON summary is (re)written to
+``--json`` (default ``$OUT/gpu_bench.json`` when ``$OUT`` is set) after every
+configuration, through a temporary file and a rename, so a run killed by a
+timeout leaves every configuration that finished. ``--dry-run`` prints the
+configurations in run order and writes the empty summary, touching no device.
 
 The KV cache is not prefilled by default (``--fill random``): its pages are
 filled with random values and each request's state is set as if its prompt had
@@ -49,6 +59,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +69,8 @@ import torch
 
 from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device
-from worker_service.execution.plan import Extend, ForwardMode, Join, Plan
+from worker_service.execution.model_runner import ModelRunner, StartedStep
+from worker_service.execution.plan import Extend, ForwardMode, Join, Plan, Result
 from worker_service.execution.request_state import SlotState
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.worker import Worker, build_worker
@@ -130,6 +142,79 @@ def kv_bytes_per_token(worker: Worker) -> int:
     return kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * kv.layers[0].element_size()
 
 
+def check(result: Result) -> None:
+    if result.error:
+        raise RuntimeError(result.error)
+
+
+def timed_steps(
+    runner: ModelRunner,
+    next_plan: Callable[[], Plan],
+    *,
+    steps: int,
+    overlap: bool,
+    max_s: float,
+    before_step: Callable[[], None] | None = None,
+) -> tuple[list[float], list[int]]:
+    """Wall seconds of each timed step and the position it decoded at. With
+    ``overlap`` an iteration starts step N+1, then completes step N (the
+    runner's --overlap pipeline; the first iteration also starts step 0, the
+    last step is completed untimed); else it starts and completes one step.
+    Stops early once ``max_s`` passed after at least 3 steps."""
+    times: list[float] = []
+    positions: list[int] = []
+    running: StartedStep | None = runner.start(next_plan()) if overlap else None
+    t_config = time.perf_counter()
+    for i in range(steps):
+        if before_step is not None:
+            before_step()
+        t0 = time.perf_counter()
+        plan = next_plan()
+        started = runner.start(plan)
+        if overlap:
+            check(runner.complete(running))
+            running = started
+        else:
+            check(runner.complete(started))
+        times.append(time.perf_counter() - t0)
+        positions.append(plan.decode_positions[0] - (1 if overlap else 0))
+        if i >= 2 and time.perf_counter() - t_config > max_s:
+            break  # enough for a median; keeps slow configurations in budget
+    if running is not None:
+        check(runner.complete(running))
+    return times, positions
+
+
+def configurations(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(model, backend, batch) in run order: backends outer, so with the default
+    order every flashinfer figure comes first and a run cut short by --budget-s
+    loses the torch comparison, not the roofline."""
+    batches = [int(b) for b in args.batches.split(",")]
+    return [
+        (model, backend, batch)
+        for backend in args.backends.split(",")
+        for model in args.models.split(",")
+        for batch in batches
+    ]
+
+
+def json_path(args: argparse.Namespace) -> Path | None:
+    if args.json:
+        return Path(args.json)
+    return Path(os.environ["OUT"], "gpu_bench.json") if os.environ.get("OUT") else None
+
+
+def write_json(path: Path | None, summary: dict[str, Any]) -> None:
+    """The summary so far, replacing the last one whole (a reader, or a kill in
+    the middle, never sees half a file)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary) + "\n")
+    tmp.replace(path)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -149,6 +234,7 @@ class Bench:
             kernels=a.kernels,
             page_size=a.page_size,
             num_pages=self.pages_per_req * max_batch,
+            overlap=a.overlap,
         )
         worker = build_worker(cfg)
         if a.fill == "random":
@@ -194,31 +280,31 @@ class Bench:
         step_id = 10_000
         position = a.context
 
-        def step() -> None:
+        def plan() -> Plan:
             nonlocal step_id, position
-            plan = Plan(step_id, ForwardMode.DECODE)
-            plan.decode_slots = list(range(batch))
-            plan.decode_positions = [position] * batch
-            plan.decode_new_pages = [0] * batch  # whole tables were set up front
-            result = runner.execute(plan)
-            if result.error:
-                raise RuntimeError(result.error)
+            p = Plan(step_id, ForwardMode.DECODE)
+            p.decode_slots = list(range(batch))
+            p.decode_positions = [position] * batch
+            p.decode_new_pages = [0] * batch  # whole tables were set up front
             step_id += 1
             position += 1
+            return p
+
+        def step() -> None:
+            check(runner.execute(plan()))
 
         for _ in range(a.warmup):
             step()
-        times: list[float] = []
-        kv_lens: list[int] = []
-        t_config = time.perf_counter()
-        for i in range(a.steps):
-            kv_lens.append(position + 1)
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-            if i >= 2 and time.perf_counter() - t_config > a.max_config_s:
-                break  # enough for a median; keeps slow configurations in budget
+        overlapped = a.overlap == "on" and runner.overlap
+        times, kv_lens = timed_steps(
+            runner,
+            plan,
+            steps=a.steps,
+            overlap=overlapped,
+            max_s=a.max_config_s,
+            before_step=None if overlapped else lambda: sync(device),
+        )
+        kv_lens = [k + 1 for k in kv_lens]  # a step attends over its position too
         step_s = statistics.median(times)
 
         gpu_ms: float | None = None
@@ -238,12 +324,13 @@ class Bench:
             gpu_ms = statistics.median(gpu)
 
         w_bytes = weight_bytes(worker)
-        kv_len = statistics.fmean(kv_lens[: len(times)])
+        kv_len = statistics.fmean(kv_lens)
         kv_b = int(batch * kv_len * kv_bytes_per_token(worker))
         moved = w_bytes + kv_b
         achieved = moved / step_s
         return {
             "batch": batch,
+            "overlap": overlapped,
             "steps": len(times),
             "step_ms": step_s * 1e3,
             "tokens_per_s": batch / step_s,
@@ -262,7 +349,7 @@ def fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated model names")
     p.add_argument("--model", dest="models", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -282,12 +369,82 @@ def main() -> None:
     p.add_argument("--gpu-steps", type=int, default=3, help="steps timed for the busy fraction")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--fill", choices=("random", "prefill"), default="random")
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="time steps as the worker's --overlap runs them (start N+1, complete N)",
+    )
     p.add_argument("--max-config-s", type=float, default=30.0, help="timed seconds per config")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip configs past this")
     p.add_argument("--roofline-tbps", type=float, default=4.3)
     p.add_argument("--copy-gib", type=float, default=None, help="2 on CUDA, 0.25 on CPU")
-    args = p.parse_args()
+    p.add_argument("--json", default=None, help="summary file (default $OUT/gpu_bench.json)")
+    p.add_argument("--dry-run", action="store_true", help="list the configurations, run none")
+    return p.parse_args(argv)
+
+
+def summarize(
+    args: argparse.Namespace,
+    *,
+    device_name: str,
+    copy_bw: float | None,
+    results: list[dict[str, Any]],
+    errors: list[dict[str, str]],
+    skipped: list[str],
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """The JSON summary of the configurations run so far."""
+    speedup: dict[str, dict[str, float]] = {}
+    by_key = {(r["model"], r["backend"], r["batch"]): r for r in results}
+    for (model, backend, batch), r in by_key.items():
+        ref = by_key.get((model, "torch", batch))
+        if backend == "flashinfer" and ref is not None:
+            speedup.setdefault(model, {})[str(batch)] = ref["step_ms"] / r["step_ms"]
+    goal = by_key.get(("random:llama-3.1-8b", "flashinfer", 64))
+    return {
+        "device": args.device,
+        "device_name": device_name,
+        "dtype": args.dtype,
+        "kernels": args.kernels,
+        "overlap": args.overlap,
+        "context": args.context,
+        "page_size": args.page_size,
+        "fill": args.fill,
+        "copy_bw_TBps": None if copy_bw is None else copy_bw / 1e12,
+        "roofline_TBps": args.roofline_tbps,
+        "configurations": [list(c) for c in configurations(args)],
+        "results": results,
+        "speedup_flashinfer_over_torch": speedup,
+        "goal_8b_b64_frac_roofline": None if goal is None else goal["frac_roofline"],
+        "errors": errors,
+        "skipped": skipped,
+        "elapsed_s": elapsed_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     t_start = time.perf_counter()
+    out_json = json_path(args)
+    results: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+    skipped: list[str] = []
+    if args.dry_run:
+        for model, backend, batch in configurations(args):
+            print(f"{model} / {backend} / batch {batch}", flush=True)
+        summary = summarize(
+            args,
+            device_name="dry run",
+            copy_bw=None,
+            results=results,
+            errors=errors,
+            skipped=skipped,
+            elapsed_s=0.0,
+        )
+        write_json(out_json, summary)
+        print(json.dumps(summary), flush=True)
+        return 0
     device = torch.device(args.device)
     gib = args.copy_gib or (2.0 if device.type == "cuda" else 0.25)
     bench = Bench(args)
@@ -295,15 +452,25 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device {name}: copy bandwidth {bench.copy_bw / 1e12:.3f} TB/s (read + write, "
-        f"{gib:g} GiB); roofline {args.roofline_tbps} TB/s; fill {args.fill}",
+        f"{gib:g} GiB); roofline {args.roofline_tbps} TB/s; fill {args.fill}; "
+        f"overlap {args.overlap}",
         flush=True,
     )
+
+    def save() -> dict[str, Any]:
+        summary = summarize(
+            args,
+            device_name=name,
+            copy_bw=bench.copy_bw,
+            results=results,
+            errors=errors,
+            skipped=skipped,
+            elapsed_s=time.perf_counter() - t_start,
+        )
+        write_json(out_json, summary)
+        return summary
+
     batches = [int(b) for b in args.batches.split(",")]
-    results: list[dict[str, Any]] = []
-    errors: list[dict[str, str]] = []
-    skipped: list[str] = []
-    # Backends outer: with the default order every flashinfer figure comes first,
-    # so a run cut short by --budget-s loses the torch comparison, not the roofline.
     for backend in args.backends.split(","):
         for model in args.models.split(","):
             if time.perf_counter() - t_start > args.budget_s:
@@ -325,6 +492,7 @@ def main() -> None:
                         continue
                     r = {"model": model, "backend": backend} | bench.run_batch(worker, batch)
                     results.append(r)
+                    save()
                     print(
                         f"{model:22s} {backend:10s} batch {batch:4d}: "
                         f"{r['step_ms']:8.2f} ms/step {r['tokens_per_s']:10.1f} tok/s  "
@@ -337,44 +505,20 @@ def main() -> None:
             except Exception as e:  # one failing backend must not hide the others
                 traceback.print_exc()
                 errors.append({"model": model, "backend": backend, "error": repr(e)})
+                save()
             finally:
                 del worker
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
 
-    speedup: dict[str, dict[str, float]] = {}
-    by_key = {(r["model"], r["backend"], r["batch"]): r for r in results}
-    for (model, backend, batch), r in by_key.items():
-        ref = by_key.get((model, "torch", batch))
-        if backend == "flashinfer" and ref is not None:
-            speedup.setdefault(model, {})[str(batch)] = ref["step_ms"] / r["step_ms"]
-            print(f"{model} batch {batch}: flashinfer {ref['step_ms'] / r['step_ms']:.2f}x torch")
-    goal = by_key.get(("random:llama-3.1-8b", "flashinfer", 64))
-    summary = {
-        "device": args.device,
-        "device_name": name,
-        "dtype": args.dtype,
-        "kernels": args.kernels,
-        "context": args.context,
-        "page_size": args.page_size,
-        "fill": args.fill,
-        "copy_bw_TBps": bench.copy_bw / 1e12,
-        "roofline_TBps": args.roofline_tbps,
-        "results": results,
-        "speedup_flashinfer_over_torch": speedup,
-        "goal_8b_b64_frac_roofline": None if goal is None else goal["frac_roofline"],
-        "errors": errors,
-        "skipped": skipped,
-        "elapsed_s": time.perf_counter() - t_start,
-    }
-    line = json.dumps(summary)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_bench.json").write_text(line + "\n")
-    if errors:
-        sys.exit(1)
+    summary = save()
+    for model, by_batch in summary["speedup_flashinfer_over_torch"].items():
+        for batch, x in by_batch.items():
+            print(f"{model} batch {batch}: flashinfer {x:.2f}x torch")
+    print(json.dumps(summary), flush=True)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

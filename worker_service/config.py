@@ -112,6 +112,22 @@ class WorkerConfig:
     cuda_graphs: bool = setting(
         True, "replay captured CUDA graphs for decode steps (CUDA + flashinfer)"
     )
+    cuda_graph_max_draft: int = setting(
+        8,
+        "with --cuda-graphs: also capture graphs for drafted (speculative) steps of up to "
+        "32 requests whose drafts are at most this long, each request's rows padded to "
+        "this + 1 (the scheduler's --speculative-max-draft); 0: drafted steps run eagerly",
+    )
+    cuda_graph_lora_slots: int = setting(
+        0,
+        "with --cuda-graphs: also capture decode graphs for steps with LoRA rows, their "
+        "adapters copied into this many slots of fixed buffers (the scheduler's "
+        "--max-loras-per-batch; each slot costs its share of every layer's rank "
+        "--cuda-graph-lora-max-rank weights); 0: such steps run eagerly",
+    )
+    cuda_graph_lora_max_rank: int = setting(
+        64, "the largest LoRA rank --cuda-graph-lora-slots holds (higher ranks run eagerly)"
+    )
     overlap: str = setting(
         "auto",
         "queue step N+1 before waiting for step N's tokens (auto: on CUDA; on the CPU it "

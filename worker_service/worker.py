@@ -21,9 +21,10 @@ from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
 from worker_service.kernels import select_kernels
+from worker_service.lora.graph_slots import LoraSlots
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
-from worker_service.models.lora_loader import ModelAdapterLoader
+from worker_service.models.lora_loader import ModelAdapterLoader, lora_targets
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
@@ -156,11 +157,21 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         device=device,
     )
     # Everything else that lives on the GPU (attention workspaces, sampler
-    # buffers) is allocated before the KV pool is sized from the memory left;
-    # what the decode graphs and a step's activations take comes out of the
-    # share of free memory the pool leaves (GPU_KV_FRACTION).
+    # buffers, LoRA graph slots) is allocated before the KV pool is sized from
+    # the memory left; what the decode graphs and a step's activations take
+    # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
     attn = _attention(cfg, spec, device)
     sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, choice=cfg.kernels))
+    graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
+    lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
+    if device.type == "cuda" and graphs and cfg.cuda_graph_lora_slots > 0:
+        lora_slots = LoraSlots.create(
+            lora_targets(model),
+            slots=cfg.cuda_graph_lora_slots,
+            max_rank=cfg.cuda_graph_lora_max_rank,
+            dtype=dtype,
+            device=device,
+        )
     num_pages = _num_pages(cfg, mcfg, tp=tp, dtype=dtype, device=device)
     # One page more than the scheduler is told about: decode CUDA graphs pad
     # their batch with rows that write and read only this scratch page.
@@ -177,10 +188,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     compute.fail_token = cfg.fail_sample_token
     max_context = model.rope.max_positions
     graph_bytes = 0
-    graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
         attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        if cfg.cuda_graph_max_draft > 0:
+            attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
+        compute.lora_slots = lora_slots
         compute.capture_decode_graphs()
         graph_bytes = max(torch.cuda.memory_reserved(device) - before, 0)
     overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")

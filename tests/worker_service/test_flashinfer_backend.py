@@ -20,6 +20,7 @@ import torch
 from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
 from worker_service.attention.base import AttentionSpec, SequenceSlice
 from worker_service.attention.flashinfer_backend import (
+    DEFAULT_GRAPH_SIZES,
     FlashInferAttention,
     check_token_order,
     kv_rows,
@@ -87,6 +88,18 @@ def test_pick_graph_size() -> None:
     assert pick_graph_size(8, (1, 2, 4, 8)) == 8
     assert pick_graph_size(9, (1, 2, 4, 8)) is None
     assert pick_graph_size(1, ()) is None
+
+
+def test_default_graph_sizes_pad_a_batch_by_at_most_seven_rows() -> None:
+    """SGLang's sizes: 1, 2, 4, then every 8 to 256. Padding is at most 3 rows
+    below batch 8 and 7 above, under 10% of the rows replayed past batch 64."""
+    assert DEFAULT_GRAPH_SIZES[:5] == (1, 2, 4, 8, 16) and len(DEFAULT_GRAPH_SIZES) == 35
+    for n in range(1, 257):
+        size = pick_graph_size(n, DEFAULT_GRAPH_SIZES)
+        assert size is not None and 0 <= size - n <= (3 if n < 8 else 7), n
+        if n > 64:
+            assert (size - n) / size < 0.10, n
+    assert pick_graph_size(257, DEFAULT_GRAPH_SIZES) is None
 
 
 def test_construction_refuses_cpu_and_fp32() -> None:

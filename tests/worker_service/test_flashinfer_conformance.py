@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tests.worker_service.support import flashinfer_cpu_harness as harness
 from tests.worker_service.support import flashinfer_reference as reference
 from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
 from tests.worker_service.support.flashinfer_conformance import (
@@ -44,6 +45,7 @@ from worker_service.attention.base import (
 from worker_service.attention.flashinfer_backend import FlashInferAttention
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.device.kv_cache import KvCache
+from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 
 flashinfer = pytest.importorskip(
     "flashinfer",
@@ -215,3 +217,123 @@ def test_graph_decode_conforms(monkeypatch, page_size, heads, window) -> None:
             assert torch.equal(g[:scratch].float(), r[:scratch])
     too_many = make_batch([], [1] * 9, page_size, num_pages, gen)
     assert graphs.replay(too_many, {}) is None
+
+
+@pytest.mark.usefixtures("fi_cpu")
+def test_a_larger_replay_leaves_a_smaller_replays_output(monkeypatch) -> None:
+    """Both sizes capture into one pool. The forward frees an intermediate as
+    the last layers of a model do; the caching allocator hands that block to
+    the smaller graph's capture, whose output lands in it. Replaying the
+    larger graph rewrites the block: an output kept in the pool would change
+    under a reader that has not read it yet."""
+    heads, page_size = HEADS[0], 16
+    spec = spec_for(heads, page_size, None, torch.bfloat16, "cpu")
+    gen = seed("pool", heads)
+    num_pages = 512 // page_size
+    harness.install_graph_stand_ins(monkeypatch)
+    kv, _ = random_caches(spec, num_pages, gen)
+    graphed = FlashInferAttention(spec, workspace_bytes=2**20)
+    graphed.enable_decode_graphs(num_pages - 1, -(-200 // page_size), sizes=(4, 8))
+    bufs = dict(zip("qkv", random_qkv(spec, 8, gen), strict=True))
+
+    def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        attn = graphed.forward(0, x["q"], x["k"], x["v"], kv=kv)
+        mid = harness.pool_empty(tuple(attn.shape), attn.dtype)
+        harness.launch(lambda: torch.mul(attn, 2, out=mid))
+        out = harness.pool_empty(tuple(attn.shape), attn.dtype)
+        harness.launch(lambda: torch.add(mid, 1, out=out))
+        harness.pool_free(mid)
+        return out
+
+    graphs = DecodeGraphs(graphed, forward, bufs, page_size)
+    graphs.capture()
+    small = like_the_runner(make_batch([], [40, 3, 17], page_size, num_pages, gen))
+    out_small = graphs.replay(small, dict(zip("qkv", random_qkv(spec, 3, gen), strict=True)))
+    assert out_small is not None
+    read_later = out_small.clone()
+    large = like_the_runner(make_batch([], [5, 9, 1, 30, 2, 8, 70], page_size, num_pages, gen))
+    assert graphs.replay(large, dict(zip("qkv", random_qkv(spec, 7, gen), strict=True))) is not None
+    assert torch.equal(out_small, read_later), "the larger replay overwrote the smaller output"
+
+
+# ---- CUDA graphs for drafted steps (verify) --------------------------------------------
+
+VERIFY_ROWS = 4  # rows per sequence: up to 3 drafts
+# (q_len, kv_len) of drafted extends, then decodes' kv_len: a row that drafted fewer
+# than 3 is padded, past its last page too (kv 16 - 2 + 4 and 16 - 1 + 4 at page 16).
+VERIFY_STEPS = (
+    ([(4, 20), (2, 16), (3, 3)], [16, 40]),
+    ([(2, 33)], []),
+    ([(4, 4), (4, 100), (2, 17), (3, 31)], []),
+)
+
+
+@pytest.mark.usefixtures("fi_cpu")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("window", [None, 24])
+def test_verify_graphs_conform(monkeypatch, page_size, heads, window) -> None:
+    """Drafted steps padded to VERIFY_ROWS rows a sequence (pad_verify_batch) and
+    replayed through the verify graphs equal eager FlashInfer and TorchAttention on
+    the unpadded step, real rows only; the padding wrote only the scratch page."""
+    spec = spec_for(heads, page_size, window, torch.bfloat16, "cpu")
+    gen = seed("verify", page_size, heads, window)
+    num_pages = 512 // page_size
+    scratch = num_pages - 1
+    harness.install_graph_stand_ins(monkeypatch)
+    graph_kv, _ = random_caches(spec, num_pages, gen)
+    eager_kv, ref_kv = random_caches(spec, num_pages, gen)
+    for g, e, r in zip(graph_kv.layers, eager_kv.layers, ref_kv.layers, strict=True):
+        e.copy_(g)
+        r.copy_(g.float())
+    graphed = FlashInferAttention(spec, workspace_bytes=2**20)
+    graphed.enable_decode_graphs(scratch, -(-200 // page_size), sizes=(1,))
+    graphed.enable_verify_graphs(VERIFY_ROWS, sizes=(2, 4, 8))
+    verify = graphed.verify_graphs
+    bufs = dict(zip("qkv", random_qkv(spec, 8 * VERIFY_ROWS, gen), strict=True))
+
+    def forward(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        outs = [graphed.forward(i, x["q"], x["k"], x["v"], kv=graph_kv) for i in range(LAYERS)]
+        res = torch.empty(outs[0].shape[0], LAYERS, *outs[0].shape[1:], dtype=outs[0].dtype)
+        harness.launch(lambda: torch.stack(outs, dim=1, out=res))
+        return res
+
+    graphs = DecodeGraphs(verify, forward, bufs, page_size, rows_per_seq=VERIFY_ROWS)
+    graphs.capture()
+    assert set(graphs.graphs) == {2, 4, 8}
+    eager, ref = backends(heads, page_size, window)
+    for extends, decodes in VERIFY_STEPS:
+        batch = like_the_runner(make_batch(extends, decodes, page_size, num_pages, gen))
+        qkv = random_qkv(spec, batch.num_tokens, gen)
+        ids = torch.arange(batch.num_tokens)
+        padded, padded_ids, dest = pad_verify_batch(
+            batch, ids, rows_per_seq=VERIFY_ROWS, scratch_page=scratch
+        )
+        assert torch.equal(padded_ids[torch.from_numpy(dest)], ids)
+        assert torch.equal(padded.positions[torch.from_numpy(dest)], batch.positions)
+        padded_qkv = {}
+        for name, t in zip("qkv", qkv, strict=True):
+            padded_qkv[name] = torch.zeros(padded.num_tokens, *t.shape[1:], dtype=t.dtype)
+            padded_qkv[name][torch.from_numpy(dest)] = t
+        launched = sum(reference.CALLS.values())
+        out = graphs.replay(padded, padded_qkv)
+        assert out is not None and out.shape[0] == len(batch.seqs) * VERIFY_ROWS
+        # The replay re-ran the captured launches; it launched nothing itself (only planned).
+        assert sum(reference.CALLS.values()) == launched + 1
+        real = out[torch.from_numpy(dest)]
+        expected = eager_outputs(eager, batch, qkv, eager_kv)
+        torch.testing.assert_close(real, expected, atol=1e-2, rtol=1e-2)
+        reference_out = eager_outputs(ref, batch, [t.float() for t in qkv], ref_kv)
+        torch.testing.assert_close(real.float(), reference_out, **TOL)
+        for g, e in zip(graph_kv.layers, eager_kv.layers, strict=True):
+            assert torch.equal(g[:scratch], e[:scratch])
+    # A row of more than VERIFY_ROWS rows, or a prompt chunk, does not fit.
+    too_long = make_batch([(5, 30)], [], page_size, num_pages, gen)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_verify_batch(too_long, torch.arange(5), rows_per_seq=VERIFY_ROWS, scratch_page=scratch)
+    nine = make_batch([(2, 20)] * 9, [], page_size, num_pages, gen)
+    padded, _, _ = pad_verify_batch(
+        nine, torch.arange(18), rows_per_seq=VERIFY_ROWS, scratch_page=scratch
+    )
+    assert verify.graph_size_for(padded) is None
+    assert graphs.replay(padded, {}) is None

@@ -31,6 +31,16 @@ CUDA graphs for decode (glue: ``worker_service.execution.cuda_graphs.DecodeGraph
    calls ``begin_graph_step`` (re-plan, rewrite the fixed buffers) and replays;
    None means no captured size fits (too many sequences or pages): run eager.
 
+CUDA graphs for drafted (speculative) steps, SGLang's "target_verify": after
+``enable_decode_graphs``, ``enable_verify_graphs(rows_per_seq)`` gives each size
+(sequences) a ``use_cuda_graph=True`` prefill wrapper over fixed qo_indptr /
+indptr / indices / last_page_len buffers. Every sequence has exactly
+``rows_per_seq`` query rows (ModelCompute pads a row that drafted fewer, its
+extra rows writing the scratch page: ``cuda_graphs.pad_verify_batch``), so the
+qo_indptr is uniform and the captured kernels' row count is fixed; sequences
+past the batch are padding on the scratch page. ``verify_graphs`` is the
+``GraphAttention`` DecodeGraphs drives.
+
 FlashInfer copies plans from pinned buffers it reuses without waiting, so a
 new plan first waits for the previous plan's copies (not its kernels): the
 runner may run one step ahead of the GPU, not two.
@@ -54,7 +64,16 @@ from worker_service.attention.base import (
 )
 from worker_service.device.kv_cache import KvCache
 
-DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# As SGLang: 1, 2, 4, then every 8 up to 256. A batch is padded by at most 7 rows
+# (at most 3 below 8), so above batch 64 padding is under 10% of the rows replayed;
+# powers of two padded batch 129 to 256. A size costs a capture at start and its
+# output buffer (DecodeGraphs), its intermediates share one pool.
+GRAPH_SIZE_STEP = 8
+MAX_GRAPH_SIZE = 256
+DEFAULT_GRAPH_SIZES = (1, 2, 4, *range(GRAPH_SIZE_STEP, MAX_GRAPH_SIZE + 1, GRAPH_SIZE_STEP))
+# Drafted steps: the scheduler drafts only while at most 32 requests run
+# (--speculative-disable-by-batch-size), so verify graphs stop there.
+DEFAULT_VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)
 _INT32_MAX = 2**31 - 1
 
 
@@ -195,6 +214,7 @@ class FlashInferAttention(AttentionBackend):
         self._tensor_cores = group >= 4 if decode_tensor_cores is None else decode_tensor_cores
         # FlashInfer wants the float workspace zeroed before its first use.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
+        self._prefill_backend = prefill_backend
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend=prefill_backend
         )
@@ -211,9 +231,12 @@ class FlashInferAttention(AttentionBackend):
             "non_blocking": True,
         }
         self._prefill_rows = 0  # query rows of this step's extends
+        self._active_prefill: Any = self._prefill  # the prefill wrapper planned this step
         self._active_decode: Any = None  # the decode wrapper planned this step, if any
         self._rows_now = torch.empty(2, 0, dtype=torch.int64, device=self.spec.device)
         self._graphs: dict[int, Any] = {}
+        self._verify: dict[int, Any] = {}
+        self.verify_graphs: VerifyGraphs | None = None
 
     def _decode_wrapper(self, graph_size: int = 0) -> Any:
         kwargs: dict[str, Any] = {"use_tensor_cores": self._tensor_cores}
@@ -251,6 +274,7 @@ class FlashInferAttention(AttentionBackend):
         host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
         self._rows_now = dev_rows if host_rows is None else dev[7].view(2, -1).long()
         self._prefill_rows = int(ext.qo_indptr[-1])
+        self._active_prefill = self._prefill
         if e:
             kw = self._plan_kw
             self._prefill.plan(host[0], host[1], dev[3], host[2], *self._heads, causal=True, **kw)
@@ -269,7 +293,7 @@ class FlashInferAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = self._prefill_rows
         if n:
-            self._prefill.run(q[:n], cache, out=out[:n])
+            self._active_prefill.run(q[:n], cache, out=out[:n])
         if self._active_decode is not None:
             self._active_decode.run(q[n:], cache, out=out[n:])
         return out
@@ -283,7 +307,8 @@ class FlashInferAttention(AttentionBackend):
         one graph replays at a time, and its plan rewrites them just before)."""
         largest = max(sizes)
         self._scratch_page = scratch_page
-        self._g_capacity = largest * max(max_pages_per_seq, 1)
+        self._g_max_pages = max(max_pages_per_seq, 1)
+        self._g_capacity = largest * self._g_max_pages
         dev, i32 = self.spec.device, torch.int32
         self._g_indptr = torch.zeros(largest + 1, dtype=i32, device=dev)
         self._g_last = torch.ones(largest, dtype=i32, device=dev)
@@ -328,3 +353,105 @@ class FlashInferAttention(AttentionBackend):
         self._prefill_rows = 0
         self._active_decode = self._graphs[size]
         self._plan_done.record()
+
+    # ---- CUDA graphs for drafted (verify) steps ----------------------------------------
+
+    def enable_verify_graphs(
+        self, rows_per_seq: int, sizes: Sequence[int] = DEFAULT_VERIFY_SIZES
+    ) -> None:
+        """One fixed-batch prefill wrapper per size (sequences of ``rows_per_seq``
+        query rows each), over fixed buffers shared by the sizes; after
+        ``enable_decode_graphs`` (its scratch page and page bound)."""
+        if not self._graphs:
+            raise RuntimeError("enable_decode_graphs first: verify graphs use its scratch page")
+        q, largest = rows_per_seq, max(sizes)
+        dev, i32 = self.spec.device, torch.int32
+        self._v_rows_per_seq = q
+        # Uniform: sequence i's rows are i*q .. i*q + q - 1, padding sequences included.
+        self._v_qo = torch.arange(0, (largest + 1) * q, q, dtype=i32, device=dev)
+        self._v_indptr = torch.zeros(largest + 1, dtype=i32, device=dev)
+        self._v_last = torch.ones(largest, dtype=i32, device=dev)
+        # A drafted row reads up to q positions past its KV length.
+        self._v_capacity = largest * (self._g_max_pages + -(-q // self.spec.page_size))
+        self._v_indices = torch.zeros(self._v_capacity, dtype=i32, device=dev)
+        self._v_rows = torch.zeros(2, largest * q, dtype=torch.int64, device=dev)
+        self._verify = {
+            size: self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                backend=self._prefill_backend,
+                use_cuda_graph=True,
+                qo_indptr_buf=self._v_qo[: size + 1],
+                paged_kv_indptr_buf=self._v_indptr[: size + 1],
+                paged_kv_indices_buf=self._v_indices,
+                paged_kv_last_page_len_buf=self._v_last[:size],
+            )
+            for size in sorted(set(sizes))
+        }
+        self.verify_graphs = VerifyGraphs(self, q, self._scratch_page)
+
+    def verify_graph_size_for(self, batch: AttentionBatch) -> int | None:
+        """Smallest verify size that holds ``batch``: every sequence an extend of
+        exactly ``rows_per_seq`` rows (padded by the caller), pages within bounds."""
+        q, n = self._v_rows_per_seq, len(batch.seqs)
+        size = pick_graph_size(n, tuple(self._verify))
+        if size is None or batch.num_extends != n or any(s.q_len != q for s in batch.seqs):
+            return None
+        ps = self.spec.page_size
+        pages = sum((s.kv_len + ps - 1) // ps for s in batch.seqs) + (size - n) * -(-q // ps)
+        return size if pages <= self._v_capacity else None
+
+    def begin_verify_graph_step(self, batch: AttentionBatch, size: int) -> None:
+        """Plan the size-``size`` verify wrapper for ``batch`` plus padding
+        sequences on the scratch page, and rewrite the fixed buffers (outside the
+        graph, as begin_graph_step)."""
+        q, n = self._v_rows_per_seq, len(batch.seqs)
+        if (
+            batch.num_extends != n
+            or n > size
+            or size not in self._verify
+            or any(s.q_len != q for s in batch.seqs)
+        ):
+            raise ValueError(f"not a batch of {q}-row extends that fits verify size {size}")
+        check_token_order(batch)
+        self._plan_done.synchronize()
+        ps, scratch = self.spec.page_size, self._scratch_page
+        pad_table = [scratch] * -(-q // ps)
+        padding = [SequenceSlice(i * q, q, q, pad_table) for i in range(n, size)]
+        lay = paged_layout([*batch.seqs, *padding], ps)
+        host_rows, dev_rows = self._rows(batch)
+        arrays = [lay.qo_indptr, lay.kv_indptr, lay.last_page_len, lay.indices]
+        host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
+        kw = self._plan_kw
+        self._verify[size].plan(host[0], host[1], dev[3], host[2], *self._heads, causal=True, **kw)
+        rows = self._v_rows[:, : size * q]
+        # Padding sequences store their K/V in slot 0 of the scratch page.
+        rows[0].fill_(scratch * 2 * ps)
+        rows[1].fill_(scratch * 2 * ps + ps)
+        if n:
+            rows[:, : n * q].copy_(dev_rows if host_rows is None else dev[4].view(2, n * q))
+        self._rows_now = rows
+        self._prefill_rows = size * q
+        self._active_prefill = self._verify[size]
+        self._active_decode = None
+        self._plan_done.record()
+
+
+@dataclass(frozen=True)
+class VerifyGraphs:
+    """The ``GraphAttention`` of drafted steps (cuda_graphs.DecodeGraphs with
+    ``rows_per_seq``): FlashInferAttention's verify wrappers."""
+
+    attention: FlashInferAttention
+    rows_per_seq: int
+    scratch_page: int
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return tuple(self.attention._verify)
+
+    def graph_size_for(self, batch: AttentionBatch) -> int | None:
+        return self.attention.verify_graph_size_for(batch)
+
+    def begin_graph_step(self, batch: AttentionBatch, size: int) -> None:
+        self.attention.begin_verify_graph_step(batch, size)

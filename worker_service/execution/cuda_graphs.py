@@ -21,24 +21,45 @@ Runner usage::
         attn.begin_step(batch)
         out = forward({"ids": ids, "positions": positions})
 
-The graphs hold the base model only: a decode step with any LoRA adapter row
-runs eagerly (ModelCompute.launch), its per-group matmuls depending on which
-rows use which adapter.
+Drafted (speculative) steps: ``DecodeGraphs(attn.verify_graphs, forward,
+inputs, page_size, rows_per_seq=k + 1)`` captures per number of sequences a
+forward of ``rows_per_seq`` rows each; ``pad_verify_batch`` turns a drafted
+step (every sequence a drafted extend of at most k drafts, or a decode) into
+that shape, the rows a sequence did not draft writing the scratch page.
+
+Decode steps with LoRA rows replay graphs of their own whose forward reads
+the adapters from fixed slots (lora/graph_slots.py; ModelCompute.lora_graphs),
+the row -> slot map being one more input.
 
 ``forward(inputs)`` runs the model's decode forward on ``inputs`` (tensors of
-one batch size) and returns a tensor whose first dimension is that size, e.g.
-the last hidden states or the logits. The tensor ``replay`` returns is the
-graph's output buffer: read it before the next replay of the same size.
+one batch size) and returns a tensor whose first dimension is that size: the
+final hidden states (ModelCompute runs the LM head after the replay, eagerly).
+
+Memory. All sizes capture into one memory pool: a graph's intermediates live
+there, and a later (smaller) capture reuses the blocks an earlier one freed,
+so the pool costs about what the largest graph needs, not the sum. Graph
+outputs must not stay there: a smaller graph's output may sit in blocks that
+were a larger graph's intermediates, and replaying the larger one would
+overwrite it. So each graph's last captured op copies its output into a
+buffer of its own allocated outside the pool (``keep_output``), and ``replay``
+returns a view of that buffer: it holds until the next replay of the same
+size, whatever other sizes replay meanwhile. Those buffers are rows x
+hidden x 2 bytes per size (8 KiB a row for a 4096-wide bf16 model; 4.2k rows
+over the default sizes, ~35 MB), which is why the forward stops before the LM
+head: logits per size would be rows x vocabulary x 4 bytes (2.2 GB at a 128k
+vocabulary).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from worker_service.attention.base import AttentionBatch
+from worker_service.attention.base import AttentionBatch, SequenceSlice
+from worker_service.device.transfer import to_device
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 WARMUP_RUNS = 2  # eager runs of a size before its capture
@@ -51,6 +72,12 @@ class GraphAttention(Protocol):
     def graph_size_for(self, batch: AttentionBatch) -> int | None: ...
 
     def begin_graph_step(self, batch: AttentionBatch, size: int) -> None: ...
+
+
+def keep_output(held: torch.Tensor, out: torch.Tensor) -> None:
+    """A graph's output copied into its buffer outside the pool (a captured op;
+    the CPU harness records it like a kernel)."""
+    held.copy_(out)
 
 
 def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
@@ -73,10 +100,13 @@ class DecodeGraphs:
         forward: Forward,
         inputs: Mapping[str, torch.Tensor],
         page_size: int,
+        *,
+        rows_per_seq: int = 1,
     ) -> None:
         """``inputs`` are the fixed input buffers, each with at least
-        ``max(attention.graph_sizes)`` rows; graphs read their first ``size`` rows."""
-        largest = max(attention.graph_sizes, default=0)
+        ``max(attention.graph_sizes) * rows_per_seq`` rows; the graph of ``size``
+        sequences reads their first ``size * rows_per_seq`` rows."""
+        largest = max(attention.graph_sizes, default=0) * rows_per_seq
         short = [k for k, t in inputs.items() if t.shape[0] < largest]
         if short:
             raise ValueError(f"input buffers shorter than the largest graph: {short}")
@@ -84,15 +114,19 @@ class DecodeGraphs:
         self.forward = forward
         self.inputs = dict(inputs)
         self.page_size = page_size
+        self.rows_per_seq = rows_per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _views(self, size: int) -> dict[str, torch.Tensor]:
-        return {name: buf[:size] for name, buf in self.inputs.items()}
+        rows = size * self.rows_per_seq
+        return {name: buf[:rows] for name, buf in self.inputs.items()}
 
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> None:
         """Capture every size, largest first, all in one memory pool (a smaller
-        graph reuses the larger one's intermediate buffers)."""
-        pool = torch.cuda.graph_pool_handle()
+        graph reuses the larger one's intermediate buffers; ``pool``: one shared
+        with other DecodeGraphs, else a new one); each output is kept outside the
+        pool (module docstring)."""
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         empty = empty_decode_batch(self.page_size)
         for size in sorted(self.attention.graph_sizes, reverse=True):
             views = self._views(size)
@@ -103,12 +137,16 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
-                    self.forward(views)
+                    warm = self.forward(views)
             torch.cuda.current_stream().wait_stream(side)
+            # Allocated here, before the capture: the caching allocator's own
+            # memory, which no graph of the pool can hand to another.
+            held = torch.empty_like(warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(views)
-            self.graphs[size] = (graph, out)
+                keep_output(held, self.forward(views))
+            self.graphs[size] = (graph, held)
         torch.cuda.synchronize()
 
     def replay(
@@ -119,7 +157,7 @@ class DecodeGraphs:
         size = self.attention.graph_size_for(batch)
         if size is None or size not in self.graphs:
             return None
-        n = len(batch.seqs)
+        n = len(batch.seqs) * self.rows_per_seq
         for name, value in inputs.items():
             # Rows past n keep stale values: padding whose outputs nobody reads.
             self.inputs[name][:n].copy_(value, non_blocking=True)
@@ -127,3 +165,55 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
+
+
+def pad_verify_batch(
+    batch: AttentionBatch,
+    ids: torch.Tensor,
+    *,
+    rows_per_seq: int,
+    scratch_page: int,
+) -> tuple[AttentionBatch, torch.Tensor, np.ndarray]:
+    """``batch`` (sequences of 1..rows_per_seq query rows: drafted extends and
+    decodes) with every sequence padded to ``rows_per_seq`` rows, as verify
+    graphs take it; also its input ids and, per real row, its padded row.
+
+    A padded row continues its sequence (its KV length grows by the padding,
+    the table by scratch pages where it needs more), but writes its K/V to the
+    scratch page and takes the position of the sequence's last real row (any
+    position the rotary table holds will do: its output is never read). The
+    causal mask keeps every real row from seeing the padded positions."""
+    q, ps, n = rows_per_seq, batch.page_size, len(batch.seqs)
+    seqs: list[SequenceSlice] = []
+    positions = np.empty(n * q, np.int64)
+    pages = np.full(n * q, scratch_page, np.int64)
+    offsets = np.zeros(n * q, np.int64)
+    real_rows: list[np.ndarray] = []
+    for i, s in enumerate(batch.seqs):
+        if not 1 <= s.q_len <= q:
+            raise ValueError(f"a sequence of {s.q_len} rows does not fit {q}-row verify graphs")
+        start, first = s.kv_len - s.q_len, i * q
+        real = np.arange(start, s.kv_len, dtype=np.int64)
+        positions[first : first + q] = s.kv_len - 1
+        positions[first : first + s.q_len] = real
+        table = np.asarray(s.page_table[: -(-s.kv_len // ps)], dtype=np.int64)
+        pages[first : first + s.q_len] = table[real // ps]
+        offsets[first : first + s.q_len] = real % ps
+        kv_len = start + q
+        padded_table = list(s.page_table[: -(-kv_len // ps)])
+        padded_table += [scratch_page] * (-(-kv_len // ps) - len(padded_table))
+        seqs.append(SequenceSlice(first, q, kv_len, padded_table))
+        real_rows.append(np.arange(first, first + s.q_len, dtype=np.int64))
+    dest = np.concatenate(real_rows) if real_rows else np.zeros(0, np.int64)
+    pos_t, pages_t, offsets_t, dest_t = to_device([positions, pages, offsets, dest], ids.device)
+    padded_ids = torch.zeros(n * q, dtype=ids.dtype, device=ids.device)
+    padded_ids.index_copy_(0, dest_t, ids)
+    padded = AttentionBatch(
+        seqs=seqs,
+        num_extends=n,
+        positions=pos_t,
+        write_pages=pages_t,
+        write_offsets=offsets_t,
+        page_size=ps,
+    )
+    return padded, padded_ids, dest

@@ -29,9 +29,10 @@ from worker_service.attention.base import AttentionBackend, AttentionBatch, Sequ
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.transfer import to_device, to_host
-from worker_service.execution.cuda_graphs import DecodeGraphs
+from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
+from worker_service.lora.graph_slots import LoraSlots, SlotLoraBatch
 from worker_service.models.layers import ScoreHead
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.sampling.logprobs import logprob_tensors
@@ -138,22 +139,51 @@ class ModelCompute:
         self.page_size = kv.page_size
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # drafted steps
+        # Decode steps with adapter rows: adapters copied into fixed slots (set
+        # before capture_decode_graphs to capture them).
+        self.lora_slots: LoraSlots | None = None
+        self.lora_graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> None:
-        """Capture decode forwards (model + LM head) in CUDA graphs, one per batch
-        size the attention backend offers; decode-only steps then replay them."""
+        """Capture decode forwards (the model up to its final norm) in CUDA graphs,
+        one per batch size the attention backend offers, and, where it offers
+        verify graphs, drafted-step forwards per number of sequences; those steps
+        replay them and run the LM head eagerly on the replay's output: one GEMM,
+        and the per-size outputs kept outside the graphs' pool stay hidden-sized,
+        not vocabulary-sized (cuda_graphs.py). One pool for all."""
+        verify = getattr(self.attn, "verify_graphs", None)
         largest = max(self.attn.graph_sizes)
+        if verify is not None:
+            largest = max(largest, max(verify.graph_sizes) * verify.rows_per_seq)
         buffers = {
             "ids": torch.zeros(largest, dtype=torch.long, device=self.device),
             "positions": torch.zeros(largest, dtype=torch.long, device=self.device),
         }
 
         def forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            hidden = self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
-            return self.model.logits(hidden)
+            return self.model(inputs["ids"], inputs["positions"], attn=self.attn, kv=self.kv)
 
+        def lora_forward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            assert self.lora_slots is not None
+            lora = SlotLoraBatch(self.lora_slots, inputs["lora_slot"])
+            ids, positions = inputs["ids"], inputs["positions"]
+            return self.model(ids, positions, attn=self.attn, kv=self.kv, lora=lora)
+
+        pool = torch.cuda.graph_pool_handle()
         self.graphs = DecodeGraphs(self.attn, forward, buffers, self.page_size)
-        self.graphs.capture()
+        self.graphs.capture(pool)
+        if verify is not None:
+            self.verify_graphs = DecodeGraphs(
+                verify, forward, buffers, self.page_size, rows_per_seq=verify.rows_per_seq
+            )
+            self.verify_graphs.capture(pool)
+        if self.lora_slots is not None:
+            size = max(self.attn.graph_sizes)
+            slot_buffer = torch.full((size,), -1, dtype=torch.long, device=self.device)
+            with_slots = buffers | {"lora_slot": slot_buffer}
+            self.lora_graphs = DecodeGraphs(self.attn, lora_forward, with_slots, self.page_size)
+            self.lora_graphs.capture(pool)
 
     def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput:
         return self.finish(self.launch(work, num_extends, previous=None))
@@ -167,16 +197,20 @@ class ModelCompute:
         the device from ``previous``'s sampled tokens."""
         device = self.device
         batch, input_ids = self._batch(work, num_extends, previous)
-        lora = self._lora_batch(work, batch.seqs)
-        # The graphs hold the base model only: a step with adapter rows runs eagerly.
-        if self.graphs is not None and num_extends == 0 and lora is None:
-            logits = self.graphs.replay(batch, {"ids": input_ids, "positions": batch.positions})
-            if logits is not None:  # every row of a decode step samples
-                return self._sample(logits, work)
+        adapters = any(w.state.adapter is not None for w in work)
+        if self.graphs is not None and num_extends == 0:
+            hidden = self._replay_decode(work, batch, input_ids, adapters=adapters)
+            if hidden is not None:  # every row of a decode step samples
+                return self._sample(self.model.logits(hidden), work)
+        lora = self._lora_batch(work, batch.seqs) if adapters else None
+        drafted = any(w.draft_len for w in work[:num_extends])
+        if drafted and self.verify_graphs is not None and lora is None:
+            replayed = self._replay_drafted(work, num_extends, batch, input_ids)
+            if replayed is not None:
+                return replayed
         self.attn.begin_step(batch)
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
-        drafted = any(w.draft_len for w in work[:num_extends])
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
             sample_rows = [
                 row
@@ -201,6 +235,67 @@ class ModelCompute:
                 if pooled is not None:
                     step.embeddings.append(pooled)
         return step
+
+    def _replay_decode(
+        self,
+        work: list[SeqWork],
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+        *,
+        adapters: bool,
+    ) -> torch.Tensor | None:
+        """A decode step's hidden states from a graph: the base model's, or with
+        adapter rows the LoRA graphs' once its adapters hold slots; None: eager."""
+        inputs = {"ids": input_ids, "positions": batch.positions}
+        if not adapters:
+            assert self.graphs is not None
+            return self.graphs.replay(batch, inputs)
+        if self.lora_graphs is None or self.lora_slots is None:
+            return None
+        if self.lora_graphs.attention.graph_size_for(batch) is None:
+            return None  # checked first: assigning slots copies weights
+        held = [w.state.adapter for w in work if w.state.adapter is not None]
+        where = self.lora_slots.assign(held)
+        if where is None:
+            return None
+        row_slot = np.array(
+            [-1 if w.state.adapter is None else where[id(w.state.adapter)] for w in work],
+            dtype=np.int64,
+        )
+        (inputs["lora_slot"],) = to_device([row_slot], self.device)
+        return self.lora_graphs.replay(batch, inputs)
+
+    def _replay_drafted(
+        self,
+        work: list[SeqWork],
+        num_extends: int,
+        batch: AttentionBatch,
+        input_ids: torch.Tensor,
+    ) -> ModelStep | None:
+        """A drafted step through a verify graph: every extend drafted (no prompt
+        chunk) and no row longer than the graphs' rows; None: run it eagerly."""
+        graphs = self.verify_graphs
+        assert graphs is not None
+        q = graphs.rows_per_seq
+        if not all(w.draft_len for w in work[:num_extends]):
+            return None
+        if any(s.q_len > q for s in batch.seqs):
+            return None
+        scratch = graphs.attention.scratch_page
+        padded, ids, _ = pad_verify_batch(batch, input_ids, rows_per_seq=q, scratch_page=scratch)
+        hidden = graphs.replay(padded, {"ids": ids, "positions": padded.positions})
+        if hidden is None:
+            return None
+        # A sequence's samples: its last draft_len + 1 real rows (one for a decode).
+        rows = [
+            i * q + r
+            for i, (s, w) in enumerate(zip(batch.seqs, work, strict=True))
+            if w.sample
+            for r in range(s.q_len - 1 - w.draft_len, s.q_len)
+        ]
+        (index,) = to_device([np.array(rows, dtype=np.int64)], self.device)
+        logits = self.model.logits(hidden.index_select(0, index))
+        return self._sample(logits, [w for w in work if w.sample], drafted=True)
 
     def finish(self, step: ModelStep) -> SampleOutput:
         """The step's samples and prompt logprobs on the host: its one wait

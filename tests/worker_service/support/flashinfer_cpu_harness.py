@@ -28,8 +28,13 @@ What is replaced, and why:
   no-op.
 * For CUDA graphs (``install_graph_stand_ins``): ``torch.cuda.CUDAGraph`` /
   ``graph`` / streams / ``synchronize`` as used by worker_service/execution/cuda_graphs.py,
-  backed by flashinfer_reference.GraphTape; our ``store_kv`` launches through the
-  tape too, since under a real graph its ``index_copy_`` is a captured kernel.
+  backed by flashinfer_reference.GraphTape; our ``store_kv`` and DecodeGraphs'
+  ``keep_output`` launch through the tape too, since under a real graph their
+  copies are captured kernels. ``graph_pool_handle`` gives a ``SharedPool``: what a
+  test's forward allocates with ``pool_empty`` during a capture comes from one arena
+  shared by every capture into that pool, first fit, and ``pool_free`` returns it,
+  as the caching allocator does with a graph pool (a block freed after one capture
+  is handed to the next capture, while the graph that freed it still writes it).
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import worker_service.attention.flashinfer_backend as backend
+import worker_service.execution.cuda_graphs as cuda_graphs
 from tests.worker_service.support import flashinfer_reference as reference
 from tests.worker_service.support.flashinfer_reference import (
     GraphTape,
@@ -217,17 +224,75 @@ class _TapeGraph:
         self.launches: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
 
     def replay(self) -> None:
-        for kernel, args in self.launches:
-            kernel(*args)
+        # A real replay runs kernels, nothing autograd could see: inference mode, so
+        # the model's inference tensors (it runs under inference_mode) can be rewritten.
+        with torch.inference_mode():
+            for kernel, args in self.launches:
+                kernel(*args)
+
+
+class SharedPool:
+    """A graph memory pool: one arena, blocks handed out first fit (512-byte
+    aligned, as CUDA's allocator) and split; a freed block is free for any later
+    capture into the pool."""
+
+    ALIGN = 512
+
+    def __init__(self, nbytes: int = 1 << 22) -> None:
+        self.arena = torch.zeros(nbytes, dtype=torch.uint8)
+        self.free_blocks: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted
+        self.blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> its block
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        for i, (offset, free) in enumerate(self.free_blocks):
+            if free >= size:
+                self.free_blocks[i : i + 1] = [(offset + size, free - size)] if free > size else []
+                t = self.arena[offset : offset + nbytes].view(dtype).view(shape)
+                self.blocks[t.data_ptr()] = (offset, size)
+                return t
+        raise MemoryError("stand-in graph pool exhausted")
+
+    def free(self, t: torch.Tensor) -> None:
+        self.free_blocks.append(self.blocks.pop(t.data_ptr()))
+        self.free_blocks.sort()
+        merged: list[tuple[int, int]] = []
+        for offset, size in self.free_blocks:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self.free_blocks = merged
+
+
+_CAPTURING_INTO: list[SharedPool] = []  # the pool of the capture in progress, if any
 
 
 @contextlib.contextmanager
 def _capture(graph: _TapeGraph, pool: Any = None, **_: Any) -> Iterator[None]:
     reference.TAPE.start()
+    if isinstance(pool, SharedPool):
+        _CAPTURING_INTO.append(pool)
     try:
         yield
     finally:
         graph.launches = reference.TAPE.stop()
+        _CAPTURING_INTO.clear()
+
+
+def pool_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` for a test's forward: from the pool while a graph captures
+    into one, from the host allocator otherwise (warm-up, eager runs)."""
+    if _CAPTURING_INTO:
+        return _CAPTURING_INTO[-1].empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def pool_free(t: torch.Tensor) -> None:
+    """What the caching allocator does when a forward's intermediate goes out of scope."""
+    if _CAPTURING_INTO:
+        _CAPTURING_INTO[-1].free(t)
 
 
 class _Stream:
@@ -237,7 +302,7 @@ class _Stream:
 
 def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let worker_service.execution.cuda_graphs.DecodeGraphs capture and replay on the CPU."""
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", SharedPool)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -250,8 +315,58 @@ def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
         reference.TAPE.launch(real_store_kv, *args)
 
     monkeypatch.setattr(backend, "store_kv", store_kv)
+    real_keep_output = cuda_graphs.keep_output
+
+    def keep_output(*args: Any) -> None:
+        reference.TAPE.launch(real_keep_output, *args)
+
+    monkeypatch.setattr(cuda_graphs, "keep_output", keep_output)
 
 
 def launch(kernel: Callable[..., Any], *args: Any) -> None:
     """Run ``kernel`` now, or record it if a graph is capturing (for a test's own ops)."""
     reference.TAPE.launch(kernel, *args)
+
+
+# ---- whole-model graphs: every torch op recorded ----------------------------------------
+
+
+class _OpRecorder(TorchDispatchMode):
+    """While a stand-in graph captures a whole model: every aten op runs (its
+    outputs give the capture its tensors) and is recorded on the tape, to run
+    again at replay on the very tensors of the capture with its results copied
+    into the capture's outputs; what a captured kernel does. A host read
+    (``.item()``, ``.tolist()``) fails, as it fails a real capture."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise KernelContractError(f"host read during graph capture: {func}")
+        out = func(*args, **kwargs)
+        reference.TAPE.launch(_rerun, func, args, kwargs, out)
+        return out
+
+
+def _rerun(func: Any, args: Any, kwargs: Any, captured: Any) -> None:
+    result = func(*args, **kwargs)
+    pairs = (
+        zip(captured, result, strict=True)
+        if isinstance(captured, tuple | list)
+        else [(captured, result)]
+    )
+    for old, new in pairs:
+        if isinstance(old, torch.Tensor) and new is not old and old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+
+
+@contextlib.contextmanager
+def _capture_model(graph: _TapeGraph, pool: Any = None, **_: Any) -> Iterator[None]:
+    with _capture(graph, pool), _OpRecorder():
+        yield
+
+
+def install_model_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """install_graph_stand_ins, and captures record every torch op as well, so
+    a whole model's forward (ModelCompute.capture_decode_graphs) replays."""
+    install_graph_stand_ins(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "graph", _capture_model)
