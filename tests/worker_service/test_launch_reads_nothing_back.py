@@ -84,3 +84,45 @@ def test_prompt_logprobs_stay_on_the_device_until_finish(tmp_path, monkeypatch):
     ids_lps = [x for p in finished for x in p.ids_logprobs]
     want = [ref[pos - 1, i].item() for pos in scored_positions for i in (1, 7)]
     assert ids_lps == pytest.approx(want, abs=1e-4)
+
+
+def test_the_readback_is_queued_in_launch_not_finish(tmp_path, monkeypatch):
+    """With overlap, step N+1 is queued before step N is finished: copies of
+    N's results queued in ``finish`` would sit behind N+1's kernels on the
+    stream, and waiting for them would wait for N+1 too."""
+    import worker_service.execution.model_compute as model_compute
+
+    tiny_model("llama3-rope-scaling", tmp_path)
+    runner = runner_for(tmp_path, page_size=4, num_pages=256, overlap="on")
+    compute = runner.compute
+    where: list[str] = []
+    phase = "runner"
+    real_copy = model_compute.HostCopy
+
+    class RecordingCopy(real_copy):
+        def __init__(self, tensors):
+            where.append(phase)
+            super().__init__(tensors)
+
+    monkeypatch.setattr(model_compute, "HostCopy", RecordingCopy)
+    launch, finish = compute.launch, compute.finish
+
+    def in_phase(name, fn):
+        def wrapped(*args, **kwargs):
+            nonlocal phase
+            phase = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase = "runner"
+
+        return wrapped
+
+    monkeypatch.setattr(compute, "launch", in_phase("launch", launch))
+    monkeypatch.setattr(compute, "finish", in_phase("finish", finish))
+    lp = LogprobOptions(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(9)).tolist()
+    requests = [DriverRequest(prompt, 5, logprobs=lp), DriverRequest(prompt[:7], 6)]
+    done = PlanDriver(runner, 4, chunk=8).run(requests)
+    assert [len(r.outputs) for r in done] == [5, 6]
+    assert where and set(where) == {"launch"}

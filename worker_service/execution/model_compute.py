@@ -28,7 +28,7 @@ import torch
 from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
-from worker_service.device.transfer import to_device, to_host
+from worker_service.device.transfer import HostCopy, to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 from worker_service.execution.model_runner import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
@@ -100,11 +100,24 @@ class ModelStep:
 
     sample: SampleLaunch | None
     prompt_logprobs: list[_PromptScores] = field(default_factory=list)
-    embeddings: list[PooledEmbedding] = field(default_factory=list)
+    # Embedding requests whose prompt ended: (slot, vector on the device).
+    embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # Tensor parallelism: rank 0's sampling status (1: it failed), broadcast
     # with the tokens; every rank reads it in ``finish``.
     sample_status: torch.Tensor | None = None
     sample_error: Exception | None = None  # rank 0: why its sampler failed
+    # The copies of everything ``finish`` reads, queued at the end of ``launch``
+    # right behind the step's own kernels, not behind the next step's.
+    readback: HostCopy | None = None
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What ``finish`` reads: the samples', the prompt scores', the TP status."""
+        out = self.sample.device_tensors() if self.sample is not None else []
+        out += [t for p in self.prompt_logprobs for t in p.tensors()]
+        out += [vec for _, vec in self.embeddings]
+        if self.sample_status is not None:
+            out.append(self.sample_status)
+        return out
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -191,10 +204,19 @@ class ModelCompute:
     def launch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
     ) -> ModelStep:
+        """Queue the step (``_queue``) and, right behind its kernels, the copies
+        of what ``finish`` reads: were they queued in ``finish``, after the next
+        step's kernels (overlap), the wait for them would wait for that step too."""
+        step = self._queue(work, num_extends, previous)
+        step.readback = HostCopy(step.device_tensors())
+        return step
+
+    def _queue(
+        self, work: list[SeqWork], num_extends: int, previous: ModelStep | None
+    ) -> ModelStep:
         """Queue the step: layout up, attention planned, forward, LM head and
-        sampling on the device; the host does not wait (but for prompt
-        logprobs, read back here). Decode inputs still PENDING are gathered on
-        the device from ``previous``'s sampled tokens."""
+        sampling on the device; the host does not wait. Decode inputs still
+        PENDING are gathered on the device from ``previous``'s sampled tokens."""
         device = self.device
         batch, input_ids = self._batch(work, num_extends, previous)
         adapters = any(w.state.adapter is not None for w in work)
@@ -304,13 +326,11 @@ class ModelCompute:
         if step.sample_error is not None:
             error = step.sample_error
             raise GroupStepFailed(f"rank 0 failed sampling: {error!r}") from error
-        extra = [t for p in step.prompt_logprobs for t in p.tensors()]
-        if step.sample_status is not None:
-            extra.append(step.sample_status)
-        if step.sample is not None:
-            out, host = step.sample.result_with(extra)
-        else:
-            out, host = SampleOutput(), to_host(*extra)
+        readback = step.readback or HostCopy(step.device_tensors())
+        host = readback.wait()
+        n_sample = len(step.sample.device_tensors()) if step.sample is not None else 0
+        out = step.sample.from_host(host[:n_sample]) if step.sample is not None else SampleOutput()
+        host = host[n_sample:]
         if step.sample_status is not None and host.pop().tolist()[0]:
             raise GroupStepFailed("tensor-parallel rank 0 failed sampling this step")
         at = 0
@@ -318,7 +338,8 @@ class ModelCompute:
             n = len(p.tensors())
             out.prompt_logprobs.append(p.on_host(host[at : at + n]))
             at += n
-        out.embeddings = step.embeddings
+        for (slot, _), vec in zip(step.embeddings, host[at:], strict=True):
+            out.embeddings.append(PooledEmbedding(slot, vec.tolist()))
         return out
 
     # ------------------------------------------------------------- batch
@@ -525,7 +546,9 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _pool(w: SeqWork, rows: torch.Tensor, score: ScoreHead | None) -> PooledEmbedding | None:
+def _pool(
+    w: SeqWork, rows: torch.Tensor, score: ScoreHead | None
+) -> tuple[int, torch.Tensor] | None:
     """An embedding request's chunk (``rows``: its final-norm hidden states):
     the vector once the chunk ends the prompt, else None (a mean's running
     sum kept in float32 on the device, as the chunk sizes vary). A
@@ -547,4 +570,4 @@ def _pool(w: SeqWork, rows: torch.Tensor, score: ScoreHead | None) -> PooledEmbe
         vec = rows[-1].float()
     if state.normalize:
         vec = torch.nn.functional.normalize(vec, dim=0)
-    return PooledEmbedding(w.slot, vec.tolist())
+    return w.slot, vec

@@ -191,19 +191,20 @@ class SampleLaunch:
 
     def result(self) -> SampleOutput:
         """Everything back on the host, after the step's one wait for the device."""
-        return self.result_with(())[0]
+        if self._result is None:
+            self._result = self.from_host(to_host(*self.device_tensors()))
+        return self._result
 
-    def result_with(self, extra: Sequence[torch.Tensor]) -> tuple[SampleOutput, list[torch.Tensor]]:
-        """``result()``, and the step's ``extra`` tensors on the host after the
-        same one wait (prompt logprobs, the tensor-parallel status)."""
-        if self._result is not None:
-            return self._result, to_host(*extra)
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What ``from_host`` reads, on the device (nothing for an empty step)."""
+        return [self.tokens, *self._tensors] if self._rows else []
+
+    def from_host(self, host: Sequence[torch.Tensor]) -> SampleOutput:
+        """The step's samples from ``device_tensors()`` copied to the host."""
         rows = self._rows
         if not rows:
-            self._result = SampleOutput()
-            return self._result, to_host(*extra)
-        chosen_h, lp_h, *rest = to_host(self.tokens, *self._tensors, *extra)
-        top, extra_h = rest[: len(rest) - len(extra)], rest[len(rest) - len(extra) :]
+            return SampleOutput()
+        chosen_h, lp_h, *top = host
         if top:
             top_ids, top_lps = top[0].tolist(), top[1].tolist()
         else:
@@ -215,5 +216,4 @@ class SampleLaunch:
             out.top_ids.append(top_ids[i][:n])
             out.top_logprobs.append(top_lps[i][:n])
             out.ids_logprobs.append(lp_rows[i][1 : 1 + len(r.logprobs.token_ids_logprob)])
-        self._result = out
-        return out, extra_h
+        return out
