@@ -299,7 +299,10 @@ class Engine:
             req = d.req
             ids = d.new_token_ids
             add_rid(req.rid)
-            if (
+            if d.plain:  # the common delta: the checks below are known to pass
+                add_token(ids[0])
+                add_cached(req.cached_tokens)
+            elif (
                 d.finished
                 or d.holding
                 or len(ids) != 1
