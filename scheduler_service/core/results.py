@@ -7,8 +7,8 @@ accepted drafts and the sample after them) all go through it, with the
 finish check after each; tokens after a finish are dropped. The one copy is
 ``_apply_tokens``, its loop unrolled over a result's token column
 (``StepResult.tokens``: a batch of plain tokens, the common step), which
-must decide exactly as it does (tests/scheduler_service/test_hot_paths.py
-runs both on the same steps).
+must decide exactly as it does (tests/scheduler_service/core/
+test_scheduler_properties.py runs every workload in both forms).
 
 ``apply_result`` changes the requests' own token state and writes nothing
 of the scheduler's: it returns a ``Receipt`` (the deltas, the requests that
