@@ -94,8 +94,14 @@ def make_room(
     """
     page_size = kv.page_size
     room = DecodeRoom()
+    available = kv.available_pages()
+    # Each decode takes at most one page: with that many available, no need
+    # to count (the common case, a pass over the batch saved).
+    if len(candidates) <= available:
+        room.ready = True
+        return room
     needed = pages_needed(candidates, page_size)
-    if needed <= kv.available_pages():
+    if needed <= available:
         room.ready = True
         return room
     order = retraction_order(candidates, priority_sign)
@@ -141,26 +147,19 @@ def oom_after_retraction(req: Request) -> FinishAbort:
 
 
 def plain_decodes(kv: KvManager, reqs: list[Request]) -> list[PlanEntry]:
-    """One decode entry per request; the caller made sure the pages fit."""
+    """One decode entry per request; the caller made sure the pages fit.
+    The pages are taken after the entries are built, for the few entries
+    that start a page (one pass over the batch, not two)."""
     page_size = kv.page_size
-    needed = pages_needed(reqs, page_size)
-    fresh = kv.alloc(needed)
-    if fresh is None:
-        raise RuntimeError(f"decode needs {needed} pages that make_room found")
-    entries: list[PlanEntry] = []
-    append = entries.append
-    take = iter(fresh.tolist()).__next__
-    for r in reqs:
-        pos = r.kv_len
-        if pos % page_size:
-            new_pages = []
-        else:
-            page = take()
-            r.pages.append(page)
-            new_pages = [page]
-        append(decode_entry(r, pos, new_pages))
-        r.kv_len = pos + 1
-        r.pending += 1
+    entries = [decode_entry(r, r.kv_len) for r in reqs]
+    starting = [e for e in entries if not e.start_pos % page_size]
+    if starting:
+        fresh = kv.alloc(len(starting))
+        if fresh is None:
+            raise RuntimeError(f"decode needs {len(starting)} pages that make_room found")
+        for e, page in zip(starting, fresh.tolist(), strict=True):
+            e.req.pages.append(page)
+            e.new_pages = [page]
     return entries
 
 

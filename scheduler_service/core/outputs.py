@@ -31,6 +31,29 @@ class RequestDelta:
     holding: bool = False
     # An embedding request's pooled vector (then no tokens).
     embedding: list[float] | None = None
+    # One token and nothing else (no logprobs asked, no finish, not holding):
+    # set where a plain token is received, so a reader can skip its checks.
+    plain: bool = False
+
+
+_new_delta = RequestDelta.__new__
+
+
+def plain_delta(req: Request, token: int) -> RequestDelta:
+    """The delta of one plain token, not yet known to finish anything (one
+    per running request per step: built without the dataclass __init__)."""
+    d = _new_delta(RequestDelta)
+    d.req = req
+    d.new_token_ids = [token]
+    d.logprobs = [None]
+    d.prompt_logprobs = None
+    d.prompt_logprobs_start = 0
+    d.finished = False
+    d.next_token_logprobs = None
+    d.holding = False
+    d.embedding = None
+    d.plain = True
+    return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,22 +109,27 @@ class PlanEntry:
 
 
 _new_entry = PlanEntry.__new__
+_NO_PAGES: tuple[int, ...] = ()  # shared: nobody changes an entry's new_pages
 
 
-def decode_entry(req: Request, start_pos: int, new_pages: list[int]) -> PlanEntry:
+def decode_entry(req: Request, start_pos: int) -> PlanEntry:
     """A plain decode's entry (the hot path: one per running request per
     step), built without the dataclass __init__'s keyword parsing, which
-    costs more than twice as much at a 256-request batch."""
+    costs more than twice as much at a 256-request batch. It counts as in
+    flight at once (``req.kv_len`` and ``req.pending`` advance); the caller
+    gives it its page if it starts one (``new_pages``, none until then)."""
     e = _new_entry(PlanEntry)
     e.req = req
     e.epoch = req.epoch
     e.start_pos = start_pos
     e.input_ids = None
-    e.new_pages = new_pages
+    e.new_pages = _NO_PAGES
     e.sample = True
     e.next_token = None
     e.drafts = None
     e.slot = -1
+    req.kv_len = start_pos + 1
+    req.pending += 1
     return e
 
 
@@ -203,3 +208,9 @@ class StepResult:
     forward_ms: float = 0.0
     # Time the worker spent waiting for this plan after finishing the last one.
     idle_ms: float = 0.0
+    # The common result as one column instead of ``outputs``: token i is
+    # the one sampled for the plan's sampling entry i (extends that sample,
+    # then decodes), with no logprobs, no grammar ending, no drafts and
+    # nothing for entries that do not sample. A result decoder takes this
+    # form when it fits: a batch of plain tokens then makes no RequestOutput.
+    tokens: list[int] | None = None

@@ -4,7 +4,11 @@ delivered (prompt positions once each), finish conditions checked.
 Receiving a token is written once (``receive_token``): a decode's token, the
 token after a prompt's last chunk and each token of a drafted row (the
 accepted drafts and the sample after them) all go through it, with the
-finish check after each; tokens after a finish are dropped.
+finish check after each; tokens after a finish are dropped. The one copy is
+``_apply_tokens``, its loop unrolled over a result's token column
+(``StepResult.tokens``: a batch of plain tokens, the common step), which
+must decide exactly as it does (tests/scheduler_service/core/
+test_scheduler_properties.py runs every workload in both forms).
 
 ``apply_result`` changes the requests' own token state and writes nothing
 of the scheduler's: it returns a ``Receipt`` (the deltas, the requests that
@@ -30,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.outputs import RequestDelta, plain_delta
 from scheduler_service.core.plan import (
     PlanEntry,
     ProtocolError,
@@ -164,6 +168,11 @@ def apply_result(
     step = plan.step_id
     extends = plan.extends
     sampling = [e for e in extends if e.sample] + plan.decodes if extends else plan.decodes
+    if result.tokens is not None:
+        if result.outputs:
+            raise ProtocolError(f"step {step}: a token column and outputs in one result")
+        _apply_tokens(sampling, result.tokens, r, step)
+        return r
     outputs = result.outputs
     n = len(sampling)
     if len(outputs) < n or (len(outputs) > n and outputs[n].token_id is not None):
@@ -206,6 +215,64 @@ def apply_result(
                 raise ProtocolError(f"step {step} has no entry without a sample for {out.rid!r}")
             _receive(entry, out, r, step)
     return r
+
+
+def _apply_tokens(sampling: list[PlanEntry], tokens: list[int], r: Receipt, step: int) -> None:
+    """A result's token column: ``receive_token`` unrolled for a batch of
+    plain tokens (no function call and no RequestOutput per token: this is
+    most of a decode step's update). An entry off the plain path (drafted,
+    moved on since it was planned, prefill-only scoring, asking for
+    logprobs) goes through ``_receive`` as its output would."""
+    if len(tokens) != len(sampling):
+        raise ProtocolError(
+            f"step {step}: {len(tokens)} sampled tokens for {len(sampling)} sampling entries"
+        )
+    now, eos_ids, stop_strings = r.now, r.eos_ids, r.stop_strings
+    finished = r.finished
+    add = r.deltas.append
+    plain = 0
+    for entry, token in zip(sampling, tokens, strict=True):
+        req = entry.req
+        sp = req.sampling
+        if (
+            entry.drafts is not None
+            or req.epoch != entry.epoch
+            or not sp.max_new_tokens
+            or req.logprobs.return_logprob
+        ):
+            reason = _receive(entry, RequestOutput(req.rid, token), r, step)
+            if reason is not None:
+                finished.append((req, reason))
+            continue
+        req.pending -= 1
+        times = req.times
+        if times.first_token is None:
+            times.first_token = now
+        output_ids = req.output_ids
+        output_ids.append(token)
+        delta = plain_delta(req, token)
+        add(delta)
+        plain += 1
+        n = len(output_ids)
+        matched = None
+        if sp.stop_strs and stop_strings is not None:
+            matched, delta.holding = stop_strings(req)
+            delta.plain = not delta.holding
+        if (
+            n >= sp.max_new_tokens
+            or matched is not None
+            or (
+                n > sp.min_new_tokens
+                and not sp.ignore_eos
+                and (token in sp.stop_token_ids or token in eos_ids)
+            )
+        ):
+            reason = check_finish(req, token, eos_ids, matched)
+            if reason is not None:
+                delta.finished = True
+                delta.plain = False
+                finished.append((req, reason))
+    r.generated += plain
 
 
 def _receive(entry: PlanEntry, out: RequestOutput, r: Receipt, step: int) -> FinishReason | None:

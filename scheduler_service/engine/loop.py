@@ -21,7 +21,7 @@ from observability import tracing
 from observability.histograms import REQUEST_LATENCY_S, Histogram
 from scheduler_service import ipc
 from scheduler_service.core.intake import Submission
-from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.outputs import LoadFigures, RequestDelta
 from scheduler_service.core.request import FinishAbort, FinishStop, Request
 from scheduler_service.core.sampling import InvalidRequestError
 from scheduler_service.core.scheduler import Scheduler
@@ -35,6 +35,12 @@ logger = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing to do: wake up at least this often
 CPU_SAMPLE_S = 0.1
+# The load's queue figures walk the waiting requests (a millisecond at a few
+# thousand): with more waiting than this they are refreshed at most every
+# FIGURES_S, not every step (the queue is long then, so steps, and with them
+# fresh figures, keep coming).
+FIGURES_EVERY_STEP_UP_TO = 64
+FIGURES_S = 0.02
 
 
 class IntegrityFailure(RuntimeError):
@@ -73,6 +79,8 @@ class Engine:
         self.idle_ms = 0.0
         self._cpu_read_at = 0.0
         self._cpu_s = 0.0
+        self._figures: LoadFigures | None = None
+        self._figures_at = 0.0
         self.queue_time = Histogram(REQUEST_LATENCY_S)
         self._queue_time_changed = False
         self.tracer = RequestTracer() if tracing.enabled() else None
@@ -299,7 +307,10 @@ class Engine:
             req = d.req
             ids = d.new_token_ids
             add_rid(req.rid)
-            if (
+            if d.plain:  # the common delta: the checks below are known to pass
+                add_token(ids[0])
+                add_cached(req.cached_tokens)
+            elif (
                 d.finished
                 or d.holding
                 or len(ids) != 1
@@ -362,12 +373,23 @@ class Engine:
             self._cpu_s = time.process_time()
         return self._cpu_s
 
+    def _load_figures(self, waiting: int) -> LoadFigures:
+        now = time.monotonic()
+        if (
+            self._figures is None
+            or waiting <= FIGURES_EVERY_STEP_UP_TO
+            or now - self._figures_at >= FIGURES_S
+        ):
+            self._figures = self.sched.load_figures()
+            self._figures_at = now
+        return self._figures
+
     def load(self) -> ipc.Load:
         sched = self.sched
         page = sched.config.page_size
         used_pages, evictable, total_pages = sched.kv_snapshot()
         running, waiting, live = sched.table_sizes()
-        figures = sched.load_figures()
+        figures = self._load_figures(waiting)
         stats = sched.stats
         queue_time = None
         if self._queue_time_changed:  # only when a request finished since the last snapshot

@@ -164,7 +164,12 @@ class WorkerCodec:
             and not any(e.req.logprobs.return_logprob for e in sampled)
         ):
             # No logprob payloads (the common decode step): one output per
-            # sampling entry, each rid once, so nothing to merge.
+            # sampling entry, each rid once, so nothing to merge; without a
+            # grammar ending, the tokens alone (StepResult.tokens).
+            if not ended:
+                return StepResult(
+                    msg.step_id, [], msg.forward_ms, msg.idle_ms, tokens=list(msg.token_ids)
+                )
             rids = [e.req.rid for e in sampled]
             outputs = list(map(RequestOutput, rids, msg.token_ids))
             for i in ended:

@@ -131,6 +131,10 @@ def test_result_decoding_with_and_without_logprob_payloads():
             pb.StepResult(step_id=2, token_ids=[5, 6], logprobs=[-3.0, -4.0]), two
         )
         for res, tokens, lp_a in ((first, [3, 4], -1.0), (second, [5, 6], -3.0)):
+            if not wants:  # plain tokens: the column form, no RequestOutput each
+                assert res.tokens == tokens and res.outputs == []
+                continue
+            assert res.tokens is None
             assert [(o.rid, o.token_id) for o in res.outputs] == list(
                 zip("ab", tokens, strict=True)
             )

@@ -4,11 +4,14 @@ Each example draws a configuration (page size 1 or 16, tiny pools, chunking,
 policies, priorities, mixed steps, overlap on or off) and a workload (shared
 prefixes, arrival times, lengths, aborts, extra keys, prompt logprobs), runs it to the end with
 ``check_integrity()`` after every step and update, and checks every output
-against the oracle and that the pool ends free or cached-unlocked.
+against the oracle and that the pool ends free or cached-unlocked. The same workloads with the
+results in the token column form (StepResult.tokens, the worker codec's
+form for a plain step) must give the same deltas, outputs and finishes.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 from hypothesis import given, settings
@@ -24,13 +27,28 @@ from tests.scheduler_service.core.support.sim_driver import (
 EXAMPLES = int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120"))
 
 
-def run_scenario(scenario, overlap: bool) -> None:
+def run_scenario(scenario, overlap: bool, *, columns: bool = False):
     config, num_pages, arrivals, aborts, aborted = scenario
     sched, worker = make_pair(config, num_pages, VOCAB)
-    log = drive(sched, worker, arrivals, aborts, overlap=overlap)
+    log = drive(sched, worker, arrivals, aborts, overlap=overlap, columns=columns)
     check_outputs([r for _, r in arrivals], config, VOCAB, log, allow_abort=aborted)
     check_drained(sched, worker)
     assert sched.stats.oom_aborts == 0
+    return log, sched.stats
+
+
+def run_both_forms(scenario) -> None:
+    """The scenario with results as outputs and as token columns: the same
+    deltas, finishes, outputs and counts."""
+    twin = copy.deepcopy(scenario)
+    log, stats = run_scenario(scenario, overlap=True)
+    col_log, col_stats = run_scenario(twin, overlap=True, columns=True)
+    assert col_log.deltas == log.deltas
+    assert col_log.finished_deltas == log.finished_deltas
+    assert col_log.steps == log.steps
+    assert col_stats == stats
+    reasons = [(r.rid, r.finish_reason) for _, r in scenario[2]]
+    assert [(r.rid, r.finish_reason) for _, r in twin[2]] == reasons
 
 
 @settings(max_examples=EXAMPLES)
@@ -55,3 +73,15 @@ def test_memory_pressure_without_overlap(scenario):
 @given(scenarios(pressure=True))
 def test_memory_pressure_with_overlap(scenario):
     run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios())
+def test_token_columns_decide_as_outputs_do(scenario):
+    run_both_forms(scenario)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(pressure=True))
+def test_token_columns_decide_as_outputs_do_under_memory_pressure(scenario):
+    run_both_forms(scenario)

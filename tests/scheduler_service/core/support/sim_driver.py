@@ -20,6 +20,7 @@ from scheduler_service.core import (
     StopCheck,
     check_stop_text,
 )
+from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.testing.simulated_worker import SimulatedWorker, expected_output
 
 
@@ -51,11 +52,14 @@ def drive(
     overlap: bool | int = False,
     max_steps: int = 50_000,
     check: bool = True,
+    columns: bool = False,
 ) -> DriveLog:
     """Run until every request is done and the worker holds nothing.
 
     ``overlap`` is how many plans may be in flight beyond the one just made
-    (True is 1: plan N+1 is made before result N is applied).
+    (True is 1: plan N+1 is made before result N is applied). ``columns``:
+    results go to the scheduler in the token column form where it fits
+    (``as_token_column``), as the worker codec hands over a real worker's.
     """
     lag = int(overlap)
     aborts = aborts or {}
@@ -88,7 +92,9 @@ def drive(
         # Without overlap the plan just made runs now; with overlap the one
         # before it does, so step N+1 was planned before result N arrived.
         while inflight and (len(inflight) > lag or plan is None):
-            sched.update(worker.execute(inflight.popleft()))
+            done = inflight.popleft()
+            result = worker.execute(done)
+            sched.update(as_token_column(result, done) if columns else result)
             if check:
                 sched.check_integrity()
         collect()
@@ -99,6 +105,31 @@ def drive(
             raise AssertionError(f"not done after {max_steps} steps")
     log.steps = t
     return log
+
+
+def as_token_column(result: StepResult, plan: StepPlan) -> StepResult:
+    """``result`` as ``StepResult.tokens`` where that form fits (as the
+    worker codec decodes a plain result): every output a sampled token and
+    nothing else, and no sampling request asking for logprobs (the
+    simulated worker attaches a logprob to every token, asked or not)."""
+    outs = result.outputs
+    sampling = [e for e in plan.extends if e.sample] + plan.decodes
+    if (
+        plan.drafted
+        or len(outs) != len(sampling)
+        or any(e.req.logprobs.return_logprob for e in sampling)
+        or any(
+            o.token_id is None
+            or o.prompt_logprobs
+            or o.more_tokens
+            or o.embedding is not None
+            or o.grammar_ended
+            for o in outs
+        )
+    ):
+        return result
+    tokens = [o.token_id for o in outs]
+    return StepResult(result.step_id, [], result.forward_ms, result.idle_ms, tokens=tokens)
 
 
 def toy_text(tokens: list[int]) -> str:
