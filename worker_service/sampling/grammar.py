@@ -282,10 +282,27 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Disallowed tokens of rows ``rows`` of ``logits`` (on any device) to -inf."""
+def bitmask_backend(device_type: str) -> str:
+    """How xgrammar applies the mask to logits on ``device_type``, decided once at
+    start (the Sampler's). Of its ``apply_token_bitmask_inplace`` backends, "cpu" is
+    its C++ loop over CPU tensors; on a GPU its default, "triton", compiles a Triton
+    kernel at first use (Triton builds its launcher with the host's C compiler),
+    "cuda" builds a torch extension with nvcc and "torch_compile" goes through
+    Triton too; the CUDA image has no compiler. "torch_native" is plain torch ops
+    (unpack each word's 32 bits, masked_fill) on any device, nothing compiled: a few
+    more launches, on the constrained rows only."""
+    return "cpu" if device_type == "cpu" else "torch_native"
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], *, backend: str
+) -> None:
+    """Disallowed tokens of rows ``rows`` of ``logits`` to -inf (``backend``:
+    ``bitmask_backend``'s for the logits' device)."""
     mask = bitmask.to(logits.device, non_blocking=True)
-    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+    _xgr().apply_token_bitmask_inplace(
+        logits, mask, vocab_size=logits.shape[1], indices=rows, backend=backend
+    )
 
 
 def huggingface_tokenizer_info(
