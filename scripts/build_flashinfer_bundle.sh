@@ -21,9 +21,10 @@
 #                               or too old (scripts/gpu_check.sh)
 #   env.sh                      source it: PYTHONPATH, FLASHINFER_DISABLE_JIT=1, ...
 #
-# Usage: scripts/build_flashinfer_bundle.sh     (about 50 min on 2 cores for the default
-# 24 attention modules, ~4 min per prefill module; reruns reuse the build cache in
-# $FI_BUNDLE_WORK). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
+# Usage: scripts/build_flashinfer_bundle.sh     (about 35 min on 2 idle cores for the
+# default 24 attention modules: one job builds a prefill module in ~4 min, a decode
+# module in ~1.2; reruns reuse the build cache in $FI_BUNDLE_WORK; docs/benchmarks.md
+# estimates the bundle at ~57 MiB of the 64 a device run carries). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
 # FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
 # Hopper, about 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
 # The defaults are worker_service/attention/flashinfer_modules.py's.

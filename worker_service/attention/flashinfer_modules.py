@@ -20,9 +20,9 @@ the CUDA-core decode kernel reduces over HEAD_DIM / 8 lanes with a power-of-two
 shuffle tree, wrong for 10 or 12 lanes), and have no fp32 (attention_choice.py picks
 the torch backend for those). 512 is left out of the prebuilt set for its size.
 
-Sizes (sm_90a, CUDA 13.0 nvcc, fp16, head dim 128, built here): a decode module
-0.45 MiB, an FA2 prefill module 1.95 MiB; docs/benchmarks.md has the table and the
-bundle's total against its 64 MiB limit.
+Sizes (sm_90a, CUDA 13.0 nvcc, built here): a decode module 0.45 MiB, an FA2
+prefill module 1.7-1.95 MiB, whatever the head dim; the default set adds about
+18.6 MiB to the bundle, about 57 of its 64 MiB (docs/benchmarks.md).
 """
 
 from __future__ import annotations
