@@ -163,6 +163,9 @@ def test_manifest_round_trips_and_refuses_a_renamed_entry(tmp_path) -> None:
     text = (aot / MANIFEST_NAME).read_text().replace("head_dim_qk_64_", "head_dim_qk_65_", 1)
     with pytest.raises(ValueError, match="is not"):
         Manifest.from_json(text)
+    (aot / MANIFEST_NAME).write_text(text)
+    with pytest.raises(KernelsNotPrebuilt, match="rebuild the kernels"):
+        read_manifest(aot)
 
 
 def test_check_passes_what_is_prebuilt_and_names_what_is_not(tmp_path) -> None:
@@ -197,6 +200,12 @@ def test_a_listed_module_whose_file_is_gone_is_missing(tmp_path) -> None:
     source = KernelSource((aot,), read_manifest(aot), can_compile=False)
     with pytest.raises(KernelsNotPrebuilt, match=needed[1].name):
         check_prebuilt(needed, OP_MODULES, source)
+    # Another AOT directory (an installed flashinfer-jit-cache) may hold it.
+    cache = _prebuilt_dir(tmp_path / "jit-cache", needed[1:], ops=())
+    (cache / MANIFEST_NAME).unlink()
+    check_prebuilt(
+        needed, OP_MODULES, KernelSource((aot, cache), read_manifest(aot), can_compile=False)
+    )
     # Missing op modules point at --kernels torch.
     (aot / "norm" / "norm.so").unlink()
     with pytest.raises(KernelsNotPrebuilt, match="--kernels torch"):

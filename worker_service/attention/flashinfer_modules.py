@@ -186,7 +186,14 @@ class KernelSource:
 
 def read_manifest(aot_dir: Path) -> Manifest | None:
     path = aot_dir / MANIFEST_NAME
-    return Manifest.from_json(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return Manifest.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise KernelsNotPrebuilt(
+            f"{path} is not a kernel manifest ({e}): rebuild the kernels"
+        ) from None
 
 
 def can_jit_compile(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -253,8 +260,8 @@ def check_prebuilt(
 def _prebuilt(name: str, source: KernelSource) -> bool:
     """Listed in the manifest with its file beside it, or in another AOT directory
     (an installed flashinfer-jit-cache); without a manifest, anywhere on disk."""
-    first, *others = source.aot_dirs or (Path("/nonexistent"),)
-    if source.manifest is None:
-        return source.has(name)
-    listed = name in source.manifest.names() and (first / name / f"{name}.so").is_file()
-    return listed or any((d / name / f"{name}.so").is_file() for d in others)
+    files = [d / name / f"{name}.so" for d in source.aot_dirs]
+    if source.manifest is None or not files:
+        return any(f.is_file() for f in files)
+    listed = name in source.manifest.names() and files[0].is_file()
+    return listed or any(f.is_file() for f in files[1:])
