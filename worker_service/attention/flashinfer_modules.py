@@ -22,7 +22,7 @@ the torch backend for those). 512 is left out of the prebuilt set for its size.
 
 Sizes (sm_90a, CUDA 13.0 nvcc, built here): a decode module 0.45 MiB, an FA2
 prefill module 1.7-1.95 MiB, whatever the head dim; the default set adds about
-18.6 MiB to the bundle, about 57 of its 64 MiB (docs/benchmarks.md).
+18.7 MiB to the bundle, about 57 of its 64 MiB (docs/benchmarks.md).
 """
 
 from __future__ import annotations
