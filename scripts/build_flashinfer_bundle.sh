@@ -11,7 +11,9 @@
 #   site/flashinfer/data/aot/   the kernel modules FlashInferAttention and FlashInferKernels
 #                               load (attention; norm, rope, silu_and_mul, sampling),
 #                               built here with nvcc for sm_90a; FlashInfer loads
-#                               data/aot/<uri>/<uri>.so before trying to JIT-compile
+#                               data/aot/<uri>/<uri>.so before trying to JIT-compile;
+#                               radixserve_kernels.json lists them (the worker checks
+#                               a model against it at start)
 #   site/flashinfer/data/csrc/  the few templates FlashInfer reads to name a module
 #   site/tvm_ffi/               apache-tvm-ffi for CPython 3.12 (FlashInfer >= 0.5 binds
 #                               kernels through TVM-FFI, so modules link no torch)
@@ -19,10 +21,13 @@
 #                               or too old (scripts/gpu_check.sh)
 #   env.sh                      source it: PYTHONPATH, FLASHINFER_DISABLE_JIT=1, ...
 #
-# Usage: scripts/build_flashinfer_bundle.sh     (about 10 min on 2 cores; reruns reuse
-# the build cache in $FI_BUNDLE_WORK). Knobs: FI_HEAD_DIMS, FI_DTYPES, FI_CUDA_ARCH,
-# FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper, about
-# 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
+# Usage: scripts/build_flashinfer_bundle.sh     (about 35 min on 2 idle cores for the
+# default 24 attention modules: one job builds a prefill module in ~4 min, a decode
+# module in ~1.2; reruns reuse the build cache in $FI_BUNDLE_WORK; docs/benchmarks.md
+# estimates the bundle at ~57 MiB of the 64 a device run carries). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
+# FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
+# Hopper, about 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
+# The defaults are worker_service/attention/flashinfer_modules.py's.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,8 +49,9 @@ PY312=(--python-version 3.12 --implementation cp --only-binary=:all:
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
-export FI_HEAD_DIMS=${FI_HEAD_DIMS:-"64 128"}
-export FI_DTYPES=${FI_DTYPES:-"bfloat16"}
+# Empty: flashinfer_modules.py's defaults (fp16 and bf16, head dims 64, 128, 256).
+export FI_HEAD_DIMS=${FI_HEAD_DIMS:-}
+export FI_DTYPES=${FI_DTYPES:-}
 export FI_PREFILL_BACKENDS=${FI_PREFILL_BACKENDS:-"fa2"}
 export FLASHINFER_CUDA_ARCH_LIST=${FI_CUDA_ARCH:-9.0a}
 
@@ -88,7 +94,7 @@ export FI_OUT="$OUT" FI_WORK="$WORK"
 
 NEW="$WORK/bundle.new"
 rm -rf "$NEW"
-echo "== compiling modules for sm_${FLASHINFER_CUDA_ARCH_LIST/./} (heads: $FI_HEAD_DIMS)"
+echo "== compiling modules for sm_${FLASHINFER_CUDA_ARCH_LIST/./} (dtypes: ${FI_DTYPES:-default}, heads: ${FI_HEAD_DIMS:-default})"
 "$PY" "$ROOT/scripts/flashinfer_aot.py" "$NEW/site/flashinfer/data/aot"
 
 echo "== assembling $OUT"
@@ -143,7 +149,7 @@ EOF
 {
   echo "flashinfer-python $FLASHINFER_PYTHON, apache-tvm-ffi $TVM_FFI (cp312), arch $FLASHINFER_CUDA_ARCH_LIST"
   echo "built with: $("$CUDA_HOME/bin/nvcc" --version | tail -1), $("$PY" -V)"
-  (cd "$NEW/site/flashinfer/data/aot" && ls)
+  (cd "$NEW/site/flashinfer/data/aot" && ls -d -- */ | tr -d /)
 } >"$NEW/MANIFEST.txt"
 rm -rf "$OUT" && mv "$NEW" "$OUT"
 for part in "$OUT" "$OUT"/site/flashinfer/data/aot "$OUT"/site/tvm_ffi "$OUT"/extras \
@@ -168,7 +174,7 @@ export FI_SITE="$WORK/fi_site" PYTHONDONTWRITEBYTECODE=1
 source "$OUT/env.sh" # unpacks the Python files, as on the GPU machine
 # This Python's tvm_ffi first (the bundle's is built for 3.12), then the bundle.
 PYTHONPATH="$WORK/tvm_host:$FI_SITE:$OUT/site:$WORK/deps_site" FI_OUT="$FI_SITE" \
-  FI_BUNDLE_REAL="$(realpath "$OUT")" \
+  FI_BUNDLE_REAL="$(realpath "$OUT")" FI_ROOT="$ROOT" \
   LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   FLASHINFER_DISABLE_JIT=1 FLASHINFER_WORKSPACE_BASE="$WORK/check_ws" "$PY" - <<'EOF'
 import os
@@ -186,26 +192,48 @@ from flashinfer.decode import get_batch_decode_module
 from flashinfer.jit.attention import modules as m
 from flashinfer.prefill import get_batch_prefill_module
 
+sys.path.insert(0, os.environ["FI_ROOT"])
+from worker_service.attention.flashinfer_modules import (
+    OP_MODULES,
+    flashinfer_kernel_source,
+    needed_modules,
+)
+
 assert flashinfer.__file__.startswith(os.environ["FI_OUT"]), flashinfer.__file__
+# The worker's view of the bundle: the manifest, read from FlashInfer's AOT dir.
+source = flashinfer_kernel_source()
+manifest = source.manifest
+assert manifest is not None, f"no manifest in {source.aot_dirs[0]}"
 n = 0
-for dtype in os.environ["FI_DTYPES"].split():
-    dt = getattr(torch, dtype)
-    for hd in map(int, os.environ["FI_HEAD_DIMS"].split()):
-        for swa in (False, True):
-            a = (dt, dt, dt, torch.int32, hd, hd, 0, swa, False)
-            # The lookups the wrappers' plan() makes; FLASHINFER_DISABLE_JIT=1 turns a
-            # missing prebuilt module into an error instead of a build.
-            for spec in (
-                m.gen_batch_decode_module(*a),
-                m._gen_batch_prefill_primary_module("fa2", *a, False),
-            ):
-                assert spec.is_aot, f"not prebuilt: {spec.name}"
-                assert os.path.realpath(spec.aot_path).startswith(os.environ["FI_BUNDLE_REAL"])
-            dec = get_batch_decode_module(*a)
-            pre = get_batch_prefill_module("fa2", *a, False)
-            assert callable(dec.plan) and callable(dec.run)
-            assert callable(pre.plan) and callable(pre.paged_run)
-            n += 2
+for module in manifest.attention:
+    dt = getattr(torch, module.dtype)
+    a = (dt, dt, dt, torch.int32, module.head_dim, module.head_dim, 0, module.sliding_window, False)
+    # The lookups the wrappers' plan() makes; FLASHINFER_DISABLE_JIT=1 turns a
+    # missing prebuilt module into an error instead of a build.
+    if module.kind == "decode":
+        spec = m.gen_batch_decode_module(*a)
+    elif module.backend == "fa2":
+        spec = m._gen_batch_prefill_primary_module("fa2", *a, False)
+    else:
+        continue  # fa3: loaded only by a prefill_backend the worker does not use
+    assert spec.name == module.name, (spec.name, module.name)
+    assert spec.is_aot, f"not prebuilt: {spec.name}"
+    assert os.path.realpath(spec.aot_path).startswith(os.environ["FI_BUNDLE_REAL"])
+    if module.kind == "decode":
+        dec = get_batch_decode_module(*a)
+        assert callable(dec.plan) and callable(dec.run)
+    else:
+        pre = get_batch_prefill_module("fa2", *a, False)
+        assert callable(pre.plan) and callable(pre.paged_run)
+    n += 1
+# Everything the worker would ask for, for every group and window, is listed.
+for dtype in {mod.dtype for mod in manifest.attention}:
+    for hd in {mod.head_dim for mod in manifest.attention}:
+        for group in (1, 4):
+            for swa in (False, True):
+                for need in needed_modules(dtype, hd, group=group, sliding_window=swa):
+                    assert need in manifest.attention and source.has(need.name), need
+assert tuple(manifest.ops) == OP_MODULES, manifest.ops
 # FlashInferKernels' modules, through the getters its calls go through.
 assert flashinfer.norm._USE_CUDA_NORM, "FLASHINFER_USE_CUDA_NORM=1 is not in effect"
 ops = {

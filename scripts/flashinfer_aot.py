@@ -1,12 +1,14 @@
 """Compile ahead of time the FlashInfer modules the worker loads on CUDA: the
 attention modules of FlashInferAttention and the op modules of FlashInferKernels
 (RMSNorm and fused add + RMSNorm, RoPE from a cos/sin cache, SiLU-and-mul, the
-top-k / top-p renorm filters), and put each at OUT/<name>/<name>.so (FlashInfer's
-data/aot layout, which it loads before trying to JIT-compile).
+top-k / top-p renorm filters), put each at OUT/<name>/<name>.so (FlashInfer's
+data/aot layout, which it loads before trying to JIT-compile), and write
+OUT/radixserve_kernels.json, the manifest the worker checks a model against at
+start (worker_service/attention/flashinfer_modules.py: the list is data there).
 
 Used by scripts/build_flashinfer_bundle.sh and docker/Dockerfile.cuda. Knobs (env):
-FI_DTYPES ("bfloat16"), FI_HEAD_DIMS ("64 128"), FI_PREFILL_BACKENDS ("fa2"; add
-fa3 for prefill_backend="auto"/"fa3" on Hopper), FLASHINFER_CUDA_ARCH_LIST.
+FI_DTYPES ("bfloat16 float16"), FI_HEAD_DIMS ("64 128 256"), FI_PREFILL_BACKENDS
+("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper), FLASHINFER_CUDA_ARCH_LIST.
 
 Usage: python scripts/flashinfer_aot.py OUT
 """
@@ -27,6 +29,17 @@ from flashinfer.jit.norm import gen_norm_module
 from flashinfer.jit.rope import gen_rope_module
 from flashinfer.jit.sampling import gen_sampling_module
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from worker_service.attention.flashinfer_modules import (
+    DEFAULT_DTYPES,
+    DEFAULT_HEAD_DIMS,
+    MANIFEST_NAME,
+    OP_MODULES,
+    AttentionModule,
+    Manifest,
+    build_list,
+)
+
 
 def op_specs() -> Iterator[object]:
     """worker_service/kernels/flashinfer_kernels.py's modules: one each, every dtype
@@ -39,33 +52,48 @@ def op_specs() -> Iterator[object]:
     yield gen_sampling_module()
 
 
-def attention_specs() -> Iterator[object]:
-    # The decode wrappers use backend="fa2" (tensor-core decode runs the fa2
-    # prefill module); prefill uses the FI_PREFILL_BACKENDS.
-    backends = os.environ.get("FI_PREFILL_BACKENDS", "fa2").split()
-    for dtype in os.environ.get("FI_DTYPES", "bfloat16").split():
-        dt = getattr(torch, dtype)
-        for hd in map(int, os.environ.get("FI_HEAD_DIMS", "64 128").split()):
-            for swa in (False, True):
-                a = (dt, dt, dt, torch.int32, hd, hd, 0, swa, False)
-                yield m.gen_batch_decode_module(*a)
-                yield m._gen_batch_prefill_primary_module("fa2", *a, False)
-                if "fa3" in backends:
-                    yield m.gen_batch_prefill_module("fa3", *a, False)
+def attention_modules() -> list[AttentionModule]:
+    dtypes = os.environ.get("FI_DTYPES", "").split() or DEFAULT_DTYPES
+    head_dims = [int(d) for d in os.environ.get("FI_HEAD_DIMS", "").split()] or DEFAULT_HEAD_DIMS
+    return build_list(dtypes, head_dims, os.environ.get("FI_PREFILL_BACKENDS", "fa2").split())
 
 
-def specs() -> Iterator[object]:
-    yield from attention_specs()
-    yield from op_specs()
+def attention_spec(module: AttentionModule) -> object:
+    """FlashInfer's JitSpec for ``module``, the one its wrappers' plan() looks up."""
+    dt = getattr(torch, module.dtype)
+    hd = module.head_dim
+    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, False)
+    if module.kind == "decode":
+        spec = m.gen_batch_decode_module(*a)
+    elif module.backend == "fa2":
+        spec = m._gen_batch_prefill_primary_module("fa2", *a, False)
+    else:
+        spec = m.gen_batch_prefill_module(module.backend, *a, False)
+    # The worker checks for these names at start: a FlashInfer that names its
+    # modules otherwise fails the build here, not the worker there.
+    assert spec.name == module.name, (spec.name, module.name)
+    return spec
 
 
 def main(out: pathlib.Path) -> None:
-    todo = list(specs())
+    modules = attention_modules()
+    todo = [attention_spec(a) for a in modules] + list(op_specs())
+    assert [s.name for s in todo[len(modules) :]] == list(OP_MODULES)
     build_jit_specs(todo, verbose=False, skip_prebuilt=False)
     for spec in todo:
         (out / spec.name).mkdir(parents=True, exist_ok=True)
         shutil.copy2(spec.jit_library_path, out / spec.name / f"{spec.name}.so")
         print("  built", spec.name)
+    import flashinfer
+
+    manifest = Manifest(
+        flashinfer.__version__,
+        os.environ.get("FLASHINFER_CUDA_ARCH_LIST", ""),
+        tuple(modules),
+        OP_MODULES,
+    )
+    (out / MANIFEST_NAME).write_text(manifest.to_json())
+    print(f"  manifest {out / MANIFEST_NAME}: {manifest.summary()}")
 
 
 if __name__ == "__main__":

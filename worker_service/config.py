@@ -50,7 +50,8 @@ class WorkerConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "auto: flashinfer on CUDA, torch on CPU",
+        "auto: flashinfer on CUDA for bf16/fp16 models of head dim 64, 128 or 256, torch "
+        "otherwise (FlashInfer has no fp32 kernels, and its FA2 ones take multiples of 64)",
         choices=("auto", "torch", "flashinfer"),
     )
     kernels: str = setting(

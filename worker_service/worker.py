@@ -9,8 +9,16 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from worker_service.attention.attention_choice import choose_attention, dtype_name
 from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
+from worker_service.attention.flashinfer_modules import (
+    MODEL_OP_MODULES,
+    SAMPLER_OP_MODULES,
+    check_prebuilt,
+    flashinfer_kernel_source,
+    needed_modules,
+)
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
@@ -20,7 +28,7 @@ from worker_service.device.kv_cache import KvCache, parse_bytes
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
-from worker_service.kernels import select_kernels
+from worker_service.kernels import Kernels, select_kernels
 from worker_service.lora.graph_slots import LoraSlots
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
@@ -136,8 +144,11 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         pooling = resolve_pooling(
             model_path=model_dir, pooling=cfg.pooling, normalize=cfg.embed_normalize
         )
+    # Everything that can refuse this model on this device does so before the
+    # weights are loaded.
+    compute_choice = choose_compute(cfg, mcfg, tp_size=tp.size, device=device, dtype=dtype)
+    spec, kernels = compute_choice.spec, compute_choice.model_kernels
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
-    kernels = select_kernels(device, dtype, cfg.kernels)
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
     if source.kind == "random":
         model.init_random_weights(seed=0)
@@ -147,21 +158,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
     if device.type == "cpu" and cfg.onednn_linears:
         logger.info("packed linears for oneDNN", layers=model.pack_linears_for_cpu())
-    spec = AttentionSpec(
-        num_heads=mcfg.num_heads // tp.size,
-        num_kv_heads=model.num_local_kv_heads,
-        head_dim=mcfg.head_dim,
-        page_size=cfg.page_size,
-        sliding_window=mcfg.sliding_window,
-        dtype=dtype,
-        device=device,
-    )
     # Everything else that lives on the GPU (attention workspaces, sampler
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
     # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
-    attn = _attention(cfg, spec, device)
-    sampler = Sampler(mcfg.vocab_size, device, kernels=select_kernels(device, choice=cfg.kernels))
+    attn = _attention(cfg, spec, compute_choice.attention)
+    sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
     lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
     if device.type == "cuda" and graphs and cfg.cuda_graph_lora_slots > 0:
@@ -225,6 +227,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
         kernels=model.kernels.name,
+        grammar_masks=sampler.bitmask_backend,
     )
     return Worker(
         config=cfg,
@@ -246,17 +249,56 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     )
 
 
+@dataclass(frozen=True)
+class ComputeChoice:
+    """What runs the model's steps, decided at start before the weights load."""
+
+    spec: AttentionSpec
+    attention: str  # the backend: "flashinfer" or "torch"
+    model_kernels: Kernels
+    sampler_kernels: Kernels
+
+
+def choose_compute(
+    cfg: WorkerConfig,
+    mcfg: ModelConfig,
+    *,
+    tp_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ComputeChoice:
+    """The attention backend (attention_choice.py: torch where FlashInfer's kernels
+    do not fit the dtype or head dim, logged), the kernels, and, where FlashInfer
+    runs, a check that the modules it will load are prebuilt or compilable; a
+    configuration that cannot work stops the worker here (SystemExit), by name."""
+    spec = AttentionSpec(
+        num_heads=mcfg.num_heads // tp_size,
+        num_kv_heads=mcfg.num_kv_heads // tp_size,
+        head_dim=mcfg.head_dim,
+        page_size=cfg.page_size,
+        sliding_window=mcfg.sliding_window,
+        dtype=dtype,
+        device=device,
+    )
+    choice = choose_attention(
+        cfg.attention_backend, device_type=device.type, dtype=dtype, head_dim=mcfg.head_dim
+    )
+    if choice.reason is not None:
+        logger.warning("using the torch attention backend", reason=choice.reason)
+    kernels = _select_kernels(device, dtype=dtype, choice=cfg.kernels)
+    sampler_kernels = _select_kernels(device, dtype=None, choice=cfg.kernels)
+    _check_flashinfer_modules(spec, choice.name, model_kernels=kernels, sampler=sampler_kernels)
+    return ComputeChoice(spec, choice.name, kernels, sampler_kernels)
+
+
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _attention(cfg: WorkerConfig, spec: AttentionSpec, device: torch.device) -> AttentionBackend:
-    name = cfg.attention_backend
-    if name == "auto":
-        name = "flashinfer" if device.type == "cuda" else "torch"
+def _attention(cfg: WorkerConfig, spec: AttentionSpec, name: str) -> AttentionBackend:
     if name == "torch":
         kernel = None
-        if device.type == "cpu" and cfg.cpu_decode_kernel:
+        if spec.device.type == "cpu" and cfg.cpu_decode_kernel:
             kernel = load_paged_decode(
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
             )
@@ -264,6 +306,32 @@ def _attention(cfg: WorkerConfig, spec: AttentionSpec, device: torch.device) -> 
     from worker_service.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(spec)
+
+
+def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str) -> Kernels:
+    try:
+        return select_kernels(device, dtype, choice)
+    except ValueError as e:
+        raise SystemExit(f"--kernels {choice}: {e}; use --kernels auto or torch") from None
+
+
+def _check_flashinfer_modules(
+    spec: AttentionSpec, attention: str, *, model_kernels: Kernels, sampler: Kernels
+) -> None:
+    """Stop here, naming them, if FlashInfer modules this worker will load are
+    neither prebuilt nor compilable (else the first use fails: graph capture)."""
+    needed = []
+    if attention == "flashinfer":
+        needed = needed_modules(
+            dtype_name(spec.dtype),
+            spec.head_dim,
+            group=spec.num_heads // spec.num_kv_heads,
+            sliding_window=bool(spec.sliding_window),
+        )
+    ops = list(MODEL_OP_MODULES) if model_kernels.name == "flashinfer" else []
+    ops += SAMPLER_OP_MODULES if sampler.name == "flashinfer" else ()
+    if needed or ops:
+        check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
 
 
 def _num_pages(

@@ -1,6 +1,8 @@
 """The whole worker on a GPU (random SmolLM2-shaped weights, bf16, FlashInfer):
 a decode step queues its work without waiting for the GPU, the wait for the
-sampled tokens aside, with and without CUDA graphs; prefill too runs through.
+sampled tokens aside, with and without CUDA graphs; prefill too runs through. fp16
+starts on FlashInfer's prebuilt modules, fp32 on the torch backend; the grammar
+mask compiles nothing and waits for nothing on the GPU.
 
 Skips without CUDA (and without flashinfer unless RADIXSERVE_REQUIRE_FLASHINFER=1,
 as in test_flashinfer_backend.py)."""
@@ -84,3 +86,45 @@ def test_decode_step_waits_only_for_its_tokens(graphs: bool, temperature: float)
     assert not syncs, f"host syncs in a decode step: {syncs[:3]}"
     assert len(tokens) == len(PROMPTS)
     assert all(0 <= t < worker.vocab_size for t in tokens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.usefixtures("flashinfer_ok")
+@pytest.mark.parametrize(("dtype", "attention"), [("float16", "flashinfer"), ("float32", "torch")])
+def test_fp16_and_fp32_start_and_decode(dtype: str, attention: str) -> None:
+    """fp16 runs FlashInfer's prebuilt fp16 modules (graph capture included); fp32
+    goes to the torch backend and kernels (FlashInfer has no fp32 kernels)."""
+    cfg = WorkerConfig(
+        model="random:smollm2-135m", device="cuda", dtype=dtype, page_size=PAGE, num_pages=64
+    )
+    worker = build_worker(cfg)
+    assert worker.attention_backend == attention
+    positions = start(worker, SamplingParams(temperature=0.0))
+    tokens = decode(worker, 10, positions)
+    assert len(tokens) == len(PROMPTS)
+    assert all(0 <= t < worker.vocab_size for t in tokens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_grammar_mask_on_the_gpu_compiles_nothing_and_waits_for_nothing() -> None:
+    from worker_service.sampling import grammar
+
+    pytest.importorskip("xgrammar")
+    vocab, rows = 49152, [0, 2]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen)
+    bitmask = grammar.allocate_bitmask(3, vocab)
+    bitmask.copy_(torch.randint(-(2**31), 2**31, bitmask.shape, generator=gen, dtype=torch.int64))
+    on_gpu = logits.cuda()
+    grammar.apply_bitmask(on_gpu, bitmask, rows, backend="torch")  # warm
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grammar.apply_bitmask(on_gpu, bitmask, rows, backend=grammar.bitmask_backend("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    grammar.apply_bitmask(logits, bitmask, rows, backend="cpu")
+    assert torch.equal(on_gpu.cpu(), logits)

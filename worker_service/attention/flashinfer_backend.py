@@ -62,6 +62,7 @@ from worker_service.attention.base import (
     AttentionSpec,
     SequenceSlice,
 )
+from worker_service.attention.flashinfer_modules import TENSOR_CORE_DECODE_GROUP
 from worker_service.device.kv_cache import KvCache
 
 # As SGLang: 1, 2, 4, then every 8 up to 256. A batch is padded by at most 7 rows
@@ -210,8 +211,10 @@ class FlashInferAttention(AttentionBackend):
         self._fi = flashinfer
         group = spec.num_heads // spec.num_kv_heads
         # Tensor-core decode (FlashInfer's prefill kernel on q_len 1) pays off for
-        # wide GQA groups, and the CUDA-core kernel only has groups 1,2,3,4,6,8,16.
-        self._tensor_cores = group >= 4 if decode_tensor_cores is None else decode_tensor_cores
+        # wide GQA groups, and the CUDA-core kernel only has groups 1,2,3,4,6,8,16;
+        # the prebuilt modules follow the same rule (flashinfer_modules.py).
+        wide = group >= TENSOR_CORE_DECODE_GROUP
+        self._tensor_cores = wide if decode_tensor_cores is None else decode_tensor_cores
         # FlashInfer wants the float workspace zeroed before its first use.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
         self._prefill_backend = prefill_backend

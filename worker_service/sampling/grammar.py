@@ -34,8 +34,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from worker_service.device.transfer import to_device
 from worker_service.sampling.grammar_compile import KINDS, GrammarError, compile_grammar
 from worker_service.sampling.grammar_pool import CompilePool
 
@@ -282,10 +284,49 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Disallowed tokens of rows ``rows`` of ``logits`` (on any device) to -inf."""
-    mask = bitmask.to(logits.device, non_blocking=True)
-    _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+def bitmask_backend(device_type: str) -> str:
+    """How the mask reaches logits on ``device_type``, decided once at start (the
+    Sampler's): "cpu" is xgrammar's C++ loop over CPU tensors; everywhere else
+    "torch", our few torch ops. xgrammar's own GPU paths compile at first use:
+    "triton" (its default) a Triton kernel, whose launcher Triton builds with the
+    host's C compiler, "cuda" a torch extension with nvcc, "torch_compile" goes
+    through Triton; the CUDA image has no compiler. Its "torch_native" compiles
+    nothing but indexes with Python lists, copied over from pageable memory
+    (blocking) on every call."""
+    return "cpu" if device_type == "cpu" else "torch"
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], *, backend: str
+) -> None:
+    """Disallowed tokens of rows ``rows`` of ``logits`` to -inf (``backend``:
+    ``bitmask_backend``'s for the logits' device; ``bitmask`` on the host)."""
+    if backend == "cpu":
+        _xgr().apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=logits.shape[1], indices=rows, backend="cpu"
+        )
+    elif backend == "torch":
+        _apply_with_torch(logits, bitmask, rows)
+    else:
+        raise ValueError(f"unknown bitmask backend {backend!r}")
+
+
+def _apply_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The constrained rows' words and their indices go over in one pinned copy;
+    token t is allowed iff bit t % 32 of word t // 32 is set (an arithmetic shift
+    of the int32 word keeps that bit for the sign bit too). No host sync."""
+    if not rows:
+        return
+    index = np.asarray(rows, np.int32)
+    words, index_dev = to_device([bitmask.numpy()[index], index], logits.device)
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (rows, words, 32)
+    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+    index_dev = index_dev.long()
+    block = logits.index_select(0, index_dev)
+    block.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index_dev, block)
 
 
 def huggingface_tokenizer_info(

@@ -57,6 +57,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.kernels = kernels or select_kernels(self.device)
+        self.bitmask_backend = grammar.bitmask_backend(self.device.type)
         # A private CPU generator: never torch's global RNG (which model code or
         # other requests may consume), and its draws are device independent.
         self._generator = torch.Generator(device="cpu")
@@ -103,12 +104,13 @@ class Sampler:
             chosen = self._choose(raw, rows)
         return self._with_logprobs(raw, chosen, rows)
 
-    @staticmethod
-    def _apply_grammars(raw: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+    def _apply_grammars(
+        self, raw: torch.Tensor, rows: list[SampleRow], constrained: list[int]
+    ) -> None:
         bitmask = grammar.allocate_bitmask(len(rows), raw.shape[1])
         for i in constrained:
             rows[i].grammar.fill(bitmask, i)
-        grammar.apply_bitmask(raw, bitmask, constrained)
+        grammar.apply_bitmask(raw, bitmask, constrained, backend=self.bitmask_backend)
 
     def _choose(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Process the logits, then argmax the greedy rows and draw the others."""

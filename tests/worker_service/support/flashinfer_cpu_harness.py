@@ -132,6 +132,25 @@ def _refuse(*args: Any) -> Any:
     raise KernelContractError(f"no reference for this FlashInfer module {args[:1]}")
 
 
+def _let_workers_choose_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker built under the harness (``--attention-backend flashinfer`` on
+    the CPU) gets FlashInfer as asked: the start-time choice would refuse it
+    off CUDA, and for the tiny models' head dims, which the reference kernels
+    take; the modules it loads are the references, so no prebuilt set applies."""
+    import worker_service.worker as worker_module
+    from worker_service.attention.attention_choice import AttentionChoice
+
+    real_choose = worker_module.choose_attention
+
+    def choose(requested: str, **kwargs: Any) -> AttentionChoice:
+        if requested == "flashinfer":
+            return AttentionChoice("flashinfer")
+        return real_choose(requested, **kwargs)
+
+    monkeypatch.setattr(worker_module, "choose_attention", choose)
+    monkeypatch.setattr(worker_module, "_check_flashinfer_modules", lambda *a, **k: None)
+
+
 def install(monkeypatch: pytest.MonkeyPatch) -> Placement:
     """Swap in the reference kernels and the CPU stand-ins; returns the placement
     registry. Call ``clear_module_caches()`` after the test."""
@@ -143,6 +162,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Placement:
     monkeypatch.setattr(reference, "TAPE", GraphTape())
     monkeypatch.setattr(reference, "CALLS", Counter())
     monkeypatch.setattr(backend, "CUDA", CpuFacilities(placement))
+    _let_workers_choose_flashinfer(monkeypatch)
 
     def prefill_spec(backend_name: str, *jit_args: Any) -> _JitSpecStandIn:
         return _JitSpecStandIn(lambda: ReferencePrefillModule(backend_name, *jit_args))
