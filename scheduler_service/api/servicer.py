@@ -84,6 +84,13 @@ def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
     return "UNAVAILABLE", f"no worker can serve: {e}"
 
 
+def _observe_tokens(
+    obs: CallObserver, samples: dict[str, SampleState], counts: dict[str, int], now: float
+) -> None:
+    for rid, n in counts.items():
+        obs.tokens(rid, n, samples[rid].cached_tokens, now)
+
+
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(
         self,
@@ -215,13 +222,26 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         deferred: dict[str, None] = {}
         prompt_ready = len(samples) == 1 or start < 0
         with_lp = g.logprobs.return_logprob
+        stream = g.stream
         while open_samples:
-            items = [await call.queue.get()]
-            while not call.queue.empty():  # a slow reader gets fewer, bigger chunks
-                items.append(call.queue.get_nowait())
-            new: dict[str, tuple[list[int], list]] = {}
+            # everything that came: a reader that fell behind sends fewer, bigger chunks
+            items = await call.queue.take()
             now = time.perf_counter()
+            touched: dict[str, None] = {}  # samples with news, in order
+            counts: dict[str, int] = {}  # token news not yet told to the observer
             for item in items:
+                if type(item) is tuple:  # token news (inbox.py): the hot path
+                    rid, token, cached = item
+                    s = samples[rid]
+                    s.add_news(token, cached)
+                    if stream:
+                        s.unsent_tokens.append(token)
+                    counts[rid] = counts.get(rid, 0) + 1
+                    touched[rid] = None
+                    continue
+                if counts:  # the observer hears tokens before a finish after them
+                    _observe_tokens(obs, samples, counts, now)
+                    counts = {}
                 if isinstance(item, CoreUnavailable):
                     obs.failed(*_core_failure(item))
                     await context.abort(grpc.StatusCode[obs.abort_code], obs.abort_message)
@@ -239,24 +259,23 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     # status and message, not a completion that drops both.
                     obs.failed(finish.code, finish.message)
                     await context.abort(grpc.StatusCode[finish.code], finish.message)
-                tokens, lps = samples[item.rid].add(item)
-                have = new.setdefault(item.rid, ([], []))
-                have[0].extend(tokens)
-                have[1].extend(lps)
-            if g.stream:
-                for rid, (tokens, lps) in new.items():
-                    s = samples[rid]
+                s = samples[item.rid]
+                tokens, lps = s.add(item)
+                if stream:
                     s.unsent_tokens += tokens
                     s.unsent_logprobs += lps
+                touched[item.rid] = None
+            if counts:
+                _observe_tokens(obs, samples, counts, now)
             if not prompt_ready:
                 prompt_ready = first.finish is not None or first.has_prompt_logprobs()
-            for rid in dict.fromkeys([*deferred, *new]):
+            for rid in dict.fromkeys([*deferred, *touched]) if deferred else touched:
                 s = samples[rid]
                 deferred.pop(rid, None)
                 if s is not first and wants_input_logprobs(s) and not prompt_ready:
                     deferred[rid] = None
                     continue
-                if g.stream:
+                if stream:
                     if not s.chunk_due(g.stream_interval):
                         continue
                     tokens, lps = s.take_unsent()
