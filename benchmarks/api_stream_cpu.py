@@ -41,6 +41,13 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 
+def sys_seconds(pid: int) -> float:
+    """System (kernel) CPU time of a process: for the API process, mostly
+    socket writes (a gRPC message is a sendmsg to the client)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
 def client_main(address: str, first: int, count: int, conn, args: dict) -> None:
     """One client process: ``count`` streams; on "start"/"stop" it sends back
     the tokens and messages received in between."""
@@ -95,6 +102,7 @@ def measure(address: str, pids: dict, args: argparse.Namespace, profile: str | N
             c.send("start")
         got0 = [c.recv() for _, c in clients]
         before, cpu0, t0 = server_info(stub), cpu_of(pids), time.perf_counter()
+        sys0 = sys_seconds(pids["api"])
         if profile:
             native = bool(os.environ.get("PYSPY_NATIVE"))  # stops the process to sample
             spy = subprocess.Popen(
@@ -122,6 +130,7 @@ def measure(address: str, pids: dict, args: argparse.Namespace, profile: str | N
             c.send("stop")
         got1 = [c.recv() for _, c in clients]
         after, cpu1, wall = server_info(stub), cpu_of(pids), time.perf_counter() - t0
+        sys1 = sys_seconds(pids["api"])
         for _, c in clients:
             c.send("end")
     finally:
@@ -142,6 +151,8 @@ def measure(address: str, pids: dict, args: argparse.Namespace, profile: str | N
         "tokens_per_message": tokens / max(messages, 1),
         "api_us_per_token": 1e6 * api_cpu / max(tokens, 1),
         "api_cores": api_cpu / wall,
+        "api_us_per_message": 1e6 * api_cpu / max(messages, 1),
+        "api_system_share": (sys1 - sys0) / max(api_cpu, 1e-9),
         "core_ms_per_step": 1e3 * (cpu1["core"] - cpu0["core"]) / max(steps, 1),
         "client_cores": client_cpu / wall,
         "worker_busy_fraction": (after["worker_busy_ms"] - before["worker_busy_ms"]) / (wall * 1e3),
@@ -205,7 +216,9 @@ def main() -> None:
         results[f"T{step_ms:g}ms"] = r
         print(
             f"T={step_ms:4.1f} ms batch={args.batch}: API {r['api_us_per_token']:5.2f} us/token "
-            f"(runs {r['api_us_per_token_runs']}, {r['api_cores']:.2f} cores)  "
+            f"(runs {r['api_us_per_token_runs']}, {r['api_cores']:.2f} cores, "
+            f"{r['api_system_share']:.0%} in the kernel, "
+            f"{r['api_us_per_message']:.0f} us/message)  "
             f"tokens/s {r['tokens_per_s']:7.0f}  tokens/message {r['tokens_per_message']:5.2f}  "
             f"steps/s {r['steps_per_s']:6.1f}  core {r['core_ms_per_step']:5.2f} ms/step  "
             f"clients {r['client_cores']:.2f} cores  worker busy {r['worker_busy_fraction']:.1%}",

@@ -268,15 +268,19 @@ class CoreClient:
                         self._started(call, d.rid)
             return
         others = iter(msg.deltas).__next__
+        get = calls.get
         for rid, token, cached in zip(msg.rids, msg.tokens, msg.cached, strict=True):
             if token is None:
                 item = others()
-                rid = item.rid
-            else:
-                item = (rid, token, cached)
-            call = calls.get(rid)
+                call = get(item.rid)
+                if call is not None:
+                    call.queue.put_nowait(item)
+                    if call.unstarted:
+                        self._started(call, item.rid)
+                continue
+            call = get(rid)
             if call is not None:
-                call.queue.put_nowait(item)
+                call.queue.put_news(rid, token, cached)
                 if call.unstarted:
                     self._started(call, rid)
 
