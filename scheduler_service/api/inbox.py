@@ -53,13 +53,16 @@ def _wake(waiter: asyncio.Future) -> None:
 
 
 class Inbox:
-    __slots__ = ("_items", "_paced", "_urgent", "_waiter")
+    __slots__ = ("_items", "_mixed", "_paced", "_urgent", "_waiter", "news_only")
 
     def __init__(self) -> None:
         self._items: list = []
         self._waiter: asyncio.Future | None = None
         self._paced = False  # the reader waits for its deadline: news alone does not wake it
         self._urgent = False  # an item that ends a paced wait is in
+        self._mixed = False  # an item other than token news is in
+        # the items ``take`` returned last are token news only (the reader's fast path)
+        self.news_only = False
 
     def put_news(self, rid: str, token: int, cached: int) -> None:
         """``put_nowait`` of token news (the hot path: once per token streamed)."""
@@ -70,6 +73,8 @@ class Inbox:
 
     def put_nowait(self, item: object) -> None:
         self._items.append(item)
+        if type(item) is not tuple:
+            self._mixed = True
         if not self._urgent and _urgent(item):
             self._urgent = True
         waiter = self._waiter
@@ -104,7 +109,8 @@ class Inbox:
                 if timer is not None:
                     timer.cancel()
         items, self._items = self._items, []
-        self._urgent = False
+        self.news_only = not self._mixed
+        self._urgent = self._mixed = False
         return items
 
     async def get(self) -> object:

@@ -240,6 +240,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             self.streamed_samples += len(samples)
         try:
             not_before = 0.0  # loop time: the pace of chunks (--stream-chunks-per-s)
+            single = first if len(samples) == 1 else None
             while open_samples:
                 # everything that came: a paced reader, or one that fell
                 # behind, sends fewer, bigger chunks
@@ -247,11 +248,19 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 now = time.perf_counter()
                 touched: dict[str, None] = {}  # samples with news, in order
                 counts: dict[str, int] = {}  # token news not yet told to the observer
+                if single is not None and call.queue.news_only:  # the hottest path
+                    news = [item[1] for item in items]
+                    single.add_news(news, items[-1][2])
+                    if stream:
+                        single.unsent_tokens += news
+                    obs.tokens(single.rid, len(news), single.cached_tokens, now)
+                    touched[single.rid] = None
+                    items = ()
                 for item in items:
                     if type(item) is tuple:  # token news (inbox.py): the hot path
                         rid, token, cached = item
                         s = samples[rid]
-                        s.add_news(token, cached)
+                        s.add_news([token], cached)
                         if stream:
                             s.unsent_tokens.append(token)
                         counts[rid] = counts.get(rid, 0) + 1

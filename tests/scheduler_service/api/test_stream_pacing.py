@@ -68,8 +68,10 @@ def test_without_a_budget_every_token_is_a_chunk():
 
 def test_the_end_of_a_paced_stream_does_not_wait_for_its_turn():
     async def run() -> None:
-        # one stream, 0.5 chunks/s: its second chunk would wait about 2 s
-        async with api_in_process(api_config=PublicApiConfig(stream_chunks_per_s=0.5)) as api:
+        # one stream, a chunk per 1000 s: its next grid point is, but for a
+        # chance of 1 in 15,000, long past the test's end
+        config = PublicApiConfig(stream_chunks_per_s=0.001)
+        async with api_in_process(api_config=config) as api:
             got, finish_s = await _stream(api, "r", n_tokens=3)
         assert got == [[10], [11, 12, 99]]
         assert finish_s < 0.5
