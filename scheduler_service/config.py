@@ -80,6 +80,16 @@ class PublicApiConfig:
         "count as reasoning_tokens (a model without it refuses require_reasoning)",
         metavar="TOKEN",
     )
+    stream_chunks_per_s: float = setting(
+        2000.0,
+        "the most streamed chunks per second the API process writes, shared by the "
+        "streams in flight: with S streams each sends at most one chunk every "
+        "S / this seconds, carrying every token that came meanwhile (a stream's first "
+        "token and its end go at once); a gRPC message costs tens of microseconds of "
+        "CPU, a token in it a few (0: a chunk for every token, whatever the load)",
+        metavar="N",
+        parse=_at_least_zero(float),
+    )
     drain_timeout_s: float = setting(
         30.0,
         "on SIGTERM/SIGINT stop admitting (new calls end UNAVAILABLE, readiness NOT_SERVING) "

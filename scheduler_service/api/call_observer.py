@@ -135,32 +135,48 @@ class CallObserver:
             if self.g is None:
                 return
             s = self.samples[d.rid] = _Sample()
-        n = len(d.token_ids)
-        m = self.metrics
-        if n:
-            if s.tokens == 0:
-                s.first_at = now
-                ttft = now - self.started
-                if self.ttft_s is None:
-                    self.ttft_s = ttft
-                if m is not None:
-                    m.ttft.observe(ttft)
-            elif m is not None:
-                m.itl.observe_many((now - s.last_at) / n, n)
-            s.tokens += n
-            s.last_at = now
-            s.cached = d.cached_tokens
-            if m is not None:
-                m.generation_tokens += n
-                if self.g is not None and self.g.lora_id is not None:
-                    m.lora_tokens(self.g.lora_id, n)
+        if d.token_ids:
+            self._tokens(s, len(d.token_ids), d.cached_tokens, now)
         if d.finish is not None:
-            self.finish_reasons.append(d.finish.kind)
-            s.cached = d.cached_tokens
+            self._finished(s, d.finish, d.cached_tokens, now)
+
+    def tokens(self, rid: str, n: int, cached: int, now: float) -> None:
+        """``n`` tokens of sample ``rid`` reached the call at ``now`` (a
+        delta of n tokens; token news is counted once per batch)."""
+        s = self.samples.get(rid)
+        if s is None:
+            if self.g is None:
+                return
+            s = self.samples[rid] = _Sample()
+        self._tokens(s, n, cached, now)
+
+    def _tokens(self, s: _Sample, n: int, cached: int, now: float) -> None:
+        m = self.metrics
+        if s.tokens == 0:
+            s.first_at = now
+            ttft = now - self.started
+            if self.ttft_s is None:
+                self.ttft_s = ttft
             if m is not None:
-                m.finished[d.finish.kind] = m.finished.get(d.finish.kind, 0) + 1
-                if s.tokens:
-                    m.e2e.observe(now - self.started)
+                m.ttft.observe(ttft)
+        elif m is not None:
+            m.itl.observe_many((now - s.last_at) / n, n)
+        s.tokens += n
+        s.last_at = now
+        s.cached = cached
+        if m is not None:
+            m.generation_tokens += n
+            if self.g is not None and self.g.lora_id is not None:
+                m.lora_tokens(self.g.lora_id, n)
+
+    def _finished(self, s: _Sample, finish: ipc.Finish, cached: int, now: float) -> None:
+        self.finish_reasons.append(finish.kind)
+        s.cached = cached
+        m = self.metrics
+        if m is not None:
+            m.finished[finish.kind] = m.finished.get(finish.kind, 0) + 1
+            if s.tokens:
+                m.e2e.observe(now - self.started)
 
     def failed(self, code: str, message: str) -> None:
         self.abort_code, self.abort_message = code, message

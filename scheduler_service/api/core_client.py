@@ -21,6 +21,7 @@ from typing import Protocol
 import structlog
 
 from scheduler_service import ipc
+from scheduler_service.api.inbox import Inbox
 from scheduler_service.config import ServiceConfig
 from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import AllBlocksCleared
@@ -41,7 +42,7 @@ class Call:
 
     rids: list[str]
     public: list[str] = field(default_factory=list)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: Inbox = field(default_factory=Inbox)
     # samples with no output yet: they count against --max-queued-requests
     # (those of a bounded call)
     unstarted: set[str] = field(default_factory=set)
@@ -230,13 +231,7 @@ class CoreClient:
     def dispatch(self, msg: object) -> None:
         """One message of the current core (the supervisor handles Ready and Failed)."""
         if isinstance(msg, ipc.Outputs):
-            calls = self._calls
-            for d in msg.items():
-                call = calls.get(d.rid)
-                if call is not None:
-                    call.queue.put_nowait(d)
-                    if call.unstarted:
-                        self._started(call, d.rid)
+            self._route(msg)
             self.load = msg.load
             for listener in self._event_listeners:
                 listener(msg.events, msg.load)
@@ -258,6 +253,36 @@ class CoreClient:
                 fut.set_result(msg)
         elif isinstance(msg, ipc.Unavailable):
             self._unavailable(msg)
+
+    def _route(self, msg: ipc.Outputs) -> None:
+        """Each delta to its call's inbox. The column form's one-token deltas
+        go as token news (inbox.py), never built into DeltaOuts: at batch
+        256 this runs for every token streamed."""
+        calls = self._calls
+        if not msg.rids:
+            for d in msg.deltas:
+                call = calls.get(d.rid)
+                if call is not None:
+                    call.queue.put_nowait(d)
+                    if call.unstarted:
+                        self._started(call, d.rid)
+            return
+        others = iter(msg.deltas).__next__
+        get = calls.get
+        for rid, token, cached in zip(msg.rids, msg.tokens, msg.cached, strict=True):
+            if token is None:
+                item = others()
+                call = get(item.rid)
+                if call is not None:
+                    call.queue.put_nowait(item)
+                    if call.unstarted:
+                        self._started(call, item.rid)
+                continue
+            call = get(rid)
+            if call is not None:
+                call.queue.put_news(rid, token, cached)
+                if call.unstarted:
+                    self._started(call, rid)
 
     def _unavailable(self, msg: ipc.Unavailable) -> None:
         """The worker group stayed lost too long: these calls end with

@@ -10,6 +10,7 @@ implement answer UNIMPLEMENTED with a message.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -84,6 +85,25 @@ def _core_failure(e: CoreUnavailable) -> tuple[str, str]:
     return "UNAVAILABLE", f"no worker can serve: {e}"
 
 
+def chunk_deadline(now: float, interval_s: float) -> float:
+    """When a paced stream that sent a chunk at ``now`` may send the next:
+    the next point past ``now`` of a grid whose spacing is ``interval_s``
+    rounded up to a power of two milliseconds. Every stream shares the grid,
+    so the paced streams write in the same loop iteration and gRPC reports
+    their writes done together: a gRPC message written alone costs several
+    times its share of a burst (each completion crosses from gRPC's poller
+    thread to the event loop)."""
+    spacing = 2.0 ** math.ceil(math.log2(max(interval_s * 1e3, 1.0))) / 1e3
+    return (math.floor(now / spacing) + 1) * spacing
+
+
+def _observe_tokens(
+    obs: CallObserver, samples: dict[str, SampleState], counts: dict[str, int], now: float
+) -> None:
+    for rid, n in counts.items():
+        obs.tokens(rid, n, samples[rid].cached_tokens, now)
+
+
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(
         self,
@@ -100,6 +120,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.lora = LoraRpcs(core)
         self.embeds = EmbedRpc(core, model, rid_grace_s=RID_REUSE_GRACE_S)
         self.shutting_down = False
+        self.streamed_samples = 0  # samples of the streaming calls in flight
 
     async def _check_grammar(self, g: GenerateCall, context: grpc.aio.ServicerContext) -> None:
         """A constrained call reaches the core only once its grammar compiled
@@ -209,65 +230,108 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 rid, i, prompt, start, prompt_logprobs=first.prompt_logprobs, reasoning_end=end
             )
         open_samples = set(samples)
-        # Siblings whose answer waits for the first sample's prompt logprobs
-        # (its prefill result normally arrives before any sibling's token; a
-        # requeue after a worker loss can reorder them).
-        deferred: dict[str, None] = {}
         prompt_ready = len(samples) == 1 or start < 0
         with_lp = g.logprobs.return_logprob
-        while open_samples:
-            items = [await call.queue.get()]
-            while not call.queue.empty():  # a slow reader gets fewer, bigger chunks
-                items.append(call.queue.get_nowait())
-            new: dict[str, tuple[list[int], list]] = {}
-            now = time.perf_counter()
-            for item in items:
-                if isinstance(item, CoreUnavailable):
-                    obs.failed(*_core_failure(item))
-                    await context.abort(grpc.StatusCode[obs.abort_code], obs.abort_message)
-                if isinstance(item, ipc.Rejected):
-                    obs.failed("INVALID_ARGUMENT", item.message)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
-                if isinstance(item, Evicted):
-                    obs.failed("RESOURCE_EXHAUSTED", str(item))
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
-                obs.delta(item, now)
-                finish = item.finish
-                if finish is not None and finish.code:
-                    # The service's own abort (out of memory, an adapter
-                    # lost): as SGLang's servicer, the call ends with its
-                    # status and message, not a completion that drops both.
-                    obs.failed(finish.code, finish.message)
-                    await context.abort(grpc.StatusCode[finish.code], finish.message)
-                tokens, lps = samples[item.rid].add(item)
-                have = new.setdefault(item.rid, ([], []))
-                have[0].extend(tokens)
-                have[1].extend(lps)
-            if g.stream:
-                for rid, (tokens, lps) in new.items():
-                    s = samples[rid]
-                    s.unsent_tokens += tokens
-                    s.unsent_logprobs += lps
-            if not prompt_ready:
-                prompt_ready = first.finish is not None or first.has_prompt_logprobs()
-            for rid in dict.fromkeys([*deferred, *new]):
-                s = samples[rid]
-                deferred.pop(rid, None)
-                if s is not first and wants_input_logprobs(s) and not prompt_ready:
-                    deferred[rid] = None
-                    continue
-                if g.stream:
-                    if not s.chunk_due(g.stream_interval):
+        stream = g.stream
+        deferred: dict[str, None] = {}
+        rate = self.core.config.api.stream_chunks_per_s
+        loop = asyncio.get_running_loop()
+        if stream:
+            self.streamed_samples += len(samples)
+        try:
+            not_before = 0.0  # loop time: the pace of chunks (--stream-chunks-per-s)
+            single = first if len(samples) == 1 else None
+            while open_samples:
+                # everything that came: a paced reader, or one that fell
+                # behind, sends fewer, bigger chunks
+                items = await call.queue.take(not_before)
+                now = time.perf_counter()
+                touched: dict[str, None] = {}  # samples with news, in order
+                counts: dict[str, int] = {}  # token news not yet told to the observer
+                if single is not None and call.queue.news_only:  # the hottest path
+                    news = [item[1] for item in items]
+                    single.add_news(news, items[-1][2])
+                    if stream:
+                        single.unsent_tokens += news
+                    obs.tokens(single.rid, len(news), single.cached_tokens, now)
+                    touched[single.rid] = None
+                    items = ()
+                for item in items:
+                    if type(item) is tuple:  # token news (inbox.py): the hot path
+                        rid, token, cached = item
+                        s = samples[rid]
+                        s.add_news([token], cached)
+                        if stream:
+                            s.unsent_tokens.append(token)
+                        counts[rid] = counts.get(rid, 0) + 1
+                        touched[rid] = None
                         continue
-                    tokens, lps = s.take_unsent()
-                    if tokens or s.finish is not None:
-                        yield chunk(s, g.rid, tokens, lps, with_logprobs=with_lp)
+                    if counts:  # the observer hears tokens before a finish after them
+                        _observe_tokens(obs, samples, counts, now)
+                        counts = {}
+                    if isinstance(item, CoreUnavailable):
+                        obs.failed(*_core_failure(item))
+                        await context.abort(grpc.StatusCode[obs.abort_code], obs.abort_message)
+                    if isinstance(item, ipc.Rejected):
+                        obs.failed("INVALID_ARGUMENT", item.message)
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
+                    if isinstance(item, Evicted):
+                        obs.failed("RESOURCE_EXHAUSTED", str(item))
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                    obs.delta(item, now)
+                    finish = item.finish
+                    if finish is not None and finish.code:
+                        # The service's own abort (out of memory, an adapter
+                        # lost): as SGLang's servicer, the call ends with its
+                        # status and message, not a completion that drops both.
+                        obs.failed(finish.code, finish.message)
+                        await context.abort(grpc.StatusCode[finish.code], finish.message)
+                    s = samples[item.rid]
+                    tokens, lps = s.add(item)
+                    if stream:
+                        s.unsent_tokens += tokens
+                        s.unsent_logprobs += lps
+                    touched[item.rid] = None
+                if counts:
+                    _observe_tokens(obs, samples, counts, now)
+                if not prompt_ready:
+                    prompt_ready = first.finish is not None or first.has_prompt_logprobs()
+                sent = False
+                # Siblings whose answer waits for the first sample's prompt logprobs
+                # (its prefill result normally arrives before any sibling's token; a
+                # requeue after a worker loss can reorder them) are ``deferred``.
+                for rid in dict.fromkeys([*deferred, *touched]) if deferred else touched:
+                    s = samples[rid]
+                    deferred.pop(rid, None)
+                    if s is not first and wants_input_logprobs(s) and not prompt_ready:
+                        deferred[rid] = None
+                        continue
+                    if stream:
+                        if not s.chunk_due(g.stream_interval):
+                            continue
+                        tokens, lps = s.take_unsent()
+                        if tokens or s.finish is not None:
+                            sent = True
+                            yield chunk(s, g.rid, tokens, lps, with_logprobs=with_lp)
+                        if s.finish is not None:
+                            yield complete(s, g.rid, tokens, lps, with_logprobs=with_lp)
+                    elif s.finish is not None:
+                        yield complete(s, g.rid, s.output_ids, s.logprobs, with_logprobs=with_lp)
                     if s.finish is not None:
-                        yield complete(s, g.rid, tokens, lps, with_logprobs=with_lp)
-                elif s.finish is not None:
-                    yield complete(s, g.rid, s.output_ids, s.logprobs, with_logprobs=with_lp)
-                if s.finish is not None:
-                    open_samples.discard(rid)
+                        open_samples.discard(rid)
+                if rate > 0:
+                    # Each stream's share of the chunk budget: the next chunk waits
+                    # for it, gathering the tokens that come meanwhile. A call that
+                    # does not stream answers once, at its end: only that wakes it
+                    # (after its first tokens, which time the first-token latency).
+                    if not stream:
+                        if any(s.output_ids for s in samples.values()):
+                            not_before = math.inf
+                    elif sent:
+                        not_before = chunk_deadline(loop.time(), self.streamed_samples / rate)
+        finally:
+            if stream:
+                self.streamed_samples -= len(samples)
 
     # --------------------------------------------------------------- Embed
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:

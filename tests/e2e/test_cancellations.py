@@ -24,7 +24,9 @@ MODES = ("cancel", "abort", "cancel-before-first", "abort-before-first")
 
 @pytest.fixture(scope="module")
 def address(tmp_path_factory):
-    args = ("--max-running-requests", "16", "--max-n", "4")
+    # a chunk per token (no chunk budget): the streams are cancelled after
+    # a random number of chunks, which paced streams of 0.5 ms steps never reach
+    args = ("--max-running-requests", "16", "--max-n", "4", "--stream-chunks-per-s", "0")
     tmp = tmp_path_factory.mktemp("cancel")
     with simulated_server(tmp, num_pages=256, page_size=4, step_ms=0.5, scheduler_args=args) as a:
         yield a

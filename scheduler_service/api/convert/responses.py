@@ -83,6 +83,15 @@ class SampleState:
         self.next_chunk_at = 1 + interval * ((n - 1) // interval + 1)
         return True
 
+    def add_news(self, tokens: list[int], cached: int) -> None:
+        """Take in token news (api/inbox.py): ``add`` of deltas with a token
+        each and nothing else, without building them."""
+        self.output_ids += tokens
+        if self.reasoning_end is not None and not self.reasoning_over:
+            self._count_reasoning(tokens)
+        self.cached_tokens = cached
+        self.holding = False
+
     def add(self, d: ipc.DeltaOut) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Take a delta in; return its tokens and their logprobs."""
         self.output_ids.extend(d.token_ids)
