@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from worker_service.attention.base import AttentionBatch
+from worker_service.device.page_table import PageTable
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 WARMUP_RUNS = 2  # eager runs of a size before its capture
@@ -63,6 +64,7 @@ def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> At
         write_pages=none,
         write_offsets=none,
         page_size=page_size,
+        pages=PageTable("cpu", rows=1, columns=1),  # no sequence reads a row
     )
 
 
