@@ -6,13 +6,12 @@ What is timed, per step, for ``--batch`` requests at ``--context`` tokens
 to the requests whose KV crosses a page boundary (staggered: 1/16 of them
 per step):
 
-- before (the code at b7b9335, kept in worker_host_step_before.py): the
-  runner's list appends, ``ModelCompute._batch`` (each sequence's page list
-  sliced and flattened into numpy) and FlashInfer's ``begin_step`` /
-  ``begin_graph_step`` host part (the lists flattened again into indices,
-  staged);
-- after (this tree): the list appends, the page table's deltas
-  (``PageTable.append``), the real ``ModelCompute._batch`` and the real
+- before (the code at b7b9335, kept in worker_host_step_before.py):
+  ``ModelCompute._batch`` (each sequence's page list sliced and flattened
+  into numpy) and FlashInfer's ``begin_step`` / ``begin_graph_step`` (the
+  lists flattened again into indices, staged);
+- after (this tree): the page table's deltas (``PageTable.append``,
+  ``deltas``), the real ``ModelCompute._batch`` and the real
   ``FlashInferAttention.begin_step`` / ``begin_graph_step``, with
   FlashInfer's wrappers stubbed (their ``plan`` is FlashInfer's host work,
   the same on both sides, and needs a GPU) and its CUDA calls made plain
@@ -20,6 +19,11 @@ per step):
   The device gather of the flat page indices (``PageTable.gather``: three
   kernels on a GPU, queued without waiting) is stubbed out of the host
   figure and timed on its own, on this CPU, as ``gather``.
+
+The runner's own appends to the page lists are the same on both sides and
+left out of both. The sides run in separate passes over equal workloads.
+Times are the process's CPU time (``time.process_time``, torch on one
+thread): on a shared machine wall time also counts the waits for a core.
 
 Prints medians (ms) and before/after ratios; ``--json PATH`` writes them
 after each configuration.
@@ -56,6 +60,7 @@ from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 PAGE = 16
 CPU = torch.device("cpu")
+WARMUP = 3  # steps run before the timed ones
 
 
 class _NoEvent:
@@ -143,15 +148,15 @@ class Workload:
     def advance(self) -> tuple[float, float, list[SeqWork]]:
         """One decode step's deltas: (list ms, table ms, the step's work)."""
         grown = []
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for s in self.states:
             s.kv_len += 1
             if len(s.pages) * PAGE < s.kv_len + 1:
                 grown.append(self._give(s, len(s.pages) + 1))
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         for row, new in grown:
             self.table.append(row, new)
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         work = [
             SeqWork(slot=i, state=s, start=s.kv_len, inputs=[1], sample=True)
             for i, s in enumerate(self.states)
@@ -167,50 +172,60 @@ def _compute(table: PageTable) -> ModelCompute:
 
 
 def measure(batch: int, context: int, steps: int, mode: str) -> dict[str, float]:
-    w = Workload(batch, context)
-    compute = _compute(w.table)
+    """The two sides in separate passes over equal workloads (one side's large
+    arrays would evict the other's from the CPU caches if they alternated)."""
     spec = AttentionSpec(32, 8, 128, PAGE, None, torch.bfloat16, CPU)
-    scratch = w.next_page + batch * (steps // PAGE + 2)
-    attn = backend.FlashInferAttention(spec, workspace_bytes=1024)
-    old_attn = OldFlashInferAttention(spec, workspace_bytes=1024)
-    for a in (attn, old_attn):
-        a.enable_decode_graphs(scratch, -(-(context + steps + PAGE) // PAGE), sizes=(batch,))
-    real_gather = w.table.gather
-    host_gather = lambda bases, counts, total, *, out: out[:total]  # noqa: E731
-    rows: dict[str, list[float]] = {k: [] for k in ("before", "after", "batch", "attn", "gather")}
-    for _ in range(steps):
-        lists_ms, table_ms, work = w.advance()
-        t0 = time.perf_counter()
-        old, _ = old_batch(work, PAGE, CPU)
-        if mode == "graph":
-            old_attn.begin_graph_step(old, batch)
-        else:
-            old_attn.begin_step(old)
-        t1 = time.perf_counter()
-        w.table.gather = host_gather  # type: ignore[method-assign]
-        t2 = time.perf_counter()
-        new, _ = compute._batch(work, 0)
-        t3 = time.perf_counter()
-        if mode == "graph":
-            attn.begin_graph_step(new, batch)
-        else:
-            attn.begin_step(new)
-        t4 = time.perf_counter()
-        w.table.gather = real_gather  # type: ignore[method-assign]
-        counts = new.columns.num_pages(PAGE)
-        bases = torch.from_numpy(w.table.flat_bases(new.columns.rows, counts))
-        counts_t = torch.from_numpy(counts.astype("int32"))
-        total = int(counts.sum())
-        out = torch.empty(total, dtype=torch.int32)
-        t5 = time.perf_counter()
-        w.table.gather(bases, counts_t, total, out=out)
-        t6 = time.perf_counter()
-        rows["before"].append((t1 - t0) * 1e3 + lists_ms)
-        rows["after"].append((t4 - t2) * 1e3 + lists_ms + table_ms)
-        rows["batch"].append((t3 - t2) * 1e3)
-        rows["attn"].append((t4 - t3) * 1e3)
-        rows["gather"].append((t6 - t5) * 1e3)
-    return {k: statistics.median(v) for k, v in rows.items()}
+    rows: dict[str, list[float]] = {k: [] for k in ("before", "deltas", "batch", "attn", "gather")}
+    for side in ("after", "before"):
+        w = Workload(batch, context)
+        compute = _compute(w.table)
+        scratch = w.next_page + batch * (steps // PAGE + 2)
+        attn = (backend.FlashInferAttention if side == "after" else OldFlashInferAttention)(
+            spec, workspace_bytes=1024
+        )
+        attn.enable_decode_graphs(scratch, -(-(context + steps + PAGE) // PAGE), sizes=(batch,))
+        real_gather = w.table.gather
+        host_gather = lambda bases, counts, total, *, out: out[:total]  # noqa: E731
+        for step in range(WARMUP + steps):
+            _, table_ms, work = w.advance()
+            if side == "before":
+                t0 = time.process_time()
+                old, _ = old_batch(work, PAGE, CPU)
+                if mode == "graph":
+                    attn.begin_graph_step(old, batch)
+                else:
+                    attn.begin_step(old)
+                if step >= WARMUP:
+                    rows["before"].append((time.process_time() - t0) * 1e3)
+                continue
+            w.table.gather = host_gather  # type: ignore[method-assign]
+            t2 = time.process_time()
+            new, _ = compute._batch(work, 0)
+            t3 = time.process_time()
+            if mode == "graph":
+                attn.begin_graph_step(new, batch)
+            else:
+                attn.begin_step(new)
+            t4 = time.process_time()
+            if step >= WARMUP:  # first touches of fresh buffers, the table's growth
+                rows["deltas"].append(table_ms)
+                rows["batch"].append((t3 - t2) * 1e3)
+                rows["attn"].append((t4 - t3) * 1e3)
+        if side == "after":
+            # Apart from the steps: on a GPU it is device work, and on this CPU
+            # its megabytes would evict the next step's host data from the caches.
+            w.table.gather = real_gather  # type: ignore[method-assign]
+            counts = new.columns.num_pages(PAGE)
+            bases = torch.from_numpy(w.table.flat_bases(new.columns.rows, counts))
+            counts_t = torch.from_numpy(counts.astype("int32"))
+            total = int(counts.sum())
+            out = torch.empty(total, dtype=torch.int32)
+            for _ in range(steps):
+                t5 = time.process_time()
+                w.table.gather(bases, counts_t, total, out=out)
+                rows["gather"].append((time.process_time() - t5) * 1e3)
+    after = [sum(x) for x in zip(rows["deltas"], rows["batch"], rows["attn"], strict=True)]
+    return {"after": statistics.median(after)} | {k: statistics.median(v) for k, v in rows.items()}
 
 
 def main() -> None:
@@ -225,7 +240,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = []
     head = f"{'mode':6} {'batch':>5} {'context':>7} {'before':>9} {'after':>7} {'ratio':>7}"
-    print(head + f" {'batch()':>8} {'attn':>7} {'gather*':>8}   (ms, medians)")
+    print(head + f" {'deltas':>7} {'batch()':>8} {'attn':>7} {'gather*':>8}   (ms, medians)")
     with flashinfer_on_the_host():
         for mode in args.mode:
             for b in args.batch:
@@ -234,7 +249,8 @@ def main() -> None:
                     ratio = r["before"] / r["after"]
                     print(
                         f"{mode:6} {b:5d} {c:7d} {r['before']:9.3f} {r['after']:7.3f}"
-                        f" {ratio:6.1f}x {r['batch']:8.3f} {r['attn']:7.3f} {r['gather']:8.3f}",
+                        f" {ratio:6.1f}x {r['deltas']:7.3f} {r['batch']:8.3f} {r['attn']:7.3f}"
+                        f" {r['gather']:8.3f}",
                         flush=True,
                     )
                     results.append({"mode": mode, "batch": b, "context": c, **r})

@@ -19,7 +19,9 @@ as host arrays, so a backend's per-step host work is O(batch) numpy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +48,7 @@ class SeqColumns:
     rows: np.ndarray
 
     @classmethod
-    def of(cls, seqs: list[SequenceSlice]) -> SeqColumns:
+    def of(cls, seqs: Sequence[SequenceSlice]) -> SeqColumns:
         n = len(seqs)
         return cls(
             np.fromiter((s.q_start for s in seqs), np.int64, n),
@@ -68,9 +70,34 @@ class SeqColumns:
         return (self.kv_lens + page_size - 1) // page_size
 
 
+class ColumnSlices(Sequence[SequenceSlice]):
+    """``SeqColumns`` read as SequenceSlices, made on first use (a CUDA-graph
+    decode step never reads them: its host work stays numpy)."""
+
+    def __init__(self, cols: SeqColumns) -> None:
+        self._cols = cols
+        self._made: list[SequenceSlice] | None = None
+
+    def _slices(self) -> list[SequenceSlice]:
+        if self._made is None:
+            c = self._cols
+            parts = (c.q_starts, c.q_lens, c.kv_lens, c.rows)
+            self._made = list(map(SequenceSlice, *(a.tolist() for a in parts)))
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self._cols)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._slices()[i]
+
+    def __iter__(self) -> Iterator[SequenceSlice]:
+        return iter(self._slices())
+
+
 @dataclass
 class AttentionBatch:
-    seqs: list[SequenceSlice]
+    seqs: Sequence[SequenceSlice]
     num_extends: int  # seqs[:num_extends] are extends, the rest decodes (q_len 1)
     positions: torch.Tensor  # (T,) int64, position of each token
     write_pages: torch.Tensor  # (T,) int64, page receiving each token's KV

@@ -252,7 +252,13 @@ class FlashInferAttention(AttentionBackend):
         return both.astype(np.int32), None
 
     def _page_indices(
-        self, table: PageTable, bases: torch.Tensor, counts: torch.Tensor, total: int, pad: int = 0
+        self,
+        table: PageTable,
+        bases: torch.Tensor,
+        counts: torch.Tensor,
+        total: int,
+        *,
+        pad: int = 0,
     ) -> torch.Tensor:
         """The sequences' flat page indices gathered on the device from the page
         table, then ``pad`` entries of the scratch page (graph padding rows)."""

@@ -28,6 +28,7 @@ import torch
 from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,
+    ColumnSlices,
     SeqColumns,
     SequenceSlice,
 )
@@ -189,7 +190,12 @@ class ModelCompute:
         table.sync()
         rows = np.fromiter((w.state.row for w in work), np.int64, n)
         starts = np.fromiter((w.start for w in work), np.int64, n)
-        q_lens = np.fromiter((len(w.inputs) for w in work), np.int64, n)
+        if num_extends:
+            q_lens = np.fromiter((len(w.inputs) for w in work), np.int64, n)
+            ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
+        else:  # decodes only: one input each
+            q_lens = np.ones(n, np.int64)
+            ids = np.fromiter((w.inputs[0] for w in work), np.int64, n)
         kv_lens = starts + q_lens
         short = table.lengths[rows] * page_size < kv_lens
         if short.any():
@@ -203,7 +209,6 @@ class ModelCompute:
             seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
             positions = np.arange(num_tokens, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
         pages = table.host[rows[seq_of], positions // page_size].astype(np.int64)
-        ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
         # Decodes whose input the previous step is still sampling: (row, index
         # among its sampled tokens); their ids are gathered on the device.
         waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
@@ -217,17 +222,8 @@ class ModelCompute:
         if waiting:
             ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
         columns = SeqColumns(first_row, q_lens, kv_lens, rows)
-        seqs = list(
-            map(
-                SequenceSlice,
-                first_row.tolist(),
-                q_lens.tolist(),
-                kv_lens.tolist(),
-                rows.tolist(),
-            )
-        )
         batch = AttentionBatch(
-            seqs=seqs,
+            seqs=ColumnSlices(columns),
             num_extends=num_extends,
             positions=pos_t,
             write_pages=pages_t,
