@@ -18,7 +18,7 @@ kernel on tensor cores (the same module as prefill).
 KV write: ``index_copy_`` into the cache viewed as rows (pages * 2 * page_size,
 kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
-would also need batch indices, positions and a device-side page layout).
+would also need each token's batch index and position on the device).
 
 Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``.
 
