@@ -82,7 +82,7 @@ class PagedLayout:
 
 def paged_layout(cols: SeqColumns, page_size: int, pad_to: int = 0) -> PagedLayout:
     """Layout of ``cols``, padded with one-token one-page sequences up to ``pad_to``.
-    O(sequences): the pages are not read here (``page_indices``)."""
+    O(sequences): the pages are not read here (``PageTable.gather`` reads them)."""
     n, total = len(cols), max(len(cols), pad_to)
     q_lens = np.ones(total, np.int64)
     kv_lens = np.ones(total, np.int64)
