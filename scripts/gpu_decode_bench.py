@@ -254,7 +254,7 @@ class Bench:
         prompts = torch.randint(0, worker.vocab_size, (batch, a.context + 1), generator=g).tolist()
         if a.fill == "random":
             for slot, tokens in enumerate(prompts):
-                runner.slots[slot] = SlotState(
+                state = SlotState(
                     rid=f"r{slot}",
                     sampling=GREEDY,
                     logprobs=LogprobOptions(),
@@ -263,6 +263,7 @@ class Bench:
                     kv_len=a.context,
                     pages=self.table(slot),
                 )
+                runner.adopt(slot, state)  # the page table mirrors its pages
             return
         for first in range(0, batch, 8):  # 8 requests per plan bounds activations
             plan = Plan(first + 1, ForwardMode.PREFILL)

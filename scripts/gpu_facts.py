@@ -116,22 +116,30 @@ def dtypes() -> dict[str, Any]:
 
 def _small_batch(page_size: int, device: torch.device) -> Any:
     """An extend of 5 tokens on page 0, decodes at kv lengths 20 and 33 (pages 1-2
-    and 3-5): rows are extends first, then decodes, as the runner orders them."""
+    and 3-5): rows are extends first, then decodes, as the runner orders them.
+    Each sequence's pages are one row of a page table on ``device``."""
     from worker_service.attention.base import AttentionBatch, SequenceSlice
+    from worker_service.device.page_table import PageTable
 
+    tables = [[0], [1, 2], [3, 4, 5]]
+    table = PageTable(device)
+    rows = [table.acquire() for _ in tables]
+    for row, pages in zip(rows, tables, strict=True):
+        table.append(row, pages)
+    table.sync()
     seqs = [
-        SequenceSlice(0, 5, 5, [0]),
-        SequenceSlice(5, 1, 20, [1, 2]),
-        SequenceSlice(6, 1, 33, [3, 4, 5]),
+        SequenceSlice(0, 5, 5, rows[0]),
+        SequenceSlice(5, 1, 20, rows[1]),
+        SequenceSlice(6, 1, 33, rows[2]),
     ]
     positions, pages = [], []
-    for s in seqs:
+    for s, t in zip(seqs, tables, strict=True):
         for p in range(s.kv_len - s.q_len, s.kv_len):
             positions.append(p)
-            pages.append(s.page_table[p // page_size])
+            pages.append(t[p // page_size])
     pos = torch.tensor(positions, device=device)
     return AttentionBatch(
-        seqs, 1, pos, torch.tensor(pages, device=device), pos % page_size, page_size
+        seqs, 1, pos, torch.tensor(pages, device=device), pos % page_size, page_size, table
     )
 
 
@@ -221,12 +229,13 @@ def graph_capture() -> dict[str, Any]:
     from worker_service.attention.base import AttentionBatch
 
     decodes = AttentionBatch(
-        [s.__class__(i, 1, s.kv_len, s.page_table) for i, s in enumerate(batch.seqs[1:])],
+        [s.__class__(i, 1, s.kv_len, s.row) for i, s in enumerate(batch.seqs[1:])],
         0,
         batch.positions[5:],
         batch.write_pages[5:],
         batch.write_offsets[5:],
         page_size,
+        batch.pages,
     )
     inputs = {name: torch.randn_like(buf[:2]) for name, buf in bufs.items()}
     before = kv.layers[0].clone()

@@ -17,12 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker_service.support.attention_batches import BATCHES, HEADS, make_batch, spec_for
-from worker_service.attention.base import AttentionSpec, SequenceSlice
+from tests.worker_service.support.attention_batches import (
+    BATCHES,
+    HEADS,
+    make_batch,
+    pages_of,
+    spec_for,
+)
+from worker_service.attention.base import AttentionSpec, SeqColumns, SequenceSlice
 from worker_service.attention.flashinfer_backend import (
     DEFAULT_GRAPH_SIZES,
     FlashInferAttention,
     check_token_order,
+    gather_bases,
     kv_rows,
     paged_layout,
     pick_graph_size,
@@ -40,31 +47,40 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_layout_matches_definition(page_size: int) -> None:
+    """Host CSR arrays from the columns, indices gathered from the page-table rows."""
     gen = torch.Generator().manual_seed(page_size)
     batch = make_batch([(5, 5), (3, 40)], [1, 16, 17, 33], page_size, 1024 // page_size, gen)
-    lay = paged_layout(batch.seqs, page_size, pad_to=9, pad_page=63)
+    lay = paged_layout(batch.columns, page_size, pad_to=9)
     q_lens = [s.q_len for s in batch.seqs] + [1] * 3
     assert lay.qo_indptr.tolist() == np.cumsum([0, *q_lens]).tolist()
+    bases = gather_bases(batch.pages, batch.columns, lay.counts)
+    total = int(lay.counts.sum())
+    out = torch.full((total + 5,), -1, dtype=torch.int32)
+    indices = batch.pages.gather(
+        torch.from_numpy(bases), torch.from_numpy(lay.counts), total, out=out
+    )
+    assert indices.data_ptr() == out.data_ptr() and (out[total:] == -1).all()
     for i, s in enumerate(batch.seqs):
-        pages = lay.indices[lay.kv_indptr[i] : lay.kv_indptr[i + 1]].tolist()
-        assert pages == s.page_table
+        pages = indices[lay.kv_indptr[i] : lay.kv_indptr[i + 1]].tolist()
+        assert pages == pages_of(batch, s) and len(pages) == lay.counts[i]
         assert (len(pages) - 1) * page_size + lay.last_page_len[i] == s.kv_len
-    assert lay.indices[lay.kv_indptr[6] :].tolist() == [63] * 3
+    assert np.diff(lay.kv_indptr[6:]).tolist() == [1] * 3
     assert lay.last_page_len[6:].tolist() == [1] * 3
     assert all(a.dtype == np.int32 for a in vars(lay).values())
 
 
 def test_paged_layout_rejects_bad_sequences() -> None:
-    with pytest.raises(ValueError, match="page_table"):
-        paged_layout([SequenceSlice(0, 1, 20, [3])], 16)
+    batch = make_batch([], [20], 16, 8, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="page-table row"):
+        gather_bases(batch.pages, batch.columns, np.array([3], np.int32))
     with pytest.raises(ValueError, match="q_len"):
-        paged_layout([SequenceSlice(0, 5, 4, [3])], 16)
+        paged_layout(SeqColumns.of([SequenceSlice(0, 5, 4, 0)]), 16)
 
 
 def test_check_token_order() -> None:
     batch = make_batch([(4, 9)], [3, 5], 4, 16, torch.Generator().manual_seed(0))
     check_token_order(batch)
-    batch.seqs[1].q_start = 5
+    batch.columns.q_starts[1] = 5
     with pytest.raises(ValueError, match="in order"):
         check_token_order(batch)
 
@@ -158,7 +174,8 @@ def test_flashinfer_matches_torch(page_size, heads, window, kind, tensor_cores) 
     ref_spec = spec_for(heads, page_size, window, torch.float32, "cuda")
     gen = torch.Generator().manual_seed(zlib.crc32(repr((page_size, heads, window, kind)).encode()))
     num_pages = 4096 // page_size
-    batch = make_batch(*BATCHES[kind], page_size, num_pages, gen)
+    # write positions on the host (the backend takes them there too), pages on the GPU
+    batch = make_batch(*BATCHES[kind], page_size, num_pages, gen, table_device="cuda")
     fi_kv, ref_kv = random_caches(spec, num_pages, gen)
     fi = FlashInferAttention(spec, workspace_bytes=64 * 2**20, decode_tensor_cores=tensor_cores)
     ref = TorchAttention(ref_spec)
@@ -209,4 +226,5 @@ def test_graph_decode_equals_eager(page_size, heads, window) -> None:
         torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
         for a, b in zip(graph_kv.layers, eager_kv.layers, strict=True):
             assert torch.equal(a[:scratch], b[:scratch])
-    assert graphs.replay(make_batch([], [1] * 9, page_size, num_pages, gen), {}) is None
+    too_many = make_batch([], [1] * 9, page_size, num_pages, gen, table_device="cuda")
+    assert graphs.replay(too_many, {}) is None

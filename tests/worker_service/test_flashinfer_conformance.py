@@ -45,6 +45,7 @@ from worker_service.attention.base import (
 from worker_service.attention.flashinfer_backend import FlashInferAttention
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.page_table import PageTable
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 
 flashinfer = pytest.importorskip(
@@ -94,6 +95,7 @@ def test_conforms_in_fp16(tensor_cores) -> None:
 
 @dataclass
 class Request:
+    row: int  # its page-table row
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # positions already in the cache
 
@@ -106,18 +108,24 @@ class Workload:
         self.page_size = page_size
         # The last page stays free (a CUDA-graph scratch page in the runner).
         self.free = torch.randperm(num_pages - 1, generator=gen).tolist()
+        # Rows as the runner keeps them: appended to as requests grow.
+        self.table = PageTable("cpu", rows=1, columns=1)
 
     def join(self, prefix_of: Request | None = None, shared: int = 0) -> Request:
         """A new request; ``shared`` positions of ``prefix_of`` (whole pages) are a
         cache hit: it reads those pages and never writes them."""
+        r = Request(self.table.acquire())
         if prefix_of is None:
-            return Request()
+            return r
         assert shared % self.page_size == 0 and shared <= prefix_of.kv_len
-        return Request(prefix_of.pages[: shared // self.page_size], shared)
+        r.pages, r.kv_len = prefix_of.pages[: shared // self.page_size], shared
+        self.table.append(r.row, r.pages)
+        return r
 
     def _grow(self, r: Request, kv_len: int) -> None:
         while len(r.pages) * self.page_size < kv_len:
             r.pages.append(self.free.pop())
+            self.table.append(r.row, r.pages[-1:])
 
     def step(self, extends: list[tuple[Request, int]], decodes: list[Request]) -> AttentionBatch:
         seqs, positions, pages = [], [], []
@@ -125,13 +133,19 @@ class Workload:
             start = r.kv_len
             self._grow(r, start + q_len)
             r.kv_len += q_len
-            seqs.append(SequenceSlice(len(positions), q_len, r.kv_len, list(r.pages)))
+            seqs.append(SequenceSlice(len(positions), q_len, r.kv_len, r.row))
             for p in range(start, r.kv_len):
                 positions.append(p)
                 pages.append(r.pages[p // self.page_size])
         pos = torch.tensor(positions)
         return AttentionBatch(
-            seqs, len(extends), pos, torch.tensor(pages), pos % self.page_size, self.page_size
+            seqs,
+            len(extends),
+            pos,
+            torch.tensor(pages),
+            pos % self.page_size,
+            self.page_size,
+            pages=self.table,
         )
 
 

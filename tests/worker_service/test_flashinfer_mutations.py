@@ -145,7 +145,7 @@ def decode_queries_shifted(mp: pytest.MonkeyPatch) -> None:
 
 def graph_batch_unpadded(mp: pytest.MonkeyPatch) -> None:
     real = backend.paged_layout
-    mp.setattr(backend, "paged_layout", lambda seqs, ps, pad_to=0, pad_page=0: real(seqs, ps))
+    mp.setattr(backend, "paged_layout", lambda cols, ps, pad_to=0: real(cols, ps))
 
 
 def graph_rows_moved_after_capture(mp: pytest.MonkeyPatch) -> None:

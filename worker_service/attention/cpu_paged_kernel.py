@@ -44,6 +44,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
+_I32P = ctypes.POINTER(ctypes.c_int32)
 
 
 def build(
@@ -71,8 +72,8 @@ _ARGTYPES = [
     ctypes.c_void_p,  # out
     _I64P,  # rows
     _I64P,  # lens
-    _I64P,  # indptr
-    _I64P,  # page_ids
+    _I64P,  # indptr (each row's first cell in page_ids)
+    _I32P,  # page_ids (the page table, read in place)
     ctypes.c_int,  # page_size
     ctypes.c_int,  # heads
     ctypes.c_int,  # kv_heads
@@ -180,30 +181,29 @@ class PagedDecodeKernel:
 
 class DecodeLayout:
     """One step's decode rows for the kernel: int64 arrays kept alive for the
-    step, with their ctypes pointers made once (not once per layer)."""
+    step, with their ctypes pointers made once (not once per layer). The pages
+    are the page table's host array (rows, stride) int32, read in place: row
+    i's pages start at cell ``indptr[i]`` = its table row * stride."""
 
-    def __init__(self, rows: list[int], lens: list[int], tables: list[list[int]]) -> None:
-        # The kernel walks the rows in this order: sorted by page table, so rows
-        # that share prefix pages (the radix cache hands them the same ids) come
-        # one after another and read those pages from the CPU's caches.
-        order = sorted(range(len(rows)), key=tables.__getitem__)
-        rows = [rows[i] for i in order]
-        lens = [lens[i] for i in order]
-        tables = [tables[i] for i in order]
-        self.num_rows = len(rows)
-        self.rows = np.asarray(rows, dtype=np.int64)
-        self.lens = np.asarray(lens, dtype=np.int64)
-        self.indptr = np.zeros(len(tables) + 1, dtype=np.int64)
-        np.cumsum([len(t) for t in tables], out=self.indptr[1:])
-        self.pages = (
-            np.concatenate([np.asarray(t, dtype=np.int64) for t in tables])
-            if tables
-            else np.zeros(0, dtype=np.int64)
-        )
+    def __init__(
+        self, rows: np.ndarray, lens: np.ndarray, table_rows: np.ndarray, pages: np.ndarray
+    ) -> None:
+        if pages.dtype != np.int32 or not pages.flags.c_contiguous or pages.ndim != 2:
+            raise ValueError("the CPU decode kernel reads a C-contiguous 2-D int32 page table")
+        # The kernel walks the rows in this order: by first page, so rows that
+        # share prefix pages (the radix cache hands them the same ids) come one
+        # after another and read those pages from the CPU's caches.
+        table_rows = np.asarray(table_rows, dtype=np.int64)
+        order = np.argsort(pages[table_rows, 0], kind="stable")
+        self.num_rows = len(order)
+        self.rows = np.ascontiguousarray(np.asarray(rows, dtype=np.int64)[order])
+        self.lens = np.ascontiguousarray(np.asarray(lens, dtype=np.int64)[order])
+        self.indptr = np.ascontiguousarray(table_rows[order] * pages.shape[1])
+        self.pages = pages
         self.rows_p = self.rows.ctypes.data_as(_I64P)
         self.lens_p = self.lens.ctypes.data_as(_I64P)
         self.indptr_p = self.indptr.ctypes.data_as(_I64P)
-        self.pages_p = self.pages.ctypes.data_as(_I64P)
+        self.pages_p = self.pages.ctypes.data_as(_I32P)
 
 
 def load_paged_decode(

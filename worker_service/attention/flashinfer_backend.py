@@ -1,8 +1,11 @@
 """FlashInfer attention for CUDA workers (fp16/bf16: FlashInfer has no fp32 kernels).
 
-``begin_step`` builds FlashInfer's CSR page layout (indptr / indices /
-last_page_len) of the extends and of the decodes on the host from the batch's
-Python lists, so it never waits on the GPU (one pinned buffer, one copy), and
+``begin_step`` builds FlashInfer's CSR page layout of the extends and of the
+decodes: indptr and last_page_len on the host from the batch's O(batch)
+columns (FlashInfer's ``plan`` reads them there), the flat page indices on the
+device, gathered from the rows of the worker's page table
+(``PageTable.gather``: no page list is read on the host); the host's arrays go
+up in one pinned non-blocking copy, so it never waits on the GPU; and it
 plans ``BatchPrefillWithPagedKVCacheWrapper`` (ragged queries, paged KV,
 causal) and ``BatchDecodeWithPagedKVCacheWrapper`` once each; a layer's
 ``forward`` only writes its K/V and runs the planned kernels. Both wrappers
@@ -15,7 +18,7 @@ kernel on tensor cores (the same module as prefill).
 KV write: ``index_copy_`` into the cache viewed as rows (pages * 2 * page_size,
 kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
-would also need batch indices, positions and a device-side page layout).
+would also need each token's batch index and position on the device).
 
 Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``.
 
@@ -28,7 +31,9 @@ CUDA graphs for decode (glue: ``worker_service.execution.cuda_graphs.DecodeGraph
 2. ``DecodeGraphs.capture()``: per size ``begin_graph_step(empty batch, size)``
    (plans outside the graph, as FlashInfer requires), warm-up, capture.
 3. Decode-only steps: ``DecodeGraphs.replay(batch, inputs)`` copies inputs,
-   calls ``begin_graph_step`` (re-plan, rewrite the fixed buffers) and replays;
+   calls ``begin_graph_step`` (re-plan: the indices gathered from the page table
+   plus the padding rows' scratch page, which ``plan`` copies device to device
+   into the fixed buffer) and replays;
    None means no captured size fits (too many sequences or pages): run eager.
 
 CUDA graphs for drafted (speculative) steps, SGLang's "target_verify": after
@@ -48,7 +53,6 @@ runner may run one step ahead of the GPU, not two.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +64,11 @@ from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionSpec,
-    SequenceSlice,
+    SeqColumns,
 )
 from worker_service.attention.flashinfer_modules import TENSOR_CORE_DECODE_GROUP
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.page_table import PageTable
 
 # As SGLang: 1, 2, 4, then every 8 up to 256. A batch is padded by at most 7 rows
 # (at most 3 below 8), so above batch 64 padding is under 10% of the rows replayed;
@@ -86,50 +91,49 @@ def pick_graph_size(n: int, sizes: tuple[int, ...]) -> int | None:
 
 @dataclass
 class PagedLayout:
-    """FlashInfer's CSR description of the pages some sequences read (host, int32)."""
+    """FlashInfer's CSR description of the pages some sequences read, but for the
+    page indices themselves (gathered on the device): host int32 arrays."""
 
     qo_indptr: np.ndarray  # (n + 1,) sequence i's query rows: qo_indptr[i]:qo_indptr[i+1]
     kv_indptr: np.ndarray  # (n + 1,) its pages: indices[kv_indptr[i]:kv_indptr[i+1]]
     last_page_len: np.ndarray  # (n,) valid slots of its last page, 1..page_size
-    indices: np.ndarray  # (kv_indptr[-1],) page ids
+    counts: np.ndarray  # (real sequences,) pages each reads: kv_indptr's steps, unpadded
 
 
-def paged_layout(
-    seqs: Sequence[SequenceSlice], page_size: int, pad_to: int = 0, pad_page: int = 0
-) -> PagedLayout:
-    """Layout of ``seqs``, padded with one-token sequences on ``pad_page`` up to ``pad_to``."""
-    n, total = len(seqs), max(len(seqs), pad_to)
+def paged_layout(cols: SeqColumns, page_size: int, pad_to: int = 0) -> PagedLayout:
+    """Layout of ``cols``, padded with one-token one-page sequences up to ``pad_to``.
+    O(sequences): the pages are not read here (``PageTable.gather`` reads them)."""
+    n, total = len(cols), max(len(cols), pad_to)
     q_lens = np.ones(total, np.int64)
     kv_lens = np.ones(total, np.int64)
-    if n:
-        q_lens[:n] = np.fromiter((s.q_len for s in seqs), np.int64, n)
-        kv_lens[:n] = np.fromiter((s.kv_len for s in seqs), np.int64, n)
+    q_lens[:n] = cols.q_lens
+    kv_lens[:n] = cols.kv_lens
     if (q_lens < 1).any() or (kv_lens < q_lens).any():
         raise ValueError("every sequence needs 1 <= q_len <= kv_len")
     n_pages = (kv_lens + page_size - 1) // page_size
-    real = n_pages[:n].tolist()
-    if any(len(s.page_table) < k for s, k in zip(seqs, real, strict=True)):
-        raise ValueError("a page_table does not cover positions [0, kv_len)")
-    tables = itertools.chain.from_iterable(
-        itertools.islice(s.page_table, k) for s, k in zip(seqs, real, strict=True)
-    )
-    indices = np.full(int(n_pages.sum()), pad_page, np.int32)
-    indices[: sum(real)] = np.fromiter(tables, np.int32, sum(real))
     qo_indptr = np.zeros(total + 1, np.int32)
     kv_indptr = np.zeros(total + 1, np.int32)
     np.cumsum(q_lens, out=qo_indptr[1:])
     np.cumsum(n_pages, out=kv_indptr[1:])
     last = (kv_lens - (n_pages - 1) * page_size).astype(np.int32)
-    return PagedLayout(qo_indptr, kv_indptr, last, indices)
+    return PagedLayout(qo_indptr, kv_indptr, last, n_pages[:n].astype(np.int32))
+
+
+def gather_bases(table: PageTable, cols: SeqColumns, counts: np.ndarray) -> np.ndarray:
+    """``PageTable.gather``'s bases for ``cols`` reading ``counts`` pages each, after
+    checking that their rows hold that many pages."""
+    if (table.lengths[cols.rows] < counts).any():
+        raise ValueError("a page-table row does not cover positions [0, kv_len)")
+    return table.flat_bases(cols.rows, counts)
 
 
 def check_token_order(batch: AttentionBatch) -> None:
     """Extends first, then decodes with q_len 1, each sequence's rows contiguous."""
-    n, e = len(batch.seqs), batch.num_extends
-    starts = np.fromiter((s.q_start for s in batch.seqs), np.int64, n)
-    lens = np.fromiter((s.q_len for s in batch.seqs), np.int64, n)
-    expected = np.concatenate([[0], np.cumsum(lens)[:-1]]) if n else starts
-    if (starts != expected).any() or (lens[e:] != 1).any() or lens.sum() != batch.num_tokens:
+    cols, e = batch.columns, batch.num_extends
+    n = len(cols)
+    expected = np.concatenate([[0], np.cumsum(cols.q_lens)[:-1]]) if n else cols.q_starts
+    bad = (cols.q_starts != expected).any() or (cols.q_lens[e:] != 1).any()
+    if bad or cols.q_lens.sum() != batch.num_tokens or len(batch.seqs) != n:
         raise ValueError("rows must be extends then q_len-1 decodes, in order, all tokens")
 
 
@@ -165,6 +169,10 @@ class CudaFacilities:
 
     def event(self) -> Any:
         return torch.cuda.Event()
+
+    def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of the backend's own on the device."""
+        return torch.empty(n, dtype=dtype, device=device)
 
 
 CUDA = CudaFacilities()
@@ -240,6 +248,9 @@ class FlashInferAttention(AttentionBackend):
         self._graphs: dict[int, Any] = {}
         self._verify: dict[int, Any] = {}
         self.verify_graphs: VerifyGraphs | None = None
+        # The step's flat page indices, gathered here from the page table; a
+        # step's gather is stream-ordered after the kernels of the step before.
+        self._indices = CUDA.empty(0, torch.int32, spec.device)
 
     def _decode_wrapper(self, graph_size: int = 0) -> Any:
         kwargs: dict[str, Any] = {"use_tensor_cores": self._tensor_cores}
@@ -266,24 +277,51 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError("KV cache too large for int32 row indices")
         return both.astype(np.int32), None
 
+    def _page_indices(
+        self,
+        table: PageTable,
+        bases: torch.Tensor,
+        counts: torch.Tensor,
+        total: int,
+        *,
+        pad: int = 0,
+    ) -> torch.Tensor:
+        """The sequences' flat page indices gathered on the device from the page
+        table, then ``pad`` entries of the scratch page (graph padding rows)."""
+        if self._indices.shape[0] < total + pad:
+            self._indices = CUDA.empty(
+                max(total + pad, 2 * self._indices.shape[0]), torch.int32, self.spec.device
+            )
+        table.gather(bases, counts, total, out=self._indices)
+        if pad:
+            self._indices[total : total + pad].fill_(self._scratch_page)
+        return self._indices[: total + pad]
+
     def begin_step(self, batch: AttentionBatch) -> None:
         check_token_order(batch)
         self._plan_done.synchronize()
-        ps, e = self.spec.page_size, batch.num_extends
-        ext, dec = paged_layout(batch.seqs[:e], ps), paged_layout(batch.seqs[e:], ps)
+        ps, e, cols = self.spec.page_size, batch.num_extends, batch.columns
+        ext, dec = paged_layout(cols[:e], ps), paged_layout(cols[e:], ps)
+        counts = np.concatenate([ext.counts, dec.counts])
+        bases = gather_bases(batch.pages, cols, counts)
         host_rows, dev_rows = self._rows(batch)
-        arrays = [ext.qo_indptr, ext.kv_indptr, ext.last_page_len, ext.indices]
-        arrays += [dec.kv_indptr, dec.last_page_len, dec.indices]
+        arrays = [ext.qo_indptr, ext.kv_indptr, ext.last_page_len]
+        arrays += [dec.kv_indptr, dec.last_page_len, bases, counts]
         host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
         self._rows_now = dev_rows if host_rows is None else dev[7].view(2, -1).long()
         self._prefill_rows = int(ext.qo_indptr[-1])
         self._active_prefill = self._prefill
+        ext_pages, total = int(ext.kv_indptr[-1]), int(counts.sum())
+        indices = self._page_indices(batch.pages, dev[5], dev[6], total)
         if e:
             kw = self._plan_kw
-            self._prefill.plan(host[0], host[1], dev[3], host[2], *self._heads, causal=True, **kw)
+            ext_indices = indices[:ext_pages]
+            self._prefill.plan(
+                host[0], host[1], ext_indices, host[2], *self._heads, causal=True, **kw
+            )
         self._active_decode = self._decode if len(batch.seqs) > e else None
         if self._active_decode is not None:
-            self._decode.plan(host[4], dev[6], host[5], *self._heads, **self._plan_kw)
+            self._decode.plan(host[3], indices[ext_pages:], host[4], *self._heads, **self._plan_kw)
         self._plan_done.record()
 
     def forward(
@@ -325,12 +363,11 @@ class FlashInferAttention(AttentionBackend):
 
     def graph_size_for(self, batch: AttentionBatch) -> int | None:
         """Smallest captured size that holds this decode-only batch, else None."""
-        n = len(batch.seqs)
+        n = len(batch.columns)
         size = pick_graph_size(n, self.graph_sizes)
         if batch.num_extends or size is None:
             return None
-        ps = self.spec.page_size
-        pages = sum((s.kv_len + ps - 1) // ps for s in batch.seqs) + (size - n)
+        pages = int(batch.columns.num_pages(self.spec.page_size).sum()) + (size - n)
         return size if pages <= self._g_capacity else None
 
     def begin_graph_step(self, batch: AttentionBatch, size: int) -> None:
@@ -340,18 +377,21 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"not a decode batch that fits graph size {size}")
         check_token_order(batch)
         self._plan_done.synchronize()
-        ps, n = self.spec.page_size, len(batch.seqs)
-        lay = paged_layout(batch.seqs, ps, pad_to=size, pad_page=self._scratch_page)
+        ps, cols, n = self.spec.page_size, batch.columns, len(batch.columns)
+        lay = paged_layout(cols, ps, pad_to=size)
+        bases = gather_bases(batch.pages, cols, lay.counts)
         host_rows, dev_rows = self._rows(batch)
-        arrays = [lay.kv_indptr, lay.last_page_len, lay.indices]
+        arrays = [lay.kv_indptr, lay.last_page_len, bases, lay.counts]
         host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
-        self._graphs[size].plan(host[0], dev[2], host[1], *self._heads, **self._plan_kw)
+        real = int(lay.kv_indptr[n])
+        indices = self._page_indices(batch.pages, dev[2], dev[3], real, pad=size - n)
+        self._graphs[size].plan(host[0], indices, host[1], *self._heads, **self._plan_kw)
         rows = self._g_rows[:, :size]
         # Padded tokens store their K/V in slot 0 of the scratch page.
         rows[0].fill_(self._scratch_page * 2 * ps)
         rows[1].fill_(self._scratch_page * 2 * ps + ps)
         if n:
-            rows[:, :n].copy_(dev_rows if host_rows is None else dev[3].view(2, n))
+            rows[:, :n].copy_(dev_rows if host_rows is None else dev[4].view(2, n))
         self._rows_now = rows
         self._prefill_rows = 0
         self._active_decode = self._graphs[size]
@@ -396,48 +436,90 @@ class FlashInferAttention(AttentionBackend):
     def verify_graph_size_for(self, batch: AttentionBatch) -> int | None:
         """Smallest verify size that holds ``batch``: every sequence an extend of
         exactly ``rows_per_seq`` rows (padded by the caller), pages within bounds."""
-        q, n = self._v_rows_per_seq, len(batch.seqs)
+        q, cols = self._v_rows_per_seq, batch.columns
+        n = len(cols)
         size = pick_graph_size(n, tuple(self._verify))
-        if size is None or batch.num_extends != n or any(s.q_len != q for s in batch.seqs):
+        if size is None or batch.num_extends != n or (cols.q_lens != q).any():
             return None
         ps = self.spec.page_size
-        pages = sum((s.kv_len + ps - 1) // ps for s in batch.seqs) + (size - n) * -(-q // ps)
+        pages = int(cols.num_pages(ps).sum()) + (size - n) * -(-q // ps)
         return size if pages <= self._v_capacity else None
 
     def begin_verify_graph_step(self, batch: AttentionBatch, size: int) -> None:
         """Plan the size-``size`` verify wrapper for ``batch`` plus padding
         sequences on the scratch page, and rewrite the fixed buffers (outside the
-        graph, as begin_graph_step)."""
-        q, n = self._v_rows_per_seq, len(batch.seqs)
+        graph, as begin_graph_step).
+
+        A padded sequence (``cuda_graphs.pad_verify_batch``) reads its row's pages
+        as far as the row holds them, then the scratch page for the positions its
+        padding rows added past them: the real pages are gathered on the device
+        into one run, then spread to their places in the flat indices, whose other
+        entries are the scratch page (O(batch) host work, as begin_graph_step)."""
+        q, cols = self._v_rows_per_seq, batch.columns
+        n = len(cols)
         if (
             batch.num_extends != n
             or n > size
             or size not in self._verify
-            or any(s.q_len != q for s in batch.seqs)
+            or (cols.q_lens != q).any()
         ):
             raise ValueError(f"not a batch of {q}-row extends that fits verify size {size}")
         check_token_order(batch)
         self._plan_done.synchronize()
         ps, scratch = self.spec.page_size, self._scratch_page
-        pad_table = [scratch] * -(-q // ps)
-        padding = [SequenceSlice(i * q, q, q, pad_table) for i in range(n, size)]
-        lay = paged_layout([*batch.seqs, *padding], ps)
+        pad_pages = -(-q // ps)
+        needed = cols.num_pages(ps).astype(np.int32)
+        real = np.minimum(batch.pages.lengths[cols.rows], needed).astype(np.int32)
+        qo_indptr = np.arange(0, (size + 1) * q, q, dtype=np.int32)
+        counts = np.concatenate([needed, np.full(size - n, pad_pages, np.int32)])
+        kv_indptr = np.zeros(size + 1, np.int32)
+        np.cumsum(counts, out=kv_indptr[1:])
+        kv_lens = np.concatenate([cols.kv_lens, np.full(size - n, q, np.int64)])
+        last = (kv_lens - (counts.astype(np.int64) - 1) * ps).astype(np.int32)
+        bases = batch.pages.flat_bases(cols.rows, real)
+        # Where sequence i's gathered pages go: its own start in the padded layout.
+        shift = (kv_indptr[:n] - (np.cumsum(real) - real)).astype(np.int32)
         host_rows, dev_rows = self._rows(batch)
-        arrays = [lay.qo_indptr, lay.kv_indptr, lay.last_page_len, lay.indices]
+        arrays = [qo_indptr, kv_indptr, last, bases, real, shift]
         host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
+        total_real, total = int(real.sum()), int(kv_indptr[-1])
+        indices = self._spread_pages(batch.pages, dev[3], dev[4], dev[5], total_real, total)
         kw = self._plan_kw
-        self._verify[size].plan(host[0], host[1], dev[3], host[2], *self._heads, causal=True, **kw)
+        self._verify[size].plan(host[0], host[1], indices, host[2], *self._heads, causal=True, **kw)
         rows = self._v_rows[:, : size * q]
         # Padding sequences store their K/V in slot 0 of the scratch page.
         rows[0].fill_(scratch * 2 * ps)
         rows[1].fill_(scratch * 2 * ps + ps)
         if n:
-            rows[:, : n * q].copy_(dev_rows if host_rows is None else dev[4].view(2, n * q))
+            rows[:, : n * q].copy_(dev_rows if host_rows is None else dev[6].view(2, n * q))
         self._rows_now = rows
         self._prefill_rows = size * q
         self._active_prefill = self._verify[size]
         self._active_decode = None
         self._plan_done.record()
+
+    def _spread_pages(
+        self,
+        table: PageTable,
+        bases: torch.Tensor,
+        real: torch.Tensor,
+        shift: torch.Tensor,
+        total_real: int,
+        total: int,
+    ) -> torch.Tensor:
+        """``total`` flat indices: the scratch page, but for each sequence's ``real``
+        pages gathered from its row and moved by its ``shift`` (device ops)."""
+        gathered = self._page_indices(table, bases, real, total_real).clone()
+        out = self._indices[:total] if self._indices.shape[0] >= total else None
+        if out is None:
+            self._indices = CUDA.empty(total, torch.int32, self.spec.device)
+            out = self._indices[:total]
+        out.fill_(self._scratch_page)
+        if total_real:
+            dest = torch.repeat_interleave(shift, real, output_size=total_real).long()
+            dest += torch.arange(total_real, dtype=torch.long, device=dest.device)
+            out.index_copy_(0, dest, gathered)
+        return out
 
 
 @dataclass(frozen=True)

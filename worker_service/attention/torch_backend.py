@@ -11,7 +11,11 @@ times the rest of the step.
 
 With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
 of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
-chunks), attend through it instead, reading the pages in place."""
+chunks), attend through it instead, reading the pages in place.
+
+Pages come from the batch's page table (device/page_table.py): the kernel
+reads its host array in place, the gather path indexes its device tensor,
+and a long extend reads a view of its row; no page list is copied per step."""
 
 from __future__ import annotations
 
@@ -72,28 +76,29 @@ class TorchAttention(AttentionBackend):
         device = self.spec.device
         window = self.spec.sliding_window
         self._batch = batch
-        # Every page table in one non-blocking copy (a tensor per sequence made
-        # on the device would synchronise the stream once per sequence).
-        self._tables = to_device(
-            [np.asarray(s.page_table, dtype=np.int64) for s in batch.seqs], device
-        )
+        cols, ps = batch.columns, batch.page_size
+        kernel_max_q = self._batched_max_q
+        # A sequence attending on its own (a long extend) reads its pages as a
+        # view of its page-table row, on the device.
+        table = batch.pages.table
+        self._tables = [
+            None if s.q_len <= kernel_max_q else table[s.row, : -(-s.kv_len // ps)].long()
+            for s in batch.seqs
+        ]
         self._masks: list[torch.Tensor | None] = []
         self._decode, self._layout = None, None
-        kernel_max_q = self._batched_max_q
         if self.decode_kernel is not None:
             # Query i of a short extend (a drafted verify row, a short chunk)
             # is a decode row of its own over the first kv_len - q_len + i + 1
-            # positions, with the same page table.
-            rows, lens, tables = [], [], []
-            for s in batch.seqs:
-                if s.q_len <= kernel_max_q:
-                    start = s.kv_len - s.q_len
-                    for i in range(s.q_len):
-                        rows.append(s.q_start + i)
-                        lens.append(start + i + 1)
-                        tables.append(s.page_table)
-            if rows:
-                self._layout = DecodeLayout(rows, lens, tables)
+            # positions, with the same page-table row.
+            short = np.flatnonzero(cols.q_lens <= kernel_max_q)
+            counts = cols.q_lens[short]
+            if counts.size:
+                seq_of = np.repeat(short, counts)
+                i = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+                rows = cols.q_starts[seq_of] + i
+                lens = cols.kv_lens[seq_of] - cols.q_lens[seq_of] + i + 1
+                self._layout = DecodeLayout(rows, lens, cols.rows[seq_of], batch.pages.host)
         else:
             self._decode = self._decode_batch(batch)
         for s in batch.seqs:
@@ -111,25 +116,26 @@ class TorchAttention(AttentionBackend):
             self._masks.append(allowed)
 
     def _decode_batch(self, batch: AttentionBatch) -> _DecodeRows | None:
-        """Gather indices and padding mask of the step's one-query rows."""
-        seqs = [s for s in batch.seqs if s.q_len == 1]
-        if not seqs:
+        """Gather indices and padding mask of the step's one-query rows, built
+        on the device from their page-table rows."""
+        cols = batch.columns
+        ones = cols.q_lens == 1
+        if not ones.any():
             return None
         page_size, window = batch.page_size, self.spec.sliding_window
-        width = max(s.kv_len for s in seqs)
-        pos = np.arange(width, dtype=np.int64)
-        pages = np.empty((len(seqs), width), dtype=np.int64)
-        lens = np.fromiter((s.kv_len for s in seqs), dtype=np.int64, count=len(seqs))
-        for i, s in enumerate(seqs):
-            # Padding positions read the row's last real slot (masked out).
-            table = np.asarray(s.page_table, dtype=np.int64)
-            pages[i] = table[np.minimum(pos, s.kv_len - 1) // page_size]
+        lens = cols.kv_lens[ones]
+        width = int(lens.max())
+        rows_t, lens_t, table_rows_t = to_device(
+            [cols.q_starts[ones], lens, cols.rows[ones]], self.spec.device
+        )
+        pos = torch.arange(width, device=lens_t.device)
+        # Padding positions read the row's last real slot (masked out).
+        cells = torch.minimum(pos[None, :], lens_t[:, None] - 1) // page_size
+        pages = batch.pages.table[table_rows_t[:, None], cells].long()
         # Row of (page, k or v, offset) in the cache viewed as (-1, kv_heads, head_dim).
-        keys = pages * (2 * page_size) + pos % page_size
-        kv_rows = np.concatenate([keys.reshape(-1), keys.reshape(-1) + page_size])
-        rows = np.fromiter((s.q_start for s in seqs), dtype=np.int64, count=len(seqs))
-        kv_rows_t, rows_t, lens_t = to_device([kv_rows, rows, lens], self.spec.device)
-        key_pos = torch.arange(width, device=lens_t.device)[None, :]
+        keys = (pages * (2 * page_size) + pos % page_size).reshape(-1)
+        kv_rows_t = torch.cat([keys, keys + page_size])
+        key_pos = pos[None, :]
         allowed = key_pos < lens_t[:, None]
         if window is not None:
             allowed &= key_pos > lens_t[:, None] - 1 - window

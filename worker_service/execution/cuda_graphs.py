@@ -58,7 +58,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from worker_service.attention.base import AttentionBatch, SequenceSlice
+from worker_service.attention.base import AttentionBatch, ColumnSlices, SeqColumns
+from worker_service.device.page_table import PageTable
 from worker_service.device.transfer import to_device
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -90,6 +91,7 @@ def empty_decode_batch(page_size: int, device: torch.device | str = "cpu") -> At
         write_pages=none,
         write_offsets=none,
         page_size=page_size,
+        pages=PageTable("cpu", rows=1, columns=1),  # no sequence reads a row
     )
 
 
@@ -178,42 +180,41 @@ def pad_verify_batch(
     decodes) with every sequence padded to ``rows_per_seq`` rows, as verify
     graphs take it; also its input ids and, per real row, its padded row.
 
-    A padded row continues its sequence (its KV length grows by the padding,
-    the table by scratch pages where it needs more), but writes its K/V to the
+    A padded row continues its sequence (its KV length grows by the padding;
+    past the pages its row holds, the attention reads the scratch page:
+    ``FlashInferAttention.begin_verify_graph_step``), but writes its K/V to the
     scratch page and takes the position of the sequence's last real row (any
     position the rotary table holds will do: its output is never read). The
     causal mask keeps every real row from seeing the padded positions."""
-    q, ps, n = rows_per_seq, batch.page_size, len(batch.seqs)
-    seqs: list[SequenceSlice] = []
-    positions = np.empty(n * q, np.int64)
+    q, ps, cols = rows_per_seq, batch.page_size, batch.columns
+    n = len(cols)
+    if ((cols.q_lens < 1) | (cols.q_lens > q)).any():
+        raise ValueError(f"a sequence of more than {q} rows does not fit {q}-row verify graphs")
+    starts = cols.kv_lens - cols.q_lens  # each sequence's first position this step
+    firsts = np.arange(n, dtype=np.int64) * q  # its first row in the padded batch
+    # Row r of sequence i: position starts[i] + r for a real row, else the
+    # sequence's last real position (padding: any position the rotary table holds).
+    r = np.tile(np.arange(q, dtype=np.int64), n)
+    seq = np.repeat(np.arange(n, dtype=np.int64), q)
+    is_real = r < cols.q_lens[seq]
+    positions = np.where(is_real, starts[seq] + r, cols.kv_lens[seq] - 1)
+    real_pos = positions[is_real]
     pages = np.full(n * q, scratch_page, np.int64)
-    offsets = np.zeros(n * q, np.int64)
-    real_rows: list[np.ndarray] = []
-    for i, s in enumerate(batch.seqs):
-        if not 1 <= s.q_len <= q:
-            raise ValueError(f"a sequence of {s.q_len} rows does not fit {q}-row verify graphs")
-        start, first = s.kv_len - s.q_len, i * q
-        real = np.arange(start, s.kv_len, dtype=np.int64)
-        positions[first : first + q] = s.kv_len - 1
-        positions[first : first + s.q_len] = real
-        table = np.asarray(s.page_table[: -(-s.kv_len // ps)], dtype=np.int64)
-        pages[first : first + s.q_len] = table[real // ps]
-        offsets[first : first + s.q_len] = real % ps
-        kv_len = start + q
-        padded_table = list(s.page_table[: -(-kv_len // ps)])
-        padded_table += [scratch_page] * (-(-kv_len // ps) - len(padded_table))
-        seqs.append(SequenceSlice(first, q, kv_len, padded_table))
-        real_rows.append(np.arange(first, first + s.q_len, dtype=np.int64))
-    dest = np.concatenate(real_rows) if real_rows else np.zeros(0, np.int64)
+    pages[is_real] = batch.pages.host[cols.rows[seq[is_real]], real_pos // ps]
+    offsets = np.where(is_real, positions % ps, 0)
+    dest = np.flatnonzero(is_real).astype(np.int64)
     pos_t, pages_t, offsets_t, dest_t = to_device([positions, pages, offsets, dest], ids.device)
     padded_ids = torch.zeros(n * q, dtype=ids.dtype, device=ids.device)
     padded_ids.index_copy_(0, dest_t, ids)
+    padded_cols = SeqColumns(firsts, np.full(n, q, np.int64), starts + q, cols.rows)
     padded = AttentionBatch(
-        seqs=seqs,
+        seqs=ColumnSlices(padded_cols),
         num_extends=n,
         positions=pos_t,
         write_pages=pages_t,
         write_offsets=offsets_t,
         page_size=ps,
+        pages=batch.pages,
+        columns=padded_cols,
     )
     return padded, padded_ids, dest

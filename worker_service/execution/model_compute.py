@@ -25,9 +25,16 @@ import numpy as np
 import structlog
 import torch
 
-from worker_service.attention.base import AttentionBackend, AttentionBatch, SequenceSlice
+from worker_service.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    ColumnSlices,
+    SeqColumns,
+    SequenceSlice,
+)
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.page_table import PageTable
 from worker_service.device.transfer import HostCopy, to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
 from worker_service.execution.model_runner import SeqWork
@@ -157,6 +164,9 @@ class ModelCompute:
         # before capture_decode_graphs to capture them).
         self.lora_slots: LoraSlots | None = None
         self.lora_graphs: DecodeGraphs | None = None
+        # The requests' page ids on the device; ModelRunner applies each plan's
+        # page deltas to it, the step reads it (O(batch) host work, no page lists).
+        self.page_table = PageTable(device)
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
@@ -346,31 +356,33 @@ class ModelCompute:
     def _batch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None = None
     ) -> tuple[AttentionBatch, torch.Tensor]:
-        """The step's layout, built with numpy on the host and sent to the device
-        in one non-blocking copy from pinned memory (no stream synchronisation)."""
-        page_size, n = self.page_size, len(work)
-        seqs: list[SequenceSlice] = []
-        tables: list[list[int]] = []
-        q_start = 0
-        for w in work:
-            q_len = len(w.inputs)
-            kv_len = w.start + q_len
-            table = w.state.pages[: -(-kv_len // page_size)]
-            if len(table) * page_size < kv_len:
-                raise ValueError(f"slot {w.slot}: its pages do not cover {kv_len} positions")
-            seqs.append(SequenceSlice(q_start, q_len, kv_len, table))
-            tables.append(table)
-            q_start += q_len
+        """The step's layout from O(batch) numbers and the pages it writes
+        (O(tokens)), built with numpy on the host and sent to the device in one
+        non-blocking copy from pinned memory (no stream synchronisation). Page
+        lists are not read: the page table's rows are (device/page_table.py)."""
+        page_size, n, table = self.page_size, len(work), self.page_table
+        table.sync()
+        rows = np.fromiter((w.state.row for w in work), np.int64, n)
         starts = np.fromiter((w.start for w in work), np.int64, n)
-        q_lens = np.fromiter((s.q_len for s in seqs), np.int64, n)
-        n_pages = np.fromiter((len(t) for t in tables), np.int64, n)
-        seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
+        if num_extends:
+            q_lens = np.fromiter((len(w.inputs) for w in work), np.int64, n)
+            ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
+        else:  # decodes only: one input each
+            q_lens = np.ones(n, np.int64)
+            ids = np.fromiter((w.inputs[0] for w in work), np.int64, n)
+        kv_lens = starts + q_lens
+        short = table.lengths[rows] * page_size < kv_lens
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(f"slot {work[i].slot}: its pages do not cover {kv_lens[i]} positions")
         first_row = np.cumsum(q_lens) - q_lens
-        positions = np.arange(q_start, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
-        flat_tables = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
-        table_base = np.cumsum(n_pages) - n_pages
-        pages = flat_tables[table_base[seq_of] + positions // page_size]
-        ids = np.fromiter(itertools.chain.from_iterable(w.inputs for w in work), np.int64)
+        num_tokens = int(q_lens.sum())
+        if num_tokens == n:  # one token per sequence (decodes): its position is its start
+            seq_of, positions = np.arange(n), starts
+        else:
+            seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
+            positions = np.arange(num_tokens, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
+        pages = table.host[rows[seq_of], positions // page_size].astype(np.int64)
         # Decodes whose input the previous step is still sampling: (row, index
         # among its sampled tokens); their ids are gathered on the device.
         waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
@@ -383,13 +395,16 @@ class ModelCompute:
         )
         if waiting:
             ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
+        columns = SeqColumns(first_row, q_lens, kv_lens, rows)
         batch = AttentionBatch(
-            seqs=seqs,
+            seqs=ColumnSlices(columns),
             num_extends=num_extends,
             positions=pos_t,
             write_pages=pages_t,
             write_offsets=offsets_t,
             page_size=page_size,
+            pages=table,
+            columns=columns,
         )
         return batch, ids_t
 

@@ -17,6 +17,7 @@ import torch
 
 from worker_service.device.context import DeviceFailure, is_sticky_device_error
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
+from worker_service.device.page_table import PageTable
 from worker_service.execution.plan import Plan, Result
 from worker_service.execution.request_state import SlotState
 from worker_service.execution.validation import PlanError, validate_plan
@@ -138,10 +139,19 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         scores_only: bool = False,
         tp: TensorParallel | None = None,
+        page_table: PageTable | None = None,
     ) -> None:
-        """``scores_only``: the model is a sequence classifier (validate_plan)."""
+        """``scores_only``: the model is a sequence classifier (validate_plan);
+        ``page_table``: where the page lists are mirrored, by default the
+        compute's (its attention reads the rows there)."""
         self.compute = compute
         self.tp = tp or TensorParallel()
+        # Every page-list change below is applied to the table too; a compute
+        # without one gets a host table, kept all the same so check_integrity
+        # holds everywhere (a few KB: rows of the held requests' page ids).
+        if page_table is None:
+            page_table = getattr(compute, "page_table", None) or PageTable("cpu")
+        self.page_table = page_table
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
@@ -162,6 +172,7 @@ class ModelRunner:
         """Drop every request (a new scheduler stream starts from nothing)."""
         self._diverged = False
         self.slots.clear()
+        self.page_table.clear()
         self.adapters.clear_slots()
         self._running = None  # its kernels finish on their own; nobody reads them
 
@@ -333,20 +344,35 @@ class ModelRunner:
         self._diverged = self.tp.enabled and not agreed
         return Result(step.step_id, error=f"step {step.step_id} failed on the worker: {error!r}")
 
+    def adopt(self, slot: int, state: SlotState) -> None:
+        """Hold ``state`` (made outside a plan, with its pages) under ``slot``:
+        benchmarks that set up cached contexts without computing them."""
+        if slot in self.slots:
+            self.page_table.release(self.slots.pop(slot).row)
+        state.row = self.page_table.acquire()
+        self.page_table.append(state.row, state.pages)
+        self.slots[slot] = state
+
+    def check_integrity(self) -> None:
+        """The page table holds exactly every request's page list (tests)."""
+        self.page_table.check_integrity({s.row: s.pages for s in self.slots.values()})
+
     def _apply(self, plan: Plan, loaded: dict[str, LoadedAdapter]) -> list[SeqWork]:
-        slots = self.slots
+        slots, table = self.slots, self.page_table
         for slot in plan.leaves:
-            del slots[slot]
+            table.release(slots.pop(slot).row)
         adapters = self.adapters
         for a in plan.adapter_slots:
             adapters.assign(a.slot, loaded[a.name] if a.name else None)
         for join in plan.joins:
             adapter = adapters.slots[join.adapter_slot] if join.adapter_slot else None
-            slots[join.slot] = SlotState.from_join(join, adapter)
+            slots[join.slot] = state = SlotState.from_join(join, adapter)
+            state.row = table.acquire()
         work: list[SeqWork] = []
         for e in plan.extends:
             state = slots[e.slot]
             state.pages.extend(e.new_pages)
+            table.append(state.row, e.new_pages)
             if not e.draft_len:  # a drafted extend's input 0 is the last token
                 state.tokens.extend(e.input_ids)
             work.append(
@@ -366,6 +392,7 @@ class ModelRunner:
             state = slots[slot]
             if new_page:
                 state.pages.append(new_page - 1)
+                table.append(state.row, (new_page - 1,))
             work.append(
                 SeqWork(slot=slot, state=state, start=pos, inputs=[state.tokens[-1]], sample=True)
             )
@@ -428,6 +455,7 @@ class ModelRunner:
                 state.kv_len = w.start + count
                 keep = -(-state.kv_len // self.page_size)  # pages holding its KV
                 del state.pages[keep:]
+                self.page_table.truncate(state.row, keep)
             elif state.grammar is not None:
                 state.grammar.accept(tokens[0])
                 if state.grammar.ended:

@@ -25,6 +25,8 @@ class SlotState:
     # Positions [0, kv_len) have their KV in the pages.
     kv_len: int
     pages: list[int] = field(default_factory=list)
+    # The request's row of the worker's PageTable, which mirrors ``pages``.
+    row: int = -1
     traceparent: str = ""
     tracestate: str = ""
     # Structured generation: the request's place in its grammar (rank 0 only;

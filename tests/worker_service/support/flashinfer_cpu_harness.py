@@ -23,9 +23,9 @@ What is replaced, and why:
   wrappers' ``plan``: the real one, after checking that the index arrays it copies
   to the device are pinned or already there (``_check_plan_placement``).
 * Our backend's ``CUDA`` facilities (worker_service/attention/flashinfer_backend.py):
-  the CPU device counts as usable, "pinning" and "copying to the device" register
-  the tensors in ``Placement`` (the device copy is a real copy), the plan event is a
-  no-op.
+  the CPU device counts as usable, "pinning", "copying to the device" and the
+  backend's own device buffers register the tensors in ``Placement`` (the device
+  copy is a real copy), the plan event is a no-op.
 * For CUDA graphs (``install_graph_stand_ins``): ``torch.cuda.CUDAGraph`` /
   ``graph`` / streams / ``synchronize`` as used by worker_service/execution/cuda_graphs.py,
   backed by flashinfer_reference.GraphTape; our ``store_kv`` and DecodeGraphs'
@@ -117,6 +117,9 @@ class CpuFacilities(backend.CudaFacilities):
 
     def event(self) -> Any:
         return _NoEvent()
+
+    def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.placement.mark_device(torch.empty(n, dtype=dtype, device=device))
 
 
 def clear_module_caches() -> None:

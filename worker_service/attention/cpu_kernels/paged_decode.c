@@ -3,7 +3,9 @@
  * One query per sequence. The cache of one layer has the layout
  * (num_pages, 2, page_size, kv_heads, head_dim): index 0 of the second axis
  * holds keys, 1 values. Position p of sequence i lives in page
- * page_ids[indptr[i] + p / page_size], slot p % page_size.
+ * page_ids[indptr[i] + p / page_size], slot p % page_size: page_ids is the
+ * worker's page table (int32, a row per request) and indptr[i] the first cell
+ * of sequence i's row, so no per-step copy of the page lists is made.
  *
  * Work is split into tasks, one per (sequence, kv head); a task serves the
  * kv head's whole group of query heads, so each key and value row is read
@@ -101,7 +103,7 @@ enum { MAX_GROUP = 16, MAX_CHUNKS = 16 }; /* head_dim up to 256 */
 static inline __attribute__((always_inline)) void decode_task(
     const int group, const int chunks, const int64_t task, const void *q, const int q_dtype,
     const void *cache, const int cache_dtype, void *out, const int64_t *rows,
-    const int64_t *lens, const int64_t *indptr, const int64_t *page_ids, const int page_size,
+    const int64_t *lens, const int64_t *indptr, const int32_t *page_ids, const int page_size,
     const int heads, const int kv_heads, const int head_dim, const int window, const float scale,
     float *scores, float *row) {
     const int64_t slot_stride = (int64_t)kv_heads * head_dim;       /* next position in a page */
@@ -116,7 +118,7 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t len = lens[seq];
     const int64_t first = (window > 0 && len > window) ? len - window : 0;
     const int64_t span = len - first;
-    const int64_t *pages = page_ids + indptr[seq];
+    const int32_t *pages = page_ids + indptr[seq];
     const int64_t q_index = (rows[seq] * heads + (int64_t)kvh * group) * head_dim;
 
     for (int g = 0; g < group; g++) {
@@ -127,7 +129,7 @@ static inline __attribute__((always_inline)) void decode_task(
     /* scores = scale * q . k, page by page */
     const int64_t first_page = first / page_size;
     for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
-        const int64_t base = pages[pg] * page_stride + (int64_t)kvh * head_dim;
+        const int64_t base = (int64_t)pages[pg] * page_stride + (int64_t)kvh * head_dim;
         const int from = pg == first_page ? (int)(first % page_size) : 0;
         const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
         for (int slot = from; slot < to; slot++, i++) {
@@ -159,7 +161,8 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int g = 0; g < group; g++)
         for (int c = 0; c < chunks; c++) acc[g][c] = (v16){0};
     for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
-        const int64_t base = pages[pg] * page_stride + half_stride + (int64_t)kvh * head_dim;
+        const int64_t base =
+            (int64_t)pages[pg] * page_stride + half_stride + (int64_t)kvh * head_dim;
         const int from = pg == first_page ? (int)(first % page_size) : 0;
         const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
         for (int slot = from; slot < to; slot++, i++) {
@@ -197,8 +200,8 @@ int paged_decode(
     void *out,              /* (T, heads, head_dim), dtype q_dtype */
     const int64_t *rows,    /* (n,) row of each sequence's query in q and out */
     const int64_t *lens,    /* (n,) keys to attend: positions [0, len) */
-    const int64_t *indptr,  /* (n + 1,) */
-    const int64_t *page_ids,
+    const int64_t *indptr,  /* (n,) first cell of each sequence's pages in page_ids */
+    const int32_t *page_ids,
     int page_size, int heads, int kv_heads, int head_dim,
     int window,             /* > 0: attend only the last `window` positions */
     float scale,
@@ -267,7 +270,7 @@ enum { CHUNKS_PER_THREAD = 4 };
 
 int paged_decode_parallel(
     const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
-    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int64_t *page_ids,
+    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
     int page_size, int heads, int kv_heads, int head_dim, int window, float scale,
     int64_t tasks, int threads) {
 #ifdef _OPENMP
