@@ -483,7 +483,9 @@ class FlashInferAttention(AttentionBackend):
         arrays = [qo_indptr, kv_indptr, last, bases, real, shift]
         host, dev = _stage(arrays + ([] if host_rows is None else [host_rows]), self.spec.device)
         total_real, total = int(real.sum()), int(kv_indptr[-1])
-        indices = self._spread_pages(batch.pages, dev[3], dev[4], dev[5], total_real, total)
+        indices = self._spread_pages(
+            batch.pages, dev[3], dev[4], dev[5], total_real=total_real, total=total
+        )
         kw = self._plan_kw
         self._verify[size].plan(host[0], host[1], indices, host[2], *self._heads, causal=True, **kw)
         rows = self._v_rows[:, : size * q]
@@ -504,6 +506,7 @@ class FlashInferAttention(AttentionBackend):
         bases: torch.Tensor,
         real: torch.Tensor,
         shift: torch.Tensor,
+        *,
         total_real: int,
         total: int,
     ) -> torch.Tensor:
