@@ -54,8 +54,8 @@ from worker_service.attention import flashinfer_backend as backend
 from worker_service.attention.base import AttentionSpec
 from worker_service.device.page_table import PageTable
 from worker_service.execution.model_compute import ModelCompute
-from worker_service.execution.model_runner import SeqWork
 from worker_service.execution.request_state import SlotState
+from worker_service.execution.step_work import SeqWork
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 PAGE = 16

@@ -12,7 +12,7 @@ import torch
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import runner_for
-from worker_service.execution.model_compute import ModelStep
+from worker_service.execution.model_step import ModelStep
 from worker_service.sampling.params import LogprobOptions
 from worker_service.sampling.rows import PromptLogprobs
 

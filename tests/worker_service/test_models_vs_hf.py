@@ -16,7 +16,7 @@ from tests.support.hf_reference import hf_greedy
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.tiny_hf_models import ARCHITECTURES, VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import runner_for
-from worker_service.execution import model_compute
+from worker_service.execution import prompt_scores
 from worker_service.sampling.params import LogprobOptions
 
 STEPS = 34
@@ -68,7 +68,7 @@ def test_prompt_logprobs_and_top_logprobs_match_hf(tmp_path):
 
 def test_prompt_logprobs_go_through_the_lm_head_a_few_rows_at_a_time(tmp_path, monkeypatch):
     # A long prompt's float32 logits (rows x vocabulary) must never exist at once.
-    monkeypatch.setattr(model_compute, "PROMPT_LOGIT_ROWS", 3)
+    monkeypatch.setattr(prompt_scores, "PROMPT_LOGIT_ROWS", 3)
     hf = tiny_model("llama3-rope-scaling", tmp_path)
     runner = runner_for(tmp_path, page_size=4, num_pages=256)
     model = runner.compute.model

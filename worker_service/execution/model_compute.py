@@ -4,22 +4,20 @@ Only the rows that need logits reach the LM head: the last token of every
 sampling request (the last draft_len + 1 of a drafted extend, speculative
 decoding: one sampled row each, in one sampler call with the others; the
 runner accepts the drafts, sampling/draft_acceptance.py), and the prompt
-positions whose logprobs were asked for (the logits at position p score the prompt token at
-p + 1). Embedding requests never reach it: their final-norm hidden states are
-pooled instead (the last prompt position's, or the mean over the prompt,
-summed chunk by chunk in float32) and read back with the chunk that ends the
-prompt; a sequence classifier's score head turns its pooled state into the
-labels' logits. ``ModelRunner`` (model_runner.py) hands it each step's work in plan
-order; it runs a drafted step to its end (``run``), never overlapped, so no
-later step gathers its inputs from a drafted step's tokens.
+positions whose logprobs were asked for (the logits at position p score the
+prompt token at p + 1; prompt_scores.py). Embedding requests never reach it:
+their final-norm hidden states are pooled instead (pooling.py) and read back
+with the chunk that ends the prompt. What a step leaves on the device until
+``finish`` is a ``ModelStep`` (model_step.py); the CUDA graphs are
+cuda_graphs.py's. ``ModelRunner`` (model_runner.py) hands it each step's work
+in plan order; it runs a drafted step to its end (``run``), never overlapped,
+so no later step gathers its inputs from a drafted step's tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -37,100 +35,22 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.device.page_table import PageTable
 from worker_service.device.transfer import HostCopy, to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
-from worker_service.execution.model_runner import SeqWork
+from worker_service.execution.model_step import ModelStep, SampleFault
+from worker_service.execution.pooling import pool_embedding
+from worker_service.execution.prompt_scores import prompt_spans, score_prompt
+from worker_service.execution.step_work import SeqWork
 from worker_service.lora.batch import LoraBatch, build_lora_batch
 from worker_service.lora.graph_slots import LoraSlots, SlotLoraBatch
-from worker_service.models.layers import ScoreHead
 from worker_service.models.llama import LlamaForCausalLM
-from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.params import LogprobOptions
 from worker_service.sampling.rows import (
     PooledEmbedding,
-    PromptLogprobs,
     SampleOutput,
     SampleRow,
 )
 from worker_service.sampling.sampler import SampleLaunch, Sampler
 
 logger = structlog.get_logger(__name__)
-
-# Prompt rows per LM-head call when scoring prompt logprobs: 1024 rows of a
-# 128k vocabulary are 0.5 GB of float32 logits; a whole 8k-token chunk at once
-# would be 4 GB.
-PROMPT_LOGIT_ROWS = 1024
-
-
-@dataclass(slots=True)
-class _PromptSpan:
-    work: SeqWork
-    start: int  # first prompt position reported
-    end: int  # exclusive
-    rows: list[int]  # hidden rows of positions max(start, 1) - 1 .. end - 2
-
-
-@dataclass(slots=True)
-class _PromptScores:
-    """A span's prompt logprobs, left on the device by ``launch``; ``finish``
-    reads them with the step's tokens, after its one wait."""
-
-    slot: int
-    start: int  # first prompt position reported (0: its logprob is NaN)
-    logprobs: torch.Tensor  # (rows, 1 + requested ids): the prompt token's, then theirs
-    top_ids: torch.Tensor | None  # (rows, top_n); None: no top logprobs asked for
-    top_logprobs: torch.Tensor | None
-    ids_asked: bool
-
-    def tensors(self) -> list[torch.Tensor]:
-        top = [self.top_ids, self.top_logprobs] if self.top_ids is not None else []
-        return [self.logprobs, *top]
-
-    def on_host(self, host: list[torch.Tensor]) -> PromptLogprobs:
-        """``host``: ``tensors()`` on the host, in order."""
-        lp_rows = host[0].tolist()
-        head = [math.nan] if self.start == 0 else []
-        out = PromptLogprobs(self.slot, self.start, head + [row[0] for row in lp_rows])
-        if self.top_ids is not None:
-            out.top_ids = [i for row in host[1].tolist() for i in row]
-            out.top_logprobs = [x for row in host[2].tolist() for x in row]
-        if self.ids_asked:
-            out.ids_logprobs = [x for row in lp_rows for x in row[1:]]
-        return out
-
-
-class SampleFault(RuntimeError):
-    """The fault tests' injected sampler failure (``--fail-sample-token``)."""
-
-
-@dataclass
-class ModelStep:
-    """A model step queued on the device (ModelCompute.launch)."""
-
-    sample: SampleLaunch | None
-    prompt_logprobs: list[_PromptScores] = field(default_factory=list)
-    # Embedding requests whose prompt ended: (slot, vector on the device).
-    embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # Tensor parallelism: rank 0's sampling status (1: it failed), broadcast
-    # with the tokens; every rank reads it in ``finish``.
-    sample_status: torch.Tensor | None = None
-    sample_error: Exception | None = None  # rank 0: why its sampler failed
-    # The copies of everything ``finish`` reads, queued at the end of ``launch``
-    # right behind the step's own kernels, not behind the next step's.
-    readback: HostCopy | None = None
-
-    def device_tensors(self) -> list[torch.Tensor]:
-        """What ``finish`` reads: the samples', the prompt scores', the TP status."""
-        out = self.sample.device_tensors() if self.sample is not None else []
-        out += [t for p in self.prompt_logprobs for t in p.tensors()]
-        out += [vec for _, vec in self.embeddings]
-        if self.sample_status is not None:
-            out.append(self.sample_status)
-        return out
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        if self.sample is None:
-            raise ValueError("this step samples nothing")
-        return self.sample.tokens
 
 
 class ModelCompute:
@@ -259,11 +179,13 @@ class ModelCompute:
             (index,) = to_device([np.array(sample_rows, dtype=np.int64)], device)
             logits = self.model.logits(hidden.index_select(0, index))
             step = self._sample(logits, [w for w in work if w.sample], drafted)
-        for span in self._prompt_spans(work, batch.seqs):
-            step.prompt_logprobs.append(self._prompt_logprobs(span, hidden))
+        for span in prompt_spans(work, batch.seqs):
+            step.prompt_logprobs.append(score_prompt(span, hidden, self.model.logits))
         for s, w in zip(batch.seqs, work[:num_extends], strict=False):
             if w.state.pooling:
-                pooled = _pool(w, hidden[s.q_start : s.q_start + s.q_len], self.model.score)
+                pooled = pool_embedding(
+                    w, hidden[s.q_start : s.q_start + s.q_len], self.model.score
+                )
                 if pooled is not None:
                     step.embeddings.append(pooled)
         return step
@@ -415,25 +337,6 @@ class ModelCompute:
         spans = [(w.state.adapter, s.q_start, s.q_len) for w, s in zip(work, seqs, strict=True)]
         return build_lora_batch(spans, self.device)
 
-    def _prompt_spans(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> list[_PromptSpan]:
-        """Which prompt positions this step scores, and the hidden rows they need."""
-        spans: list[_PromptSpan] = []
-        for w, s in zip(work, seqs, strict=True):
-            state = w.state
-            if not state.wants_prompt_logprobs or w.start >= state.prompt_len:
-                continue
-            end_known = w.start + len(w.inputs)  # positions < end_known are in this chunk
-            if w.next_token is not None:
-                end_known += 1  # and the next prompt token is given
-            start = max(state.logprobs.logprob_start_len, w.start + 1 if w.start else 0)
-            end = min(end_known, state.prompt_len)
-            if end <= start:
-                continue
-            scored = range(max(start, 1), end)  # position 0 has no logprob
-            rows = [s.q_start + (p - 1 - w.start) for p in scored]
-            spans.append(_PromptSpan(w, start, end, rows))
-        return spans
-
     # ------------------------------------------------------------- sample
     def _sample(
         self, logits: torch.Tensor, work: list[SeqWork], drafted: bool = False
@@ -514,75 +417,3 @@ class ModelCompute:
             )
             for j in range(1, w.draft_len + 1)
         ]
-
-    def _prompt_logprobs(self, span: _PromptSpan, hidden: torch.Tensor) -> _PromptScores:
-        """The span's logprobs, PROMPT_LOGIT_ROWS rows of the LM head at a time
-        (a long prompt's full float32 logits, rows x vocabulary, would not
-        fit), left on the device: ``finish`` reads them after the step's wait."""
-        w, state = span.work, span.work.state
-        lp = state.logprobs
-        first = max(span.start, 1)
-        # Column 0: the prompt token each row scores; then the requested ids.
-        cols = np.empty((span.end - first, 1 + len(lp.token_ids_logprob)), dtype=np.int64)
-        cols[:, 0] = [
-            state.tokens[p] if p < w.start + len(w.inputs) else w.next_token
-            for p in range(first, span.end)
-        ]
-        cols[:, 1:] = lp.token_ids_logprob
-        rows = np.array(span.rows, dtype=np.int64)
-        parts = []
-        for at in range(0, len(rows), PROMPT_LOGIT_ROWS):
-            index, ids = to_device(
-                [rows[at : at + PROMPT_LOGIT_ROWS], cols[at : at + PROMPT_LOGIT_ROWS]],
-                self.device,
-            )
-            logits = self.model.logits(hidden.index_select(0, index))
-            parts.append(logprob_tensors(logits, ids, top_n=lp.top_logprobs_num))
-        top_n = max(lp.top_logprobs_num, 0)
-        if not parts:  # position 0 alone: no row
-            empty = torch.empty((0, cols.shape[1]), dtype=torch.float32)
-            logprobs, top_ids, top_lps = empty, torch.empty((0, top_n)), torch.empty((0, top_n))
-        else:
-            logprobs = _cat([p.logprobs for p in parts])
-            top_ids = _cat([p.top_ids for p in parts])
-            top_lps = _cat([p.top_logprobs for p in parts])
-        asked_top = bool(lp.top_logprobs_num)
-        return _PromptScores(
-            w.slot,
-            span.start,
-            logprobs,
-            top_ids if asked_top else None,
-            top_lps if asked_top else None,
-            ids_asked=bool(lp.token_ids_logprob),
-        )
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _pool(
-    w: SeqWork, rows: torch.Tensor, score: ScoreHead | None
-) -> tuple[int, torch.Tensor] | None:
-    """An embedding request's chunk (``rows``: its final-norm hidden states):
-    the vector once the chunk ends the prompt, else None (a mean's running
-    sum kept in float32 on the device, as the chunk sizes vary). A
-    classifier's vector is its ``score`` head's logits at the last token
-    (SGLang's ``score_and_pool``; the worker refuses any other pooling)."""
-    state = w.state
-    end = w.start + len(w.inputs)
-    if state.pooling == "mean":
-        part = rows.float().sum(dim=0)
-        state.pooled = part if state.pooled is None else state.pooled + part
-    if end != state.prompt_len:
-        return None
-    if state.pooling == "mean":
-        vec = state.pooled / state.prompt_len
-        state.pooled = None
-    elif score is not None:
-        vec = score(rows[-1])
-    else:
-        vec = rows[-1].float()
-    if state.normalize:
-        vec = torch.nn.functional.normalize(vec, dim=0)
-    return w.slot, vec

@@ -9,17 +9,20 @@ sampled token. The arithmetic is delegated to a ``Compute``: ``ModelCompute``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import structlog
-import torch
 
 from worker_service.device.context import DeviceFailure, is_sticky_device_error
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.page_table import PageTable
 from worker_service.execution.plan import Plan, Result
 from worker_service.execution.request_state import SlotState
+from worker_service.execution.step_work import (
+    PENDING,
+    Compute,
+    SeqWork,
+    StartedStep,
+)
 from worker_service.execution.validation import PlanError, validate_plan
 from worker_service.lora.store import AdapterStore, LoadedAdapter
 from worker_service.sampling.draft_acceptance import accept_drafts
@@ -29,75 +32,10 @@ from worker_service.sampling.rows import SampleOutput
 logger = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True, kw_only=True)
-class SeqWork:
-    """One request's share of a step."""
-
-    slot: int
-    state: SlotState
-    start: int  # position of inputs[0]
-    inputs: list[int]  # tokens computed this step (a decode: the last sampled one)
-    sample: bool
-    next_token: int | None = None  # prompt token after a chunk (prompt logprobs)
-    # A decode whose input is still being sampled by the step before (overlap):
-    # its index among that step's sampled tokens; ``inputs`` holds PENDING.
-    pending: int | None = None
-    # Speculative decoding: the last draft_len inputs are drafts to verify
-    # (inputs[0] is the request's last sampled token, already in state.tokens).
-    # The compute samples at each of the last draft_len + 1 positions, as if
-    # the drafts before it were accepted: draft_len + 1 rows, in order.
-    draft_len: int = 0
-
-
-class Compute(Protocol):
-    """``run`` gives one sampled row per sampling ``SeqWork``, draft_len + 1
-    for a drafted one; ``ModelRunner`` accepts the drafts
-    (sampling/draft_acceptance.py)."""
-
-    def run(self, work: list[SeqWork], num_extends: int) -> SampleOutput: ...
-
-
-class LaunchedStep(Protocol):
-    """A step whose kernels are queued (ModelCompute.launch)."""
-
-    @property
-    def tokens(self) -> torch.Tensor: ...  # its sampled ids, on the device
-
-
-class OverlapCompute(Compute, Protocol):
-    """A compute that can queue a step and finish it later, so the next step's
-    host work (layout, attention plan, uploads) runs while this one computes."""
-
-    def launch(
-        self, work: list[SeqWork], num_extends: int, previous: LaunchedStep | None
-    ) -> LaunchedStep: ...
-
-    def finish(self, launched: LaunchedStep) -> SampleOutput: ...
-
-
-PENDING = -1  # a sampled token whose value is still on the device (overlap)
-
 # What a rank tells the others about a step before queueing any of its
 # collectives (TensorParallel.agree): it can run it, it refused the plan
 # (not applied), or it failed (its state is dropped, or was already).
 _GO, _REFUSED, _FAILED = 0, 1, 2
-
-
-@dataclass
-class StartedStep:
-    """A plan the runner started; ``ModelRunner.complete`` gives its Result."""
-
-    step_id: int
-    work: list[SeqWork] = field(default_factory=list)
-    num_extends: int = 0
-    launched: Any = None  # the compute's LaunchedStep while it runs
-    # (state, index in state.tokens) of each sampled token still PENDING
-    pending: list[tuple[SlotState, int]] = field(default_factory=list)
-    # id(state) -> index of its token among this step's sampled ones
-    sample_index: dict[int, int] = field(default_factory=dict)
-    result: Result | None = None
-    started_at: float = field(default_factory=time.perf_counter)
-    drafted: bool = False  # it verifies drafts (speculative decoding)
 
 
 class ModelRunner:

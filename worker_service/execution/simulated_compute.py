@@ -37,7 +37,7 @@ from common.simulated_model import (
     simulated_embedding,
     token_of,
 )
-from worker_service.execution.model_runner import SeqWork
+from worker_service.execution.step_work import SeqWork
 from worker_service.sampling.grammar import allocate_bitmask
 from worker_service.sampling.rows import PooledEmbedding, SampleOutput
 

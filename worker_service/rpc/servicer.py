@@ -23,8 +23,8 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.device.context import DeviceFailure, use_device
 from worker_service.execution.convert import grammar_from_proto, plan_from_proto, result_to_proto
-from worker_service.execution.model_runner import StartedStep
 from worker_service.execution.plan import Result
+from worker_service.execution.step_work import StartedStep
 from worker_service.lora.peft_config import AdapterError
 from worker_service.rpc.call_budget import (
     EVICTED,
