@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
-from overlap import BIN, cpu_of, server_info, started
+from overlap import BIN, cpu_of, server_info, simulated_worker, started
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -166,15 +166,7 @@ def run_one(args: argparse.Namespace, step_ms: float, profile: str | None) -> di
         pids: dict[str, int] = {}
         wport = stack.enter_context(
             started(
-                [
-                    str(BIN / "radixserve-worker"),
-                    "--model",
-                    "simulated",
-                    "--simulated-step-ms",
-                    str(step_ms),
-                    "--log-level",
-                    "warning",
-                ],
+                simulated_worker(step_ms),
                 tmp,
                 "worker",
                 env,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.overlap import BIN, started
+from benchmarks.overlap import simulated_worker, started
 from scheduler_service import ipc
 from scheduler_service.core import SamplingParams, Scheduler, SchedulerConfig
 from scheduler_service.core.intake import Submission
@@ -59,15 +59,7 @@ def cpu_s() -> float:
 
 def measure(step_ms: float, batch: int, warmup_s: float, duration_s: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        worker = [
-            str(BIN / "radixserve-worker"),
-            "--model",
-            "simulated",
-            "--simulated-step-ms",
-            str(step_ms),
-            "--log-level",
-            "warning",
-        ]
+        worker = simulated_worker(step_ms)
         with started(worker, Path(d), "worker") as port:
             group = WorkerGroup([f"127.0.0.1:{port}"])
             info = group.connect()

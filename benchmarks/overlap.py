@@ -46,6 +46,15 @@ ROOT = Path(__file__).resolve().parent.parent
 STREAM = True
 
 
+def simulated_worker(step_ms: float) -> list[str]:
+    """The command line of a simulated worker whose every step takes ``step_ms``."""
+    return [
+        str(BIN / "radixserve-worker"),
+        *("--model", "simulated", "--simulated-step-ms", str(step_ms)),
+        *("--log-level", "warning"),
+    ]
+
+
 @contextmanager
 def started(args: list[str], tmp: Path, name: str, env: dict | None = None, pids=None):
     port_file = tmp / f"{name}.port"
@@ -194,15 +203,7 @@ def run_one(step_ms: float, depth: int, args: argparse.Namespace, traced: bool =
             )
         wport = stack.enter_context(
             started(
-                [
-                    str(BIN / "radixserve-worker"),
-                    "--model",
-                    "simulated",
-                    "--simulated-step-ms",
-                    str(step_ms),
-                    "--log-level",
-                    "warning",
-                ],
+                simulated_worker(step_ms),
                 tmp,
                 "worker",
                 env,
