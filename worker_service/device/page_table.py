@@ -1,9 +1,8 @@
 """Every held request's page ids, one row each of an int32 table on the device.
 
-The worker used to flatten each sequence's whole page list (Python) into
-numpy every step, twice: at batch 256 with 32k-token contexts that was tens
-of milliseconds of host work per step, more than the GPU step it fed. The
-table changes only where a plan changes it (a join takes a row, extends and
+Flattening each sequence's whole page list (Python) into numpy every step
+would cost, at batch 256 with 32k-token contexts, tens of milliseconds of
+host work per step, more than the GPU step it feeds. The table changes only where a plan changes it (a join takes a row, extends and
 decodes append pages, a drafted step trims them, a leave frees the row), so
 the runner applies those deltas here and a step reads the rows it needs:
 FlashInfer's flat page indices are gathered on the device from the rows
