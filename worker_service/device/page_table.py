@@ -2,8 +2,9 @@
 
 Flattening each sequence's whole page list (Python) into numpy every step
 would cost, at batch 256 with 32k-token contexts, tens of milliseconds of
-host work per step, more than the GPU step it feeds. The table changes only where a plan changes it (a join takes a row, extends and
-decodes append pages, a drafted step trims them, a leave frees the row), so
+host work per step, more than the GPU step it feeds. The table changes
+only where a plan changes it (a join takes a row, extends and decodes append
+pages, a drafted step trims them, a leave frees the row), so
 the runner applies those deltas here and a step reads the rows it needs:
 FlashInfer's flat page indices are gathered on the device from the rows
 (``gather``), the host doing O(batch) work (row ids, page counts, their
