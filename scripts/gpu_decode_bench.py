@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from scripts.json_out import write_json
 from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device
 from worker_service.execution.model_runner import ModelRunner, StartedStep
@@ -202,17 +203,6 @@ def json_path(args: argparse.Namespace) -> Path | None:
     if args.json:
         return Path(args.json)
     return Path(os.environ["OUT"], "gpu_bench.json") if os.environ.get("OUT") else None
-
-
-def write_json(path: Path | None, summary: dict[str, Any]) -> None:
-    """The summary so far, replacing the last one whole (a reader, or a kill in
-    the middle, never sees half a file)."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary) + "\n")
-    tmp.replace(path)
 
 
 class Bench:

@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from scripts.json_out import write_json
+
 Fact = Callable[[], dict[str, Any]]
 HEAD_DIMS = (64, 80, 96, 128, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -362,15 +364,6 @@ def time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def write_json(path: Path | None, summary: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def run_facts(facts: dict[str, Fact], *, timeout_s: float, out: Path | None) -> dict[str, Any]:
