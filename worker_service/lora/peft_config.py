@@ -131,6 +131,16 @@ def resolve_targets(config: LoraConfig, module_paths: dict[str, str]) -> set[str
             raise AdapterError(
                 f"unsupported target modules {unknown} (supported: {', '.join(LORA_MODULES)})"
             )
+        # A model without some projections (a mixture-of-experts MLP has no
+        # gate/up/down of its own) refuses adapters trained on them.
+        present = set(module_paths.values())
+        absent = [n for n in spec if n.rsplit(".", 1)[-1] not in present]
+        if absent:
+            raise AdapterError(
+                f"target modules {absent} are not LoRA targets of this model (its MLP is a "
+                f"mixture of experts, which LoRA does not reach); it takes "
+                f"{', '.join(m for m in LORA_MODULES if m in present)}"
+            )
     chosen = {
         path
         for path in module_paths

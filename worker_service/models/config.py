@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker_service.models.moe_config import MoeConfig
 from worker_service.models.score_head import (
     SEQUENCE_CLASSIFIERS,
     ScoreHeadConfig,
@@ -42,6 +43,9 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    # yarn: round the correction range outward to whole dimensions
+    # (transformers' default; GPT-OSS sets it false).
+    truncate: bool = True
     # llama.cpp stores Llama 3.1 scaling as one divisor per frequency (GGUF).
     freq_factors: tuple[float, ...] | None = None
 
@@ -85,6 +89,8 @@ class ModelConfig:
     # A sequence classifier's score head (models/score_head.py); None: a
     # causal LM, whose LM head generates.
     score_head: ScoreHeadConfig | None = None
+    # A mixture-of-experts MLP in every layer (models/moe.py); None: dense.
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -104,11 +110,18 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face ``config.json`` (transformers 4 or 5 spelling)."""
         archs = cfg.get("architectures") or []
+        # Imported here: the MoE families' modules import this one.
+        from worker_service.models.moe_families import MOE_CONFIG_READERS
+
+        moe_arch = next((a for a in archs if a in MOE_CONFIG_READERS), None)
+        if moe_arch is not None:
+            return MOE_CONFIG_READERS[moe_arch](moe_arch, cfg)
         served = {**ARCHITECTURE_TRAITS, **dict.fromkeys(SEQUENCE_CLASSIFIERS)}
         arch = next((a for a in archs if a in served), None)
         if arch is None:
+            names = sorted({*served, *MOE_CONFIG_READERS})
             raise UnsupportedModelError(
-                f"architectures {archs} are not supported; radixserve serves {sorted(served)}"
+                f"architectures {archs} are not supported; radixserve serves {names}"
             )
         traits = ARCHITECTURE_TRAITS[SEQUENCE_CLASSIFIERS.get(arch, arch)]
         score_head = None
@@ -170,4 +183,5 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         beta_fast=float(params.get("beta_fast", 32.0)),
         beta_slow=float(params.get("beta_slow", 1.0)),
         attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
     )

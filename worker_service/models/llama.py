@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         # The running step's LoRA work, shared by every projection.
         self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
+            self.decoder_layer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
@@ -207,6 +207,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         self.rope = RotaryEmbedding(cfg, device, kernels)
+
+    def decoder_layer(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
+    ) -> nn.Module:
+        """Layer ``layer``: a family whose layers differ overrides this (its
+        layers keep the four attributes ``_forward`` reads)."""
+        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        return LlamaDecoderLayer(cfg, lora=lora, layer=layer, **on)
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -24,7 +24,9 @@ def lora_targets(model: LlamaForCausalLM) -> LoraTargets:
     projections: dict[str, ProjectionShape] = {}
     widths: dict[str, int] = {}
     for name, (block, fused) in PLACES.items():
-        module = getattr(getattr(layer, block), fused)
+        module = getattr(getattr(layer, block), fused, None)
+        if module is None:
+            continue  # a mixture-of-experts MLP: its experts are no LoRA target
         if isinstance(module, FusedColumnLinear):
             start, local, full = module.offsets[name]
             lo = module.tp.rank * local

@@ -8,6 +8,9 @@ from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.mixtral import MixtralForCausalLM
+from worker_service.models.olmoe import OlmoeForCausalLM
+from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -15,6 +18,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     # The same class with a score head instead of the LM head (config.score_head).
     **dict.fromkeys(SEQUENCE_CLASSIFIERS, LlamaForCausalLM),
 }

@@ -1,0 +1,114 @@
+"""OLMoE (OlmoeForCausalLM): Llama attention whose query and key projections
+are RMS-normalised over the whole projection (all heads together, before
+the split into heads), and a MoE MLP in every layer (softmax, top k,
+renormalised iff ``norm_topk_prob``). ``clip_qkv`` is refused unless null
+(models/moe_families.py).
+
+Under tensor parallelism a rank holds some heads of each projection, so the
+norm's mean square is a sum of squares all-reduced across ranks, then
+divided by the whole projection's width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_service.attention.base import AttentionBackend
+from worker_service.device.distributed import TensorParallel
+from worker_service.device.kv_cache import KvCache
+from worker_service.kernels import Kernels
+from worker_service.lora.batch import LoraContext
+from worker_service.models.config import ModelConfig
+from worker_service.models.llama import LlamaAttention
+from worker_service.models.moe_model import MoeForCausalLM
+from worker_service.models.rope import RotaryEmbedding
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a column-parallel projection's full width: this rank
+    holds columns [lo, hi) of ``full`` and their weights."""
+
+    def __init__(
+        self,
+        full: int,
+        eps: float,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.full = full
+        self.eps = eps
+        self.lo, self.hi = tp.shard(full, "normalised projection width")
+        self.weight = nn.Parameter(
+            torch.empty(self.hi - self.lo, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if self.tp.enabled:
+            square_sum = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            variance = square_sum / self.full
+        else:
+            variance = h.pow(2).mean(-1, keepdim=True)  # transformers' op, bit for bit
+        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def load(self, kind: str, tensor: torch.Tensor) -> None:
+        self.weight.data.copy_(tensor[self.lo : self.hi])
+
+
+class OlmoeAttention(LlamaAttention):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
+    ) -> None:
+        super().__init__(
+            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
+        )
+        on = {"tp": tp, "dtype": dtype, "device": device}
+        self.q_norm = ProjectionRMSNorm(cfg.q_size, cfg.rms_norm_eps, **on)
+        self.k_norm = ProjectionRMSNorm(cfg.kv_size, cfg.rms_norm_eps, **on)
+
+    def forward(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        kv: KvCache,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
+        k = self.k_norm(k).view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = attn.forward(layer, q, k, v, kv=kv)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    def attention(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
+    ) -> nn.Module:
+        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        return OlmoeAttention(cfg, lora=lora, layer=layer, **on)
