@@ -34,9 +34,13 @@ def greedy_with_logprobs(
     model: PreTrainedModel, prompt: list[int], steps: int
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and, per step, the log-softmax of the raw logits."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]),
+            ids,
+            # Given, not inferred: generate masks out every prompt token equal
+            # to pad_token_id (0 here) when it builds the mask itself.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=steps,
             do_sample=False,
             output_logits=True,

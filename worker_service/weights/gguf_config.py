@@ -27,6 +27,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# llama.cpp's names of the MoE architectures served from HF directories only.
+GGUF_MOE_ARCHITECTURES = ("qwen3moe", "olmoe", "gpt-oss")
 
 
 class GgufMetadata:
@@ -64,6 +66,13 @@ def gguf_model_config(
     """Build the config; ``vocab_rows`` is the embedding's row count, the last
     resort for the vocabulary size."""
     arch = meta.require("general.architecture")
+    if arch in GGUF_MOE_ARCHITECTURES or int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:
+        # Mixtral is written as "llama" with expert_count and ffn_*_exps tensors.
+        raise UnsupportedModelError(
+            f"GGUF mixture-of-experts models ({arch!r}, "
+            f"{arch}.expert_count={meta.get(f'{arch}.expert_count')}) are not supported; "
+            "serve the Hugging Face directory (safetensors) instead"
+        )
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; "

@@ -84,8 +84,7 @@ def tiny_moe_model(name: str, path) -> PreTrainedModel:
             # transformers initialises some routers to zeros (every expert tied).
             if name_.endswith(("mlp.gate.weight", "router.weight")):
                 param.normal_(0.0, 0.5)
-            elif "experts" in name_ or name_.endswith("sinks"):
-                if param.abs().sum() == 0:
-                    param.normal_(0.0, 0.05)
+            elif ("experts" in name_ or name_.endswith("sinks")) and param.abs().sum() == 0:
+                param.normal_(0.0, 0.05)
     model.save_pretrained(path)
     return model
