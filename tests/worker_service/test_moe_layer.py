@@ -4,6 +4,7 @@ checkpoint spelling, and what the MoE families' config readers refuse."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from worker_service.models.moe import MoeBlock
 from worker_service.models.moe_config import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig
 from worker_service.models.moe_experts import MoeExperts, clamped_swiglu
 from worker_service.models.moe_routing import route
+from worker_service.weights import open_model
 
 CPU = torch.device("cpu")
 
@@ -210,3 +212,21 @@ def test_mixtral_router_jitter_noise_is_training_only_and_accepted():
     assert cfg.moe is not None and cfg.moe.norm_topk_prob
     assert cfg.moe.expert_intermediate_size == 128
     assert cfg.sliding_window == 4096
+
+
+@pytest.mark.parametrize(
+    ("arch", "experts", "named"),
+    [("llama", 8, "llama.expert_count=8"), ("qwen3moe", 128, "'qwen3moe'")],
+    ids=["mixtral-as-llama", "qwen3moe"],
+)
+def test_gguf_mixture_of_experts_files_are_refused_by_name(tmp_path, arch, experts, named):
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_uint32(f"{arch}.expert_count", experts)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=f"mixture-of-experts .*{named}"):
+        open_model(path)
