@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import select_kernels
-from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.models.config import MoeConfig, UnsupportedModelError
 from worker_service.models.moe import MoeBlock
-from worker_service.models.moe_config import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig
 from worker_service.models.moe_experts import MoeExperts, clamped_swiglu
-from worker_service.models.moe_routing import route
+from worker_service.models.moe_routing import TOPK_SOFTMAX, route
+from worker_service.models.registry import config_from_hf
 from worker_service.weights import open_model
 
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 def test_softmax_topk_renormalises_only_when_asked():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.5, 0.0]])
     probs = logits.softmax(-1)
-    plain = MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=8)
+    plain = MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=8, norm_topk_prob=False)
     weights, ids = route(logits, plain)
     assert ids.tolist() == [[0, 1], [2, 1]]
     assert torch.equal(weights, probs.gather(1, ids))
@@ -80,7 +80,7 @@ def dense_reference(experts: MoeExperts, x, weights, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("biased", [False, True], ids=["silu", "clamped-swiglu-biased"])
 def test_grouped_experts_equal_a_token_by_token_loop(biased):
-    extra = {"expert_bias": True, "activation": CLAMPED_SWIGLU} if biased else {}
+    extra = {"expert_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0} if biased else {}
     moe = MoeConfig(num_experts=5, top_k=2, expert_intermediate_size=12, **extra)
     experts = _experts(moe, 16, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -117,7 +117,7 @@ class HalfRanks(TensorParallel):
 
 @pytest.mark.parametrize("biased", [False, True])
 def test_two_ranks_shards_sum_to_the_whole_layer(biased):
-    extra = {"expert_bias": True, "activation": CLAMPED_SWIGLU} if biased else {}
+    extra = {"expert_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0} if biased else {}
     moe = MoeConfig(num_experts=4, top_k=2, expert_intermediate_size=12, **extra)
     whole = _experts(moe, 16, seed=3)
     halves = [_experts(moe, 16, seed=3, tp=HalfRanks(r)) for r in (0, 1)]
@@ -165,7 +165,7 @@ QWEN3_MOE = {
 
 
 def test_qwen3_moe_config_is_read():
-    cfg = ModelConfig.from_hf(QWEN3_MOE)
+    cfg = config_from_hf(QWEN3_MOE)
     assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm
     assert cfg.moe == MoeConfig(
         num_experts=4, top_k=2, expert_intermediate_size=32, norm_topk_prob=True
@@ -186,7 +186,7 @@ BASES = {"qwen3-moe": QWEN3_MOE, "mixtral": MIXTRAL, "olmoe": OLMOE}
 
 @pytest.mark.parametrize("family", sorted(BASES))
 def test_each_base_config_is_served(family):
-    assert ModelConfig.from_hf(BASES[family]).moe is not None
+    assert config_from_hf(BASES[family]).moe is not None
 
 
 @pytest.mark.parametrize(
@@ -204,11 +204,11 @@ def test_each_base_config_is_served(family):
 )
 def test_config_fields_not_implemented_are_refused_by_name(family, change, named):
     with pytest.raises(UnsupportedModelError, match=named):
-        ModelConfig.from_hf({**BASES[family], **change})
+        config_from_hf({**BASES[family], **change})
 
 
 def test_mixtral_router_jitter_noise_is_training_only_and_accepted():
-    cfg = ModelConfig.from_hf({**MIXTRAL, "router_jitter_noise": 0.1, "sliding_window": 4096})
+    cfg = config_from_hf({**MIXTRAL, "router_jitter_noise": 0.1, "sliding_window": 4096})
     assert cfg.moe is not None and cfg.moe.norm_topk_prob
     assert cfg.moe.expert_intermediate_size == 128
     assert cfg.sliding_window == 4096

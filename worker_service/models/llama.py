@@ -39,6 +39,7 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
 from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
+from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.layers import (
     FusedColumnLinear,
     RMSNorm,
@@ -47,6 +48,7 @@ from worker_service.models.layers import (
     VocabEmbedding,
 )
 from worker_service.models.rope import RotaryEmbedding
+from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 
 class LlamaAttention(nn.Module):
@@ -219,10 +221,10 @@ class LlamaForCausalLM(nn.Module):
         lora: LoraContext,
         layer: int,
     ) -> nn.Module:
-        """Layer ``layer``: a family whose layers differ overrides this (its
-        layers keep the four attributes ``_forward`` reads)."""
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return LlamaDecoderLayer(cfg, lora=lora, layer=layer, **on)
+        """Layer ``layer`` of the stack: a family's hook (its own layer class)."""
+        return LlamaDecoderLayer(
+            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
+        )
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -275,7 +277,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             raise ValueError("a sequence classifier has no LM head: it scores, never samples")
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def pack_linears_for_cpu(self) -> int:
         """Pack every projection and the LM head for oneDNN (models/cpu_linear.py),
@@ -361,3 +366,23 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r}")
         else:
             raise ValueError(f"unexpected weight {name!r}")
+
+
+def _read_config(architecture: str, cfg: dict) -> ModelConfig:
+    return ModelConfig.from_hf(cfg)
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        # The same class with a score head instead of the LM head (config.score_head).
+        *SEQUENCE_CLASSIFIERS,
+    ),
+    model_class=LlamaForCausalLM,
+    read_config=_read_config,
+    support=FamilySupport(gguf=True),
+)

@@ -15,7 +15,7 @@ from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
-from worker_service.models.moe_config import MoeConfig
+from worker_service.models.config import MoeConfig
 from worker_service.models.moe_experts import MoeExperts
 from worker_service.models.moe_routing import route
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
-from worker_service.models.moe_config import CLAMPED_SWIGLU, MoeConfig
+from worker_service.models.config import MoeConfig
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -74,8 +74,9 @@ class MoeExperts(nn.Module):
 
     # ------------------------------------------------------------ forward
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.moe.activation == CLAMPED_SWIGLU:
-            return clamped_swiglu(gate_up, self.moe.swiglu_alpha, self.moe.swiglu_limit)
+        alpha, limit = self.moe.swiglu_alpha, self.moe.swiglu_limit
+        if limit is not None:
+            return clamped_swiglu(gate_up, 1.702 if alpha is None else alpha, limit)
         return self.kernels.silu_and_mul(gate_up)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

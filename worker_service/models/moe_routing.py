@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from worker_service.models.moe_config import SOFTMAX_TOPK, MoeConfig
+from worker_service.models.config import MoeConfig
+
+SOFTMAX_TOPK = "softmax_topk"
+TOPK_SOFTMAX = "topk_softmax"
+RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX)
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,5 +32,7 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+    if moe.router != TOPK_SOFTMAX:
+        raise ValueError(f"unknown MoE routing rule {moe.router!r} (known: {', '.join(RULES)})")
     top, ids = torch.topk(logits, moe.top_k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=top.dtype).float(), ids

@@ -2,7 +2,7 @@
 are RMS-normalised over the whole projection (all heads together, before
 the split into heads), and a MoE MLP in every layer (softmax, top k,
 renormalised iff ``norm_topk_prob``). ``clip_qkv`` is refused unless null
-(models/moe_families.py).
+(below).
 
 Under tensor parallelism a rank holds some heads of each projection, so the
 norm's mean square is a sum of squares all-reduced across ranks, then
@@ -10,6 +10,8 @@ divided by the whole projection's width.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +21,16 @@ from worker_service.device.distributed import TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels
 from worker_service.lora.batch import LoraContext
-from worker_service.models.config import ModelConfig
+from worker_service.models.config import ModelConfig, MoeConfig
+from worker_service.models.config_fields import check_fields
+from worker_service.models.family import ModelFamily
 from worker_service.models.llama import LlamaAttention
+from worker_service.models.moe_config_read import (
+    MOE_SUPPORT,
+    SHARED_FIELDS,
+    expert_count,
+    llama_part,
+)
 from worker_service.models.moe_model import MoeForCausalLM
 from worker_service.models.rope import RotaryEmbedding
 
@@ -112,3 +122,36 @@ class OlmoeForCausalLM(MoeForCausalLM):
     ) -> nn.Module:
         on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
         return OlmoeAttention(cfg, lora=lora, layer=layer, **on)
+
+
+def read_config(architecture: str, cfg: dict[str, Any]) -> ModelConfig:
+    check_fields(
+        architecture,
+        cfg,
+        implemented={
+            *SHARED_FIELDS,
+            "num_experts",
+            "norm_topk_prob",
+            "hidden_act",
+            "attention_bias",
+            "clip_qkv",
+        },
+        required_values={"hidden_act": ("silu",), "attention_bias": (False,), "clip_qkv": (None,)},
+    )
+    moe = MoeConfig(
+        num_experts=expert_count(cfg, "num_experts"),
+        top_k=int(cfg["num_experts_per_tok"]),
+        expert_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+    # The q/k norms over the whole projection are OlmoeAttention's, not qk_norm.
+    return llama_part(architecture, cfg, moe=moe)
+
+
+FAMILY = ModelFamily(
+    name="olmoe",
+    architectures=("OlmoeForCausalLM",),
+    model_class=OlmoeForCausalLM,
+    read_config=read_config,
+    support=MOE_SUPPORT,
+)
