@@ -1,12 +1,13 @@
 """The mixture-of-experts families against Hugging Face transformers on the
 same weights (fp32, CPU), as test_models_vs_hf.py checks the Llama family:
 tiny random checkpoints of Qwen3-MoE (with and without norm_topk_prob),
-Mixtral and OLMoE; greedy tokens identical over 64 new tokens and
-chosen-token logprobs within 1e-4, in mixed batches of long and short
-requests, page sizes 1 and 16, prompts split into chunks, a prefix read from
-pages an earlier request wrote. Drafted extends (speculative decoding) give
-plain decoding's tokens; LoRA adapters reach the attention projections and
-are refused on the experts."""
+Mixtral, OLMoE and GPT-OSS (sinks, a sliding layer and a full one, yarn);
+greedy tokens identical over 64 new tokens and chosen-token logprobs within
+1e-4, in mixed batches of long and short requests, page sizes 1 and 16,
+prompts split into chunks, a prefix read from pages an earlier request
+wrote. Drafted extends (speculative decoding) give plain decoding's tokens;
+LoRA adapters reach the attention projections and are refused on the
+experts."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
-from worker_service.models import llama, mixtral, olmoe, qwen3_moe
+from worker_service.models import gpt_oss, llama, mixtral, olmoe, qwen3_moe
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.family import ModelFamily
 
@@ -19,6 +19,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY,
     mixtral.FAMILY,
     olmoe.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 FAMILY_OF: dict[str, ModelFamily] = {

@@ -1,8 +1,8 @@
-"""Tiny random Hugging Face mixture-of-experts models, saved as checkpoints
-(a few hundred KB each): hidden 64, 4 experts of 32, top 2, 2 layers; the
-LM head sharpened as tiny_hf_models does, so greedy decoding is meaningful.
-The routers are scaled up too: near-uniform router logits would make the
-top-k choice hinge on rounding."""
+"""Tiny random Hugging Face mixture-of-experts models, saved as checkpoints (a
+few hundred KB each): hidden 64, 4 experts of 32, top 2, 2 layers (GPT-OSS:
+one sliding, one full); the LM head sharpened as tiny_hf_models does, so
+greedy decoding is meaningful. The routers are scaled up too: near-uniform
+router logits would make the top-k choice hinge on rounding."""
 
 from __future__ import annotations
 
@@ -49,31 +49,31 @@ MOE_ARCHITECTURES = {
     ),
     "mixtral": (MixtralConfig, {"num_local_experts": 4, "intermediate_size": 32}),
     "olmoe": (OlmoeConfig, {"num_experts": 4, "intermediate_size": 32}),
-}
-
-GPT_OSS = (
-    GptOssConfig,
-    {
-        "num_local_experts": 4,
-        "intermediate_size": 32,
-        "head_dim": 16,
-        "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "original_max_position_embeddings": 128,
-            "truncate": False,
+    # Sliding window 8: every prompt outgrows it.
+    "gpt-oss": (
+        GptOssConfig,
+        {
+            "num_local_experts": 4,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 128,
+                "truncate": False,
+            },
         },
-    },
-)
+    ),
+}
 
 
 def tiny_moe_model(name: str, path) -> PreTrainedModel:
-    cls, extra = GPT_OSS if name == "gpt-oss" else MOE_ARCHITECTURES[name]
+    cls, extra = MOE_ARCHITECTURES[name]
     torch.manual_seed(zlib.crc32(name.encode()))
     cfg = cls(**COMMON, **extra)
     cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
