@@ -171,6 +171,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
+    # A MoE model's decode runs eagerly (models/moe_kernel.py).
+    graphs = graphs and getattr(model, "decode_graphs_supported", True)
     lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
     if device.type == "cuda" and graphs and cfg.cuda_graph_lora_slots > 0:
         lora_slots = LoraSlots.create(

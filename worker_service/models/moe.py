@@ -56,12 +56,14 @@ class MoeBlock(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        fused: bool = False,
     ) -> None:
+        """``fused``: the experts run through FlashInfer's fused MoE."""
         super().__init__()
         self.tp = tp
         self.router = MoeRouter(hidden_size, moe, dtype=dtype, device=device)
         self.experts = MoeExperts(
-            hidden_size, moe, tp=tp, dtype=dtype, device=device, kernels=kernels
+            hidden_size, moe, tp=tp, dtype=dtype, device=device, kernels=kernels, fused=fused
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ grouped torch forward.
 Layout (one tensor per kind, experts along dim 0):
 
 - ``w13`` (E, 2 * I_local, hidden): each expert's gate rows, then its up
-  rows (the layout ``silu_and_mul`` and FlashInfer's fused MoE read);
+  rows (the layout ``silu_and_mul`` reads); up rows first where FlashInfer's
+  fused MoE runs the experts (models/moe_kernel.py), its order;
 - ``w2`` (E, hidden, I_local): each expert's down projection;
 - ``b13`` (E, 2 * I_local) and ``b2`` (E, hidden) when the experts have
   biases (GPT-OSS).
@@ -32,6 +33,7 @@ from torch import nn
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.models.config import MoeConfig
+from worker_service.models.moe_kernel import FusedMoeCall
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -56,7 +58,9 @@ class MoeExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        fused: bool = False,
     ) -> None:
+        """``fused``: run through FlashInfer's fused MoE (models/moe_kernel.py)."""
         super().__init__()
         self.moe = moe
         self.tp = tp
@@ -71,9 +75,19 @@ class MoeExperts(nn.Module):
         if moe.expert_bias:
             self.b13 = _param((e, 2 * local), dtype, device)
             self.b2 = _param((e, hidden_size), dtype, device)
+        # The row order of w13 and b13: FlashInfer's [up | gate] when fused.
+        self.up_first = fused
+        self.fused: FusedMoeCall | None = None
+        if fused:
+            self.fused = FusedMoeCall.create(
+                e, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit, device=device
+            )
 
     # ------------------------------------------------------------ forward
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.up_first:
+            up, gate = gate_up.chunk(2, dim=-1)
+            gate_up = torch.cat([gate, up], dim=-1)
         alpha, limit = self.moe.swiglu_alpha, self.moe.swiglu_limit
         if limit is not None:
             return clamped_swiglu(gate_up, 1.702 if alpha is None else alpha, limit)
@@ -81,6 +95,10 @@ class MoeExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (T, hidden) of sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+        down_bias = self.b2 is not None and self.tp.rank == 0
+        if self.fused is not None and x.shape[0] > 0:
+            b2 = self.b2 if down_bias else None
+            return self.fused(x, weights, ids, w31=self.w13, w2=self.w2, b31=self.b13, b2=b2)
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out
@@ -89,7 +107,6 @@ class MoeExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         flat_weights = weights.reshape(-1)
-        down_bias = self.b2 is not None and self.tp.rank == 0
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -111,7 +128,7 @@ class MoeExperts(nn.Module):
         ``kind`` "weight" or "bias"."""
         lo, hi, local = self.lo, self.hi, self.local
         if part in ("gate", "up"):
-            at = 0 if part == "gate" else local
+            at = 0 if (part == "gate") != self.up_first else local
             target = self.w13 if kind == "weight" else self.b13
             self._need(target, part, kind)[expert, at : at + local].copy_(tensor[lo:hi])
         elif part == "down":

@@ -21,16 +21,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import structlog
 import torch
 from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
 from worker_service.lora.batch import LoraContext
+from worker_service.models import moe_kernel
 from worker_service.models.config import ModelConfig
 from worker_service.models.layers import RMSNorm
 from worker_service.models.llama import LlamaAttention, LlamaForCausalLM
 from worker_service.models.moe import MoeBlock
+
+logger = structlog.get_logger(__name__)
 
 # checkpoint module name -> expert part
 EXPERT_PARTS = {
@@ -55,6 +59,7 @@ class MoeDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         if cfg.moe is None:
@@ -64,11 +69,14 @@ class MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.mlp = MoeBlock(cfg.hidden_size, cfg.moe, tp=tp, **on)
+        self.mlp = MoeBlock(cfg.hidden_size, cfg.moe, tp=tp, fused=fused, **on)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama decoder loop with MoE MLPs; families override ``attention``."""
+
+    # Decode steps run eagerly (models/moe_kernel.py says why).
+    decode_graphs_supported = False
 
     def attention(
         self,
@@ -97,7 +105,18 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> nn.Module:
         on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
         attention = self.attention(cfg, lora=lora, layer=layer, **on)
-        return MoeDecoderLayer(cfg, attention, **on)
+        return MoeDecoderLayer(cfg, attention, fused=self._moe_kernel(device, dtype), **on)
+
+    def _moe_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether FlashInfer's fused MoE runs the experts: chosen (and said)
+        once, when the first layer is built."""
+        choice = self.__dict__.get("moe_kernel")
+        if choice is None:
+            choice = moe_kernel.choose_moe_kernel(device, dtype)
+            self.__dict__["moe_kernel"] = choice
+            log = logger.warning if device.type == "cuda" and choice.reason else logger.info
+            log("MoE experts", kernel=choice.name, why_not_flashinfer=choice.reason or None)
+        return choice.name == "flashinfer"
 
     # ------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
