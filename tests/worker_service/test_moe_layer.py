@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.worker_service.support import published_moe_configs as published
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import select_kernels
 from worker_service.models.config import MoeConfig, UnsupportedModelError
@@ -230,3 +231,34 @@ def test_gguf_mixture_of_experts_files_are_refused_by_name(tmp_path, arch, exper
     writer.close()
     with pytest.raises(UnsupportedModelError, match=f"mixture-of-experts .*{named}"):
         open_model(path)
+
+
+def test_published_configs_are_read_as_their_models_run():
+    qwen = config_from_hf(published.QWEN3_30B_A3B)
+    assert qwen.moe == MoeConfig(num_experts=128, top_k=8, expert_intermediate_size=768)
+    assert qwen.qk_norm and qwen.sliding_window is None and qwen.head_dim == 128
+    mixtral = config_from_hf(published.MIXTRAL_8X7B)
+    assert mixtral.moe == MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=14336)
+    olmoe = config_from_hf(published.OLMOE_1B_7B)
+    assert olmoe.moe is not None and not olmoe.moe.norm_topk_prob and not olmoe.qk_norm
+    bf16_copy = {k: v for k, v in published.GPT_OSS_20B.items() if k != "quantization_config"}
+    gpt = config_from_hf(bf16_copy)
+    assert gpt.moe == MoeConfig(
+        num_experts=32,
+        top_k=4,
+        expert_intermediate_size=2880,
+        router="topk_softmax",
+        norm_topk_prob=False,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+    )
+    assert gpt.attention_sinks and gpt.qkv_bias and gpt.sliding_window == 128
+    assert [gpt.window_of(i) for i in range(4)] == [128, None, 128, None]
+    assert gpt.rope.scaling_type == "yarn" and gpt.rope.factor == 32.0 and not gpt.rope.truncate
+
+
+def test_the_published_gpt_oss_checkpoint_is_refused_for_its_mxfp4_experts():
+    with pytest.raises(UnsupportedModelError, match="quantization_config"):
+        config_from_hf(published.GPT_OSS_20B)

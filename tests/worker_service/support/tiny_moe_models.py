@@ -48,6 +48,10 @@ MOE_ARCHITECTURES = {
         },
     ),
     "mixtral": (MixtralConfig, {"num_local_experts": 4, "intermediate_size": 32}),
+    "mixtral-sliding-window": (
+        MixtralConfig,
+        {"num_local_experts": 4, "intermediate_size": 32, "sliding_window": 16},
+    ),
     "olmoe": (OlmoeConfig, {"num_experts": 4, "intermediate_size": 32}),
     # Sliding window 8: every prompt outgrows it.
     "gpt-oss": (
@@ -86,5 +90,6 @@ def tiny_moe_model(name: str, path) -> PreTrainedModel:
                 param.normal_(0.0, 0.5)
             elif ("experts" in name_ or name_.endswith("sinks")) and param.abs().sum() == 0:
                 param.normal_(0.0, 0.05)
-    model.save_pretrained(path)
+    # Sharded, as large checkpoints are: model.safetensors.index.json + shards.
+    model.save_pretrained(path, max_shard_size="300KB")
     return model
