@@ -16,7 +16,6 @@ from tests.worker_service.support.fused_moe_cpu_harness import (
     install_fused_moe_harness,
 )
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
-from tests.worker_service.support.tiny_moe_models import tiny_moe_model
 from tests.worker_service.support.worker_factory import runner_for
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import select_kernels
@@ -140,7 +139,10 @@ def test_the_kernel_is_chosen_at_start_for_bf16_on_fitting_gpus_only(monkeypatch
     assert choose(cuda, BF16) == moe_kernel.MoeKernelChoice("flashinfer", "")
 
 
+@pytest.mark.slow  # transformers builds the checkpoint
 def test_a_bf16_worker_runs_every_layer_fused_with_the_grouped_paths_tokens(monkeypatch, tmp_path):
+    from tests.worker_service.support.tiny_moe_models import tiny_moe_model
+
     tiny_moe_model("qwen3-moe", tmp_path)
     prompt = list(range(20, 45))
     plain = runner_for(tmp_path, dtype="bfloat16", page_size=4, num_pages=64, threads=1)
