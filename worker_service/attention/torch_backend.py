@@ -211,7 +211,7 @@ class TorchAttention(AttentionBackend):
                 ks = ks.repeat_interleave(groups, dim=1)
                 vs = vs.repeat_interleave(groups, dim=1)
             if manual:
-                o = self._manual_extend(qs, ks, vs, mask, sinks)
+                o = self._manual_extend(qs, ks, vs, mask=mask, sinks=sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.spec.scale
@@ -224,6 +224,7 @@ class TorchAttention(AttentionBackend):
         qs: torch.Tensor,
         ks: torch.Tensor,
         vs: torch.Tensor,
+        *,
         mask: torch.Tensor | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
