@@ -168,7 +168,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
     # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
-    attn = build_attention(cfg, compute_choice)
+    attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
     lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
@@ -321,7 +321,7 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
+def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
     """The model's attention: one backend, or one per layer group (the groups'
     backends share the CPU decode kernel, or FlashInfer's float workspace)."""
     spec = choice.spec

@@ -36,7 +36,7 @@ from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import load_config
 from worker_service.device.kv_cache import KvCache
 from worker_service.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from worker_service.worker import build_attention, choose_compute
+from worker_service.worker import _attention, choose_compute
 
 CPU = torch.device("cpu")
 HEADS = (4, 2, 64)
@@ -159,7 +159,7 @@ def test_worker_builds_one_backend_per_group_and_one_for_a_single_window() -> No
         cfg, _model(sliding_window=32), tp_size=1, device=CPU, dtype=torch.float32
     )
     assert single.groups is None and single.spec.sliding_window == 32
-    assert type(build_attention(cfg, single)) is TorchAttention
+    assert type(_attention(cfg, single)) is TorchAttention
 
     mcfg = _model(
         sliding_window=32, layer_types=ALTERNATING, attn_logit_softcap=50.0, attn_scale=0.1
@@ -168,7 +168,7 @@ def test_worker_builds_one_backend_per_group_and_one_for_a_single_window() -> No
     assert grouped.groups is not None
     assert [s.sliding_window for s in grouped.specs] == [None, 32]
     assert {(s.logit_soft_cap, s.softmax_scale) for s in grouped.specs} == {(50.0, 0.1)}
-    attn = build_attention(cfg, grouped)
+    attn = _attention(cfg, grouped)
     assert isinstance(attn, GroupedAttention) and attn.name == "torch"
     assert [attn._of_layer[i].spec.sliding_window for i in range(4)] == [32, None, 32, None]
 
