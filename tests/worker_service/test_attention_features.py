@@ -167,6 +167,19 @@ def test_long_extends_attend_in_blocks_of_queries(monkeypatch, with_kernel, kern
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_kernel_takes_the_features_on_threads():
+    """The threaded build (OpenMP, or a Python pool) hands every task the cap and sinks."""
+    threaded = load_paged_decode(*HEADS, 2)
+    assert threaded is not None and threaded.threads == 2
+    features = CASES[-1]
+    spec, batch, q, k, v, kv, sinks = setup(features, 16, seed=2)
+    attn = TorchAttention(spec, threaded)
+    attn.begin_step(batch)
+    out = attn.forward(0, q, k, v, kv=kv, sinks=sinks)
+    expected = reference_attention(batch, q, kv, 0, features=features, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_refuses_misshapen_sinks(kernel):
     spec, batch, q, k, v, kv, _ = setup(Features(sinks=True), 16)
     attn = TorchAttention(spec, kernel)
