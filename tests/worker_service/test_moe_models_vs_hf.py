@@ -119,3 +119,22 @@ def test_lora_on_the_attention_projections_matches_peft_and_experts_are_refused(
     mlp = make_adapter(tmp_path / "adapters", "mlp", 4, MLP, seed=6, base=dense)
     with pytest.raises(AdapterError, match=r"not LoRA targets of this model .*mixture of experts"):
         worker.adapter_loader.load("mlp", mlp, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "olmoe"])
+def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint_does(arch, checkpoint):
+    """transformers 5 holds the experts stacked (``mlp.experts.gate_up_proj``
+    (E, 2I, hidden), ``down_proj``), as some checkpoints are saved; its
+    save_pretrained writes them per expert. Both load to the same weights."""
+    path, hf, _ = checkpoint(arch)
+    from_file = runner_for(path, page_size=4, num_pages=16, **ONE_THREAD).compute.model
+    state = hf.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    from_memory = runner_for(path, page_size=4, num_pages=16, **ONE_THREAD).compute.model
+    from_memory.load_weights(
+        (name, t) for name, t in state.items() if not name.endswith("rotary_emb.inv_freq")
+    )
+    mine = dict(from_file.named_parameters())
+    for name, param in from_memory.named_parameters():
+        assert torch.equal(param, mine[name]), name
