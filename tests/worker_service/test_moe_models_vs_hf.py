@@ -23,8 +23,10 @@ from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.tiny_moe_models import MOE_ARCHITECTURES, tiny_moe_model
 from tests.worker_service.support.worker_factory import runner_for, worker_for
+from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.plan import AdapterSlot
 from worker_service.lora.adapter import AdapterError
+from worker_service.sampling.grammar import GrammarCompiler
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 STEPS = 64
@@ -138,3 +140,37 @@ def test_stacked_expert_tensors_load_as_the_per_expert_checkpoint_does(arch, che
     mine = dict(from_file.named_parameters())
     for name, param in from_memory.named_parameters():
         assert torch.equal(param, mine[name]), name
+
+
+@pytest.mark.slow
+def test_a_grammar_constrains_a_moe_model_to_transformers_masked_argmax(checkpoint):
+    """The regex allows a..e six times: each token is the argmax of
+    transformers' logits over those five bytes (the tiny vocabulary read as
+    raw bytes, as the simulated model's is)."""
+    import xgrammar as xgr
+
+    path, hf, _ = checkpoint("gpt-oss")
+    worker = worker_for(path, page_size=4, num_pages=64, **ONE_THREAD)
+    info = xgr.TokenizerInfo(
+        [bytes([i]) for i in range(VOCAB)], xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[0]
+    )
+    runner = ModelRunner(
+        worker.runner.compute,
+        num_pages=worker.num_pages,
+        page_size=4,
+        vocab_size=VOCAB,
+        grammars=GrammarCompiler(lambda: info, processes=1),
+    )
+    prompt = list(range(100, 130))
+    sampling = SamplingParams(temperature=0.0, grammar=("regex", "[a-e]{6}"))
+    driver = DraftDriver(runner)
+    seq = driver.start(0, prompt, sampling, LogprobOptions())
+    while len(seq.outputs) < 6:
+        driver.decode(seq)
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = hf(torch.tensor([prompt + want])).logits[0, -1]
+            want.append(ord("a") + int(logits[ord("a") : ord("e") + 1].argmax()))
+    assert seq.outputs == want
+    assert want != [int(t) for t in hf_greedy(hf, prompt, 6)[0]]  # the grammar changed them
