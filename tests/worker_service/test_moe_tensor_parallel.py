@@ -1,7 +1,8 @@
 """Mixture-of-experts models on 2 gloo ranks (each expert's intermediate
 dimension split between them, partial sums all-reduced; OLMoE's q/k norms
 over the whole projection from all-reduced sums of squares; GPT-OSS's sinks
-split by head and its biases counted once) give transformers' greedy tokens."""
+split by head and its biases counted once) give transformers' greedy tokens.
+Qwen3-MoE and Mixtral shard their experts by the same code as OLMoE."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 STEPS = 32
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3-moe-normalised", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["olmoe", "gpt-oss"])
 def test_two_gloo_ranks_match_hf(arch, tmp_path):
     hf = tiny_moe_model(arch, tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12], [250, 3], list(range(40, 90))]
