@@ -1,7 +1,7 @@
 """The interface both kernel sets implement, and the sampling filters' parameters.
 
 A ``Kernels`` object holds the small per-token ops of a decoder layer (RMSNorm,
-residual add + RMSNorm, RoPE, SiLU-and-mul) and the sampler's top-k / top-p /
+residual add + RMSNorm, RoPE, SiLU-and-mul; Gemma's RMSNorm and GeGLU) and the sampler's top-k / top-p /
 min-p filter. Shapes: ``T`` tokens, ``H`` heads, ``D`` head dim, ``S`` sampled
 rows, ``V`` vocabulary.
 
@@ -70,6 +70,22 @@ class Kernels(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` (T, 2F) = [gate | up]; (T, F)."""
+        ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU, Gemma's
+        gelu_pytorch_tanh) for ``gate_up`` (T, 2F) = [gate | up]; (T, F)."""
+        ...
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``x / RMS(x) * (1 + weight)`` in float32, rounded
+        once to x's dtype; x (T, hidden) or (T, H, D)."""
+        ...
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gemma_rmsnorm(residual + x), residual + x)``; may overwrite both."""
         ...
 
     def filter_probs(self, probs: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:

@@ -9,6 +9,11 @@ differ from torch's within a few float32 ulp (the C source says how). In
 place where ``base.Kernels`` allows it: ``add_rmsnorm`` returns its x and
 residual arguments, overwritten; ``rope`` rotates q and k where they lie.
 
+Gemma's RMSNorm runs the C RMSNorm with ``1 + weight`` formed in float32 per
+call (a hidden-size vector): for float32 rows that is transformers'
+arithmetic. GeGLU (``gelu_tanh_and_mul``) has no C version: the inherited
+torch op runs.
+
 ``load_cpu_kernels`` builds the library (kernels/c_build.py) and returns None
 where it cannot (no compiler, a failed build): the torch kernels run then.
 
@@ -97,6 +102,18 @@ class CpuKernels(TorchKernels):
             self.threads,
         )  # fmt: skip
         return x, residual
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not _rows_of(x):
+            return super().gemma_rmsnorm(x, weight, eps)
+        return self.rmsnorm(x, 1.0 + weight.float(), eps)
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (_rows_of(x) and _rows_of(residual)):
+            return super().gemma_add_rmsnorm(x, residual, weight, eps)
+        return self.add_rmsnorm(x, residual, 1.0 + weight.float(), eps)
 
     def rope(
         self,

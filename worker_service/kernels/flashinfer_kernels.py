@@ -16,7 +16,11 @@ parentheses; the review counted 30-40 per decoder layer):
   D/2 cosines then the D/2 sines of each position, used as given, so every
   scaling (linear, llama3, per-frequency GGUF factors: in the frequencies;
   yarn's attention factor: multiplied into cos and sin) comes for free.
-- ``flashinfer.activation.silu_and_mul``: ``silu(gate) * up`` (2 -> 1).
+- ``flashinfer.activation.silu_and_mul``: ``silu(gate) * up`` (2 -> 1);
+  ``gelu_tanh_and_mul`` the same for Gemma's GeGLU.
+- ``flashinfer.norm.gemma_rmsnorm`` / ``gemma_fused_add_rmsnorm``: Gemma's
+  RMSNorm (``x / RMS(x) * (1 + w)``, the weight and product in float32), plain
+  and with the residual add, as the two above.
 - ``flashinfer.sampling.top_k_renorm_probs`` / ``top_p_renorm_probs``: the
   top-k and top-p filters by radix threshold search, no vocabulary sort. Both
   keep every token at or above the threshold (ties together) and renormalise.
@@ -92,6 +96,18 @@ class FlashInferKernels:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._activation.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._activation.gelu_tanh_and_mul(gate_up)
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm.gemma_rmsnorm(x, weight, eps)
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._norm.gemma_fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
 
     def filter_probs(self, probs: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
         # top-p after top-k: it then applies to the top-k distribution, as ours does.

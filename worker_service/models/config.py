@@ -36,7 +36,7 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    # None | "linear" | "llama3" | "yarn"; see models/rope.py
+    # None | "linear" | "llama3" | "yarn" | "longrope"; see models/rope.py
     scaling_type: str | None = None
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -47,6 +47,10 @@ class RopeConfig:
     attention_factor: float | None = None
     # llama.cpp stores Llama 3.1 scaling as one divisor per frequency (GGUF).
     freq_factors: tuple[float, ...] | None = None
+    # longrope (Phi-3): one divisor per frequency below and from
+    # original_max_position_embeddings on.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
