@@ -20,7 +20,11 @@ kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
 would also need each token's batch index and position on the device).
 
-Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``.
+Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``;
+the spec's scale is ``sm_scale`` and its soft cap ``logits_soft_cap`` (FlashInfer
+caps the scaled scores: cap * tanh(scale * q.k / cap), as Gemma 2), both planned
+once per wrapper. Sinks are refused: the FA2 modules drop them
+(attention_choice.py).
 
 CUDA graphs for decode (glue: ``worker_service.execution.cuda_graphs.DecodeGraphs``):
 1. Give the KvCache one spare page the scheduler never hands out (allocate
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker_service.attention.attention_choice import SINKS_UNSUPPORTED
 from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,
@@ -178,6 +183,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan_kw: dict[str, Any] = {
             "window_left": spec.sliding_window - 1 if spec.sliding_window else -1,
             "sm_scale": spec.scale,
+            "logits_soft_cap": spec.logit_soft_cap,
             "q_data_type": spec.dtype,
             "kv_data_type": spec.dtype,
             "non_blocking": True,
@@ -266,8 +272,17 @@ class FlashInferAttention(AttentionBackend):
         self._plan_done.record()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        kv: KvCache,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError(SINKS_UNSUPPORTED + "; use the torch attention backend")
         cache = kv.layers[layer]
         if cache.dtype != self.spec.dtype:
             raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.dtype}")
