@@ -13,10 +13,10 @@ from worker_service.attention.attention_choice import choose_attention, dtype_na
 from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
 from worker_service.attention.flashinfer_modules import (
-    MODEL_OP_MODULES,
     SAMPLER_OP_MODULES,
     check_prebuilt,
     flashinfer_kernel_source,
+    model_op_modules,
     needed_modules,
 )
 from worker_service.attention.torch_backend import TorchAttention
@@ -287,7 +287,13 @@ def choose_compute(
         logger.warning("using the torch attention backend", reason=choice.reason)
     kernels = _select_kernels(device, dtype=dtype, choice=cfg.kernels)
     sampler_kernels = _select_kernels(device, dtype=None, choice=cfg.kernels)
-    _check_flashinfer_modules(spec, choice.name, model_kernels=kernels, sampler=sampler_kernels)
+    _check_flashinfer_modules(
+        spec,
+        choice.name,
+        model_kernels=kernels,
+        sampler=sampler_kernels,
+        hidden_act=mcfg.hidden_act,
+    )
     return ComputeChoice(spec, choice.name, kernels, sampler_kernels)
 
 
@@ -316,7 +322,12 @@ def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str
 
 
 def _check_flashinfer_modules(
-    spec: AttentionSpec, attention: str, *, model_kernels: Kernels, sampler: Kernels
+    spec: AttentionSpec,
+    attention: str,
+    *,
+    model_kernels: Kernels,
+    sampler: Kernels,
+    hidden_act: str = "silu",
 ) -> None:
     """Stop here, naming them, if FlashInfer modules this worker will load are
     neither prebuilt nor compilable (else the first use fails: graph capture)."""
@@ -328,7 +339,7 @@ def _check_flashinfer_modules(
             group=spec.num_heads // spec.num_kv_heads,
             sliding_window=bool(spec.sliding_window),
         )
-    ops = list(MODEL_OP_MODULES) if model_kernels.name == "flashinfer" else []
+    ops = list(model_op_modules(hidden_act)) if model_kernels.name == "flashinfer" else []
     ops += SAMPLER_OP_MODULES if sampler.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)

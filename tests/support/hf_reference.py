@@ -51,3 +51,23 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], steps: int):
     """Greedy tokens and the logprob of each."""
     tokens, rows = greedy_with_logprobs(model, prompt, steps)
     return tokens, [row[t].item() for row, t in zip(rows, tokens, strict=True)]
+
+
+def hf_greedy_uncached(model: PreTrainedModel, prompt: list[int], steps: int):
+    """Greedy tokens and the logprob of each, every step a whole forward over
+    the sequence so far (no KV cache). The reference for sliding-window
+    models: transformers 5.24's generate() with a sliding-window cache gives
+    tokens its own uncached forward does not (a tiny Phi-3 with a 16-token
+    window: the decode steps after a 47- or 48-token prompt), in eager and
+    SDPA attention alike."""
+    seq = list(prompt)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+            token = int(row.argmax())
+            tokens.append(token)
+            logprobs.append(row[token].item())
+            seq.append(token)
+    return tokens, logprobs

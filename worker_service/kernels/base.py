@@ -1,9 +1,9 @@
 """The interface both kernel sets implement, and the sampling filters' parameters.
 
 A ``Kernels`` object holds the small per-token ops of a decoder layer (RMSNorm,
-residual add + RMSNorm, RoPE, SiLU-and-mul; Gemma's RMSNorm and GeGLU) and the sampler's top-k / top-p /
-min-p filter. Shapes: ``T`` tokens, ``H`` heads, ``D`` head dim, ``S`` sampled
-rows, ``V`` vocabulary.
+residual add + RMSNorm, RoPE, SiLU-and-mul; Gemma's RMSNorm and GeGLU) and
+the sampler's top-k / top-p / min-p filter. Shapes: ``T`` tokens, ``H``
+heads, ``D`` head dim, ``S`` sampled rows, ``V`` vocabulary.
 
 Ops may work in place: ``add_rmsnorm`` and ``rope`` are allowed to overwrite
 their tensor arguments (FlashInfer's kernels do; the torch ones do not), so

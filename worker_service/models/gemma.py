@@ -46,7 +46,6 @@ from worker_service.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelConfig,
-    UnsupportedModelError,
 )
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import FamilySupport, ModelFamily

@@ -124,7 +124,5 @@ FAMILY = ModelFamily(
     architectures=(PHI3,),
     model_class=Phi3ForCausalLM,
     read_config=read_config,
-    support=FamilySupport(
-        gguf=False, lora_note="fused qkv_proj / gate_up_proj targets refused"
-    ),
+    support=FamilySupport(gguf=False, lora_note="fused qkv_proj / gate_up_proj targets refused"),
 )

@@ -77,7 +77,12 @@ FAMILY_ARCHITECTURES = {
         "Gemma3ForCausalLM",
         dict(
             GEMMA,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
