@@ -17,6 +17,7 @@ from tests.worker_service.support.attention_reference import (
     random_sinks,
     reference_attention,
 )
+from worker_service.attention import torch_backend
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import TorchAttention
@@ -90,9 +91,15 @@ def test_torch_backend_matches_the_plain_softmax(features, page_size, with_kerne
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_features_off_keep_the_sdpa_path_bit_identical(page_size, kernel):
-    """A spec without the features, and one that names the default scale, give
-    exactly the outputs of today's path (SDPA and the kernel)."""
+def test_features_off_keep_the_sdpa_path_bit_identical(monkeypatch, page_size, kernel):
+    """Without a cap or sinks no row takes the explicit softmax: every path is
+    SDPA's (or the kernel's) as before, and a spec that names the default scale
+    gives the same bits as one that leaves it out."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the explicit softmax ran without a cap or sinks")
+
+    monkeypatch.setattr(torch_backend, "manual_attention", refused)
     spec, batch, q, k, v, kv, _ = setup(Features(window=8), page_size)
     named = AttentionSpec(*HEADS, page_size, 8, torch.float32, CPU, softmax_scale=HEADS[2] ** -0.5)
     for dk in (None, kernel):

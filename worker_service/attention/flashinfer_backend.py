@@ -142,7 +142,10 @@ class FlashInferAttention(AttentionBackend):
         workspace_bytes: int = 256 * 2**20,
         prefill_backend: str = "fa2",
         decode_tensor_cores: bool | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> None:
+        """``workspace``: a float workspace shared with another backend whose
+        kernels run on the same stream (layer groups), else one of its own."""
         super().__init__(spec)
         if spec.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -170,10 +173,12 @@ class FlashInferAttention(AttentionBackend):
         wide = group >= TENSOR_CORE_DECODE_GROUP
         self._tensor_cores = wide if decode_tensor_cores is None else decode_tensor_cores
         # FlashInfer wants the float workspace zeroed before its first use.
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
+        if workspace is None:
+            workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
+        self.workspace = workspace
         self._prefill_backend = prefill_backend
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=prefill_backend
+            self.workspace, "NHD", backend=prefill_backend
         )
         self._decode = self._decode_wrapper()
         # FlashInfer copies each plan from pinned buffers it reuses without waiting;
@@ -210,7 +215,7 @@ class FlashInferAttention(AttentionBackend):
             }
         # "fa2" explicitly: "auto" may route to cuDNN, which the bundle does not carry.
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="fa2", **kwargs
+            self.workspace, "NHD", backend="fa2", **kwargs
         )
 
     def _rows(self, batch: AttentionBatch) -> tuple[np.ndarray | None, torch.Tensor | None]:
@@ -376,7 +381,7 @@ class FlashInferAttention(AttentionBackend):
         self._v_rows = torch.zeros(2, largest * q, dtype=torch.int64, device=dev)
         self._verify = {
             size: self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace,
+                self.workspace,
                 "NHD",
                 backend=self._prefill_backend,
                 use_cuda_graph=True,

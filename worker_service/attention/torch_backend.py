@@ -187,7 +187,7 @@ class TorchAttention(AttentionBackend):
             qs = q[d.rows].view(n, kv_heads, groups, -1)
             if manual:
                 heads_sinks = None if sinks is None else sinks.view(kv_heads, groups)
-                o = manual_attention(qs, keys, values, d.bias, self.spec, sinks=heads_sinks)
+                o = manual_attention(qs, keys, values, d.bias, spec=self.spec, sinks=heads_sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     qs, keys, values, attn_mask=d.bias.to(q.dtype), scale=self.spec.scale
@@ -211,7 +211,7 @@ class TorchAttention(AttentionBackend):
                     mask = torch.ones(s.q_len, s.kv_len, dtype=torch.bool, device=q.device).tril_()
                 bias = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, -math.inf)
                 heads_sinks = None if sinks is None else sinks.view(-1, 1)
-                o = manual_attention(qs, ks, vs, bias, self.spec, sinks=heads_sinks)
+                o = manual_attention(qs, ks, vs, bias, spec=self.spec, sinks=heads_sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.spec.scale
@@ -225,8 +225,8 @@ def manual_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor,
-    spec: AttentionSpec,
     *,
+    spec: AttentionSpec,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """SDPA's attention with the soft cap and sinks it lacks, in float32: q

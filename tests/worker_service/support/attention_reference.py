@@ -61,18 +61,24 @@ def reference_attention(
         pages = pages_of(batch, s)
         keys = cache[pages, 0].reshape(-1, kv_heads, head_dim)[: s.kv_len]
         values = cache[pages, 1].reshape(-1, kv_heads, head_dim)[: s.kv_len]
-        for i in range(s.q_len):
-            pos = s.kv_len - s.q_len + i
-            lo = 0 if features.window is None else max(0, pos - features.window + 1)
-            for h in range(heads):
-                kh = h // group
-                scores = keys[lo : pos + 1, kh] @ q[s.q_start + i, h].double() * scale
-                if features.soft_cap is not None:
-                    scores = features.soft_cap * torch.tanh(scores / features.soft_cap)
-                weights = torch.exp(scores - scores.max())
-                denominator = weights.sum()
-                if sinks is not None:
-                    # exp(sink) on the same shifted scale as the scores
-                    denominator = denominator + torch.exp(sinks[h].double() - scores.max())
-                out[s.q_start + i, h] = (weights / denominator) @ values[lo : pos + 1, kh]
+        keys = keys.repeat_interleave(group, dim=1)  # (kv_len, heads, D)
+        values = values.repeat_interleave(group, dim=1)
+        qs = q[s.q_start : s.q_start + s.q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+        if features.soft_cap is not None:
+            scores = features.soft_cap * torch.tanh(scores / features.soft_cap)
+        pos = torch.arange(s.kv_len - s.q_len, s.kv_len)[:, None]
+        key = torch.arange(s.kv_len)[None, :]
+        visible = key <= pos
+        if features.window is not None:
+            visible &= key > pos - features.window
+        top = scores.masked_fill(~visible, -torch.inf).amax(dim=-1, keepdim=True)
+        weights = torch.exp(scores - top) * visible
+        denominator = weights.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            # exp(sink) on the same shifted scale as the scores
+            denominator = denominator + torch.exp(sinks.double()[:, None, None] - top)
+        out[s.q_start : s.q_start + s.q_len] = torch.einsum(
+            "hqk,khd->qhd", weights / denominator, values
+        )
     return out
