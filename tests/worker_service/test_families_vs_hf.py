@@ -32,6 +32,7 @@ from tests.worker_service.support.plan_driver import GREEDY, DriverRequest, Plan
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import runner_for, worker_for
 from worker_service.execution.plan import AdapterSlot
+from worker_service.lora.peft_config import AdapterError
 from worker_service.sampling.params import LogprobOptions
 
 # Out of make test-fast: transformers references.
@@ -125,3 +126,21 @@ def test_lora_on_attention_projections_matches_peft(tmp_path):
     assert_matches(peft, prompt, reqs[0].outputs, reqs[0].logprob_values)
     assert_matches(hf, prompt, reqs[1].outputs, reqs[1].logprob_values)
     assert reqs[0].outputs != reqs[1].outputs, "the adapter changes what the model says"
+
+
+def test_phi3_lora_on_its_unfused_projections_and_fused_targets_refused(tmp_path):
+    hf = tiny_model("phi3-longrope", tmp_path / "model")
+    worker = worker_for(tmp_path / "model", page_size=16, num_pages=256)
+    for fused in ("qkv_proj", "gate_up_proj"):
+        path = make_adapter(tmp_path, fused, 4, [fused, "o_proj"], base=hf)
+        with pytest.raises(AdapterError, match=f"unsupported target modules \\['{fused}'\\]"):
+            worker.adapter_loader.load(fused, path, 0)
+    adapter = make_adapter(tmp_path, "o-down", 4, ["o_proj", "down_proj"], seed=4, base=hf)
+    worker.runner.adapters.put(worker.adapter_loader.load("o-down", adapter, 0))
+    prompt = rand(torch.Generator().manual_seed(6), 45)
+    (req,) = PlanDriver(worker.runner, 16, chunk=20).run(
+        [DriverRequest(prompt, 32, adapter_slot=1)], adapter_slots=[AdapterSlot(1, "o-down")]
+    )
+    peft = PeftModel.from_pretrained(copy.deepcopy(hf), str(adapter)).eval()
+    assert_matches(peft, prompt, req.outputs, req.logprob_values)
+    assert hf_greedy_check(hf, prompt, req.outputs)[0] != req.outputs, "the adapter matters"
