@@ -12,8 +12,8 @@ said there). Greedy tokens
 identical over 64 new tokens, chosen-token logprobs within 1e-4, in mixed
 batches of long and short requests with chunked prefill, cached prefixes and
 page sizes 1 and 16; speculative
-verification (n-gram drafts, right and wrong) gives the same tokens; LoRA on
-the attention projections matches PEFT.
+verification (drafts right and wrong) gives the same tokens; LoRA on the
+attention projections (Gemma 3) and on Phi-3's fused projections matches PEFT.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from tests.worker_service.support.plan_driver import GREEDY, DriverRequest, Plan
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import runner_for, worker_for
 from worker_service.execution.plan import AdapterSlot
-from worker_service.lora.peft_config import AdapterError
 from worker_service.sampling.params import LogprobOptions
 
 # Out of make test-fast: transformers references.
@@ -128,18 +127,21 @@ def test_lora_on_attention_projections_matches_peft(tmp_path):
     assert reqs[0].outputs != reqs[1].outputs, "the adapter changes what the model says"
 
 
-def test_phi3_lora_on_its_unfused_projections_and_fused_targets_refused(tmp_path):
+def test_phi3_lora_on_its_fused_projections_matches_peft(tmp_path):
+    """Phi-3 adapters target the checkpoint's fused qkv_proj and gate_up_proj
+    (one A, B's rows the parts'): read as one adapter per part."""
     hf = tiny_model("phi3-longrope", tmp_path / "model")
+    modules = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapter = make_adapter(tmp_path, "fused", 4, modules, seed=4, base=hf)
     worker = worker_for(tmp_path / "model", page_size=16, num_pages=256)
-    for fused in ("qkv_proj", "gate_up_proj"):
-        path = make_adapter(tmp_path, fused, 4, [fused, "o_proj"], base=hf)
-        with pytest.raises(AdapterError, match=f"unsupported target modules \\['{fused}'\\]"):
-            worker.adapter_loader.load(fused, path, 0)
-    adapter = make_adapter(tmp_path, "o-down", 4, ["o_proj", "down_proj"], seed=4, base=hf)
-    worker.runner.adapters.put(worker.adapter_loader.load("o-down", adapter, 0))
+    loaded = worker.adapter_loader.load("fused", adapter, 0)
+    assert loaded.target_modules == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    )  # fmt: skip
+    worker.runner.adapters.put(loaded)
     prompt = rand(torch.Generator().manual_seed(6), 45)
     (req,) = PlanDriver(worker.runner, 16, chunk=20).run(
-        [DriverRequest(prompt, 32, adapter_slot=1)], adapter_slots=[AdapterSlot(1, "o-down")]
+        [DriverRequest(prompt, 32, adapter_slot=1)], adapter_slots=[AdapterSlot(1, "fused")]
     )
     peft = PeftModel.from_pretrained(copy.deepcopy(hf), str(adapter)).eval()
     assert_matches(peft, prompt, req.outputs, req.logprob_values)

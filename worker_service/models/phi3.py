@@ -5,10 +5,9 @@ split at load into the parts of our own fused layers, so each
 tensor-parallel rank keeps its shard of q, k and v (and gate and up) as in
 any Llama-family model; the forward is Llama's.
 
-LoRA: adapters name their target projections; Phi-3 adapters that target the
-checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` are refused when loaded
-(lora/peft_config.py: they match no projection we expose); ``o_proj``,
-``down_proj`` and adapters written against split q/k/v/gate/up load.
+LoRA: Phi-3 adapters target the checkpoint's fused ``qkv_proj`` /
+``gate_up_proj``; the adapter loader reads each as one adapter per part
+(lora/adapter.py), the same deltas.
 """
 
 from __future__ import annotations
@@ -124,5 +123,5 @@ FAMILY = ModelFamily(
     architectures=(PHI3,),
     model_class=Phi3ForCausalLM,
     read_config=read_config,
-    support=FamilySupport(gguf=False, lora_note="fused qkv_proj / gate_up_proj targets refused"),
+    support=FamilySupport(gguf=False),
 )
