@@ -89,6 +89,11 @@ def test_flashinfer_gemma_ops_match_torch(dtype, monkeypatch):
     got, total = fi.gemma_add_rmsnorm(x.clone(), residual.clone(), w, EPS)
     assert torch.equal(total, want_total)
     torch.testing.assert_close(got, want, atol=0, rtol=0 if dtype == torch.float32 else 8e-3)
+    # Gemma 3's query norm on a strided (T, H, D) view of a fused projection.
+    qkv = (torch.randn(5, 3 * 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    q = qkv[:, :64].view(5, 4, 16)
+    hw = w[:16]
+    assert torch.equal(fi.gemma_rmsnorm(q, hw, EPS), REF.gemma_rmsnorm(q, hw, EPS))
     gate_up = (torch.randn(7, 96, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
     torch.testing.assert_close(
         fi.gelu_tanh_and_mul(gate_up),

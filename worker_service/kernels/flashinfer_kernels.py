@@ -20,7 +20,8 @@ parentheses; the review counted 30-40 per decoder layer):
   ``gelu_tanh_and_mul`` the same for Gemma's GeGLU.
 - ``flashinfer.norm.gemma_rmsnorm`` / ``gemma_fused_add_rmsnorm``: Gemma's
   RMSNorm (``x / RMS(x) * (1 + w)``, the weight and product in float32), plain
-  and with the residual add, as the two above.
+  and with the residual add, as the two above; the plain one takes 2-D input
+  only, so Gemma 3's (T, H, D) query/key norm runs on T * H rows.
 - ``flashinfer.sampling.top_k_renorm_probs`` / ``top_p_renorm_probs``: the
   top-k and top-p filters by radix threshold search, no vocabulary sort. Both
   keep every token at or above the threshold (ties together) and renormalise.
@@ -101,7 +102,12 @@ class FlashInferKernels:
         return self._activation.gelu_tanh_and_mul(gate_up)
 
     def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._norm.gemma_rmsnorm(x, weight, eps)
+        if x.dim() == 2:
+            return self._norm.gemma_rmsnorm(x, weight, eps)
+        # Its kernel takes (rows, dim) only (rmsnorm's also takes heads): the
+        # query/key norm's (T, H, D) as T * H rows (a copy where q and k are
+        # strided views of the fused projection).
+        return self._norm.gemma_rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
     def gemma_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

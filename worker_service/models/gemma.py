@@ -154,8 +154,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.rope_local if cfg.window_of(i) is not None else self.rope
             for i in range(cfg.num_layers)
         ]
-        # transformers multiplies by the scale rounded to the model dtype.
-        self.embed_scale = torch.tensor(cfg.embed_scale or 1.0, dtype=self.dtype)
+        # transformers multiplies by the scale rounded to the model dtype; on the
+        # model's device (a host copy per forward would break graph capture).
+        self.embed_scale = torch.tensor(
+            cfg.embed_scale or 1.0, dtype=self.dtype, device=self.embed_tokens.weight.device
+        )
 
     def decoder_layer(self, cfg: ModelConfig, **kwargs: Any) -> nn.Module:
         return GemmaDecoderLayer(cfg, **kwargs)
@@ -167,7 +170,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         attn: AttentionBackend,
         kv: KvCache,
     ) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids) * self.embed_scale.to(self.embed_tokens.weight)
+        residual = self.embed_tokens(input_ids) * self.embed_scale
         layers = self.layers
         if not layers:
             return self.norm(residual)
@@ -181,6 +184,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             x, residual = next_norm.add_forward(out, residual)
         return x
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0) -> None:
+        """As Llama's, but Gemma's norms multiply by 1 + w: w = 0 is the unit norm."""
+        super().init_random_weights(seed)
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.weight.zero_()
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         parts = name.removeprefix("model.").split(".")

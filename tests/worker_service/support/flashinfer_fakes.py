@@ -24,7 +24,7 @@ What they compute, per FlashInfer:
 - silu_and_mul: ``silu(x[..., :d]) * x[..., d:]``, float32 math, one rounding;
   gelu_tanh_and_mul the same with the tanh GELU;
 - gemma_rmsnorm / gemma_fused_add_rmsnorm: rmsnorm / fused_add_rmsnorm with
-  ``1 + weight`` (float32) in place of the weight;
+  ``1 + weight`` (float32) in place of the weight; (B, D) input only;
 - top_k_renorm_probs: keep probs >= the k-th largest of the row (ties kept; k
   at or beyond the vocabulary keeps all), renormalise; a new tensor;
 - top_p_renorm_probs: keep probs >= the first value, in descending order, at
@@ -162,7 +162,8 @@ def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
 
 
 def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    assert input.dim() in (2, 3) and weight.dim() == 1 and input.shape[-1] == weight.shape[0]
+    # csrc/norm.cu: CHECK_DIM(2, input), unlike rmsnorm's (B, D) or (B, H, D).
+    assert input.dim() == 2 and weight.dim() == 1 and input.shape[-1] == weight.shape[0]
     assert input.dtype == weight.dtype, (input.dtype, weight.dtype)
     if out is None:
         out = torch.empty_like(input)
@@ -250,7 +251,24 @@ def _norm_cpp() -> SimpleNamespace:
         assert input.dim() == 2 and residual.shape == input.shape and weight.dim() == 1
         fused_add_rmsnorm(input, residual, weight, eps)
 
-    return SimpleNamespace(rmsnorm=rmsnorm_cpp, fused_add_rmsnorm=fused_add_rmsnorm_cpp)
+    def gemma_rmsnorm_cpp(output, input, weight, eps, enable_pdl) -> None:
+        _last_dim_contiguous(input, weight)
+        _half(input, weight)
+        assert input.dim() == 2 and output.shape == input.shape and weight.dim() == 1
+        output.copy_(rmsnorm_math(input.float(), 1.0 + weight.float(), eps))
+
+    def gemma_fused_add_rmsnorm_cpp(input, residual, weight, eps, enable_pdl) -> None:
+        _last_dim_contiguous(input, residual, weight)
+        _half(input, residual, weight)
+        assert input.dim() == 2 and residual.shape == input.shape and weight.dim() == 1
+        gemma_fused_add_rmsnorm(input, residual, weight, eps)
+
+    return SimpleNamespace(
+        rmsnorm=rmsnorm_cpp,
+        fused_add_rmsnorm=fused_add_rmsnorm_cpp,
+        gemma_rmsnorm=gemma_rmsnorm_cpp,
+        gemma_fused_add_rmsnorm=gemma_fused_add_rmsnorm_cpp,
+    )
 
 
 def _rope_cpp() -> SimpleNamespace:
@@ -278,6 +296,15 @@ def _silu_and_mul_cpp() -> SimpleNamespace:
         out.copy_(silu_and_mul_math(input))
 
     return SimpleNamespace(silu_and_mul=silu_and_mul_cpp)
+
+
+def _gelu_tanh_and_mul_cpp() -> SimpleNamespace:
+    def gelu_tanh_and_mul_cpp(out, input, enable_pdl) -> None:
+        _contiguous(input, out)
+        _half(input)
+        out.copy_(gelu_tanh_and_mul_math(input))
+
+    return SimpleNamespace(gelu_tanh_and_mul=gelu_tanh_and_mul_cpp)
 
 
 def _sampling_cpp() -> SimpleNamespace:
@@ -341,9 +368,10 @@ def install_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
     norm, rope, act, sampling = _norm_cpp(), _rope_cpp(), _silu_and_mul_cpp(), _sampling_cpp()
 
+    acts = {"silu": act, "gelu_tanh": _gelu_tanh_and_mul_cpp()}
+
     def act_spec(name: str) -> _BuiltSpec:
-        assert name == "silu", name
-        return _BuiltSpec(act)
+        return _BuiltSpec(acts[name])
 
     # The CUDA JIT norm module, not the CuTe DSL one (which the GPU bundle lacks).
     monkeypatch.setattr(flashinfer.norm, "_USE_CUDA_NORM", True)
