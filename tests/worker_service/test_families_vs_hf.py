@@ -6,7 +6,8 @@ with sliding windows of 12-16 tokens under prompts of 40-60, so the sliding
 layers see less than the global ones; Gemma 2's attention and final-logit
 soft-caps small enough to bend a tiny model's scores; Gemma 3's own RoPE for
 its sliding layers and its query/key norms; Phi-3's fused checkpoint tensors
-and longrope factors. The reference is transformers' uncached forward over
+and longrope factors; a Phi-4-mini-shaped Phi-3 whose heads rotate in half
+their dims. The reference is transformers' uncached forward over
 each request's tokens (hf_reference.hf_greedy_check; why not generate() is
 said there). Greedy tokens
 identical over 64 new tokens, chosen-token logprobs within 1e-4, in mixed
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 64
 TOL = 1e-4
-FAMILIES = ["gemma2", "gemma3", "phi3-longrope"]
+FAMILIES = ["gemma2", "gemma3", "phi3-longrope", "phi3-partial-rotary"]
 
 
 def rand(g: torch.Generator, n: int) -> list[int]:

@@ -157,6 +157,15 @@ def test_a_gemma3_with_every_layer_global_has_no_window():
     assert cfg.sliding_window is None and cfg.sliding_layers == ()
 
 
+def test_phi4_mini_partial_rotary():
+    cfg = config_from_hf(
+        {**PHI3_128K, "partial_rotary_factor": 0.75, "hidden_size": 128 * 32,
+         "rope_scaling": {**PHI3_128K["rope_scaling"], "short_factor": [1.0] * 48,
+                          "long_factor": [2.0] * 48}}
+    )  # fmt: skip
+    assert cfg.head_dim == 128 and cfg.rope.partial_rotary_factor == 0.75
+
+
 def test_phi3_reads_longrope_with_its_factor_from_the_context_lengths():
     cfg = config_from_hf({**PHI3_128K, "hidden_size": 96 * 32})
     rope = cfg.rope
@@ -174,7 +183,13 @@ def test_phi3_reads_longrope_with_its_factor_from_the_context_lengths():
         (GEMMA3_1B, {"altup_num_inputs": 4}, "altup_num_inputs"),
         (GEMMA3_1B, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         (GEMMA2_2B, {"hidden_act": "silu"}, "hidden_act='silu'"),
-        (PHI3_128K, {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+        (PHI3_128K, {"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+        (PHI3_128K, {"partial_rotary_factor": 0.75}, "48 factors, 72 rotary dims need 36"),
+        (
+            GEMMA3_1B,
+            {"rope_scaling": {"rope_type": "linear", "factor": 8.0, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor is not supported",
+        ),
         (PHI3_128K, {"attention_bias": True}, "attention_bias=True"),
         (PHI3_128K, {"lm_head_bias": True}, "lm_head_bias"),
         (
@@ -187,7 +202,7 @@ def test_phi3_reads_longrope_with_its_factor_from_the_context_lengths():
             {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}},
             "needs short_factor and long_factor",
         ),
-        (PHI3_128K, {"hidden_size": 64 * 32}, "48 factors, head_dim 64 needs 32"),
+        (PHI3_128K, {"hidden_size": 64 * 32}, "48 factors, 64 rotary dims need 32"),
     ],
 )
 def test_refused_by_name(config, change, named):

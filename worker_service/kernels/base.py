@@ -63,9 +63,10 @@ class Kernels(Protocol):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H, D) and k (T, H_kv, D) rotated (rotate-half convention) at
-        ``positions`` (T,) int64; ``cos_sin_cache`` (max positions, D) float32 holds
-        cos then sin of each of the D/2 frequencies, any scale folded in. May
-        rotate q and k in place."""
+        ``positions`` (T,) int64; ``cos_sin_cache`` (max positions, R) float32 holds
+        cos then sin of each of the R/2 frequencies, any scale folded in: the
+        first R dims of each head rotate (R = D but for partial rotary RoPE),
+        the rest pass. May rotate q and k in place."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,13 @@ class TorchKernels:
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+        rot = cos_sin_cache.shape[-1]
+        if rot == q.shape[-1]:
+            return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+        # Partial rotary: the first ``rot`` dims rotate, the rest pass (HF's order).
+        return tuple(
+            torch.cat((_rotate_half(x[..., :rot], cos, sin), x[..., rot:]), dim=-1) for x in (q, k)
+        )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

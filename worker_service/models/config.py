@@ -51,6 +51,9 @@ class RopeConfig:
     # original_max_position_embeddings on.
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # The share of head_dim that rotates (Phi-4-mini: 0.75): the first
+    # partial_rotary_factor * head_dim dims, the rest pass through.
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from worker_service.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelConfig,
+    UnsupportedModelError,
 )
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import FamilySupport, ModelFamily
@@ -312,9 +313,11 @@ def _ropes(architecture: str, cfg: dict[str, Any]):
         full = dict(params.get(FULL_ATTENTION) or {"rope_theta": 1e6})
         local = dict(params.get(SLIDING_ATTENTION) or {"rope_theta": 10000.0})
     rope = rope_of(architecture, full)
-    if architecture == GEMMA2:
-        return rope, None
-    return rope, rope_of(architecture, local)
+    local_rope = None if architecture == GEMMA2 else rope_of(architecture, local)
+    if any(r is not None and r.partial_rotary_factor != 1.0 for r in (rope, local_rope)):
+        # transformers' Gemma rotates every dim whatever the factor says.
+        raise UnsupportedModelError(f"{architecture}: partial_rotary_factor is not supported")
+    return rope, local_rope
 
 
 # Architectures of this family's checkpoints that are refused, and why.

@@ -1,6 +1,7 @@
 """The Phi-3 family (``Phi3ForCausalLM``): a Llama-shaped model whose
 checkpoint fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``,
-with Phi-3's longrope RoPE scaling (models/rope.py). The fused tensors are
+with Phi-3's longrope RoPE scaling (models/rope.py) and, where the config
+asks (Phi-4-mini), partial rotary embeddings. The fused tensors are
 split at load into the parts of our own fused layers, so each
 tensor-parallel rank keeps its shard of q, k and v (and gate and up) as in
 any Llama-family model; the forward is Llama's.
@@ -91,11 +92,12 @@ def read_config(architecture: str, cfg: dict[str, Any]) -> ModelConfig:
     elif kind is not None:
         params["rope_type"] = kind
     rope = rope_of(architecture, params, max_positions=max_positions)
+    rotary = int(head_dim * rope.partial_rotary_factor)
     for factors in (rope.short_factor, rope.long_factor):
-        if factors is not None and len(factors) != head_dim // 2:
+        if factors is not None and len(factors) != rotary // 2:
             raise UnsupportedModelError(
-                f"{architecture}: longrope has {len(factors)} factors, head_dim {head_dim} "
-                f"needs {head_dim // 2}"
+                f"{architecture}: longrope has {len(factors)} factors, {rotary} rotary dims "
+                f"need {rotary // 2}"
             )
     eos = cfg.get("eos_token_id")
     return ModelConfig(

@@ -112,8 +112,9 @@ def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, head_dim: int, sca
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """RoPE from a precomputed table: ``cos_sin_cache`` (positions, head_dim)
-    float32 holds, per position, the cosines then the sines of the head_dim / 2
+    """RoPE from a precomputed table: ``cos_sin_cache`` (positions, rotary dims:
+    head_dim, or its rotating share) float32 holds, per position, the cosines
+    then the sines of the rotary dims / 2
     frequencies, the attention scaling multiplied in: the layout FlashInfer's
     RoPE kernel reads, half the size of full-width cos and sin tables."""
 
@@ -125,13 +126,14 @@ class RotaryEmbedding(torch.nn.Module):
         rope: RopeConfig | None = None,
     ) -> None:
         """``rope``: the layers' own RoPE where it is not ``config.rope`` (Gemma 3's
-        sliding layers)."""
+        sliding layers). A partial rotary RoPE's table covers the rotating dims
+        only (its width is what the kernels rotate)."""
         super().__init__()
-        self.head_dim = config.head_dim
-        self.kernels = kernels
         self.rope_config = rope or config.rope
+        self.head_dim = int(config.head_dim * self.rope_config.partial_rotary_factor)
+        self.kernels = kernels
         inv_freq, self.scale = inverse_frequencies(
-            self.rope_config, config.head_dim, config.max_position_embeddings
+            self.rope_config, self.head_dim, config.max_position_embeddings
         )
         self.inv_freq = inv_freq
         self.device = device

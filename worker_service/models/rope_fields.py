@@ -44,12 +44,10 @@ def rope_of(
         raise UnsupportedModelError(
             f"{architecture}: RoPE type {kind!r} is not supported (supported: {sorted(_KEYS)})"
         )
-    partial = params.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(
-            f"{architecture}: partial_rotary_factor={partial!r} (partial rotary "
-            "embeddings) is not implemented"
-        )
+    partial = params.get("partial_rotary_factor")
+    partial = 1.0 if partial is None else float(partial)
+    if not 0.0 < partial <= 1.0:
+        raise UnsupportedModelError(f"{architecture}: partial_rotary_factor={partial!r}")
     unknown = sorted(
         k
         for k, v in params.items()
@@ -63,7 +61,7 @@ def rope_of(
         raise UnsupportedModelError(f"{architecture}: longrope needs short_factor and long_factor")
     theta = float(params.get("rope_theta", 10000.0))
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     original = params.get("original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None and kind == "longrope" and max_positions and original:
@@ -86,4 +84,5 @@ def rope_of(
         attention_factor=None if attention is None else float(attention),
         short_factor=factors("short_factor"),
         long_factor=factors("long_factor"),
+        partial_rotary_factor=partial,
     )

@@ -45,6 +45,11 @@ MODELS = {
         "LlamaForCausalLM", 128, 256, 2, 4, 2, 32, 384,
         rope=RopeConfig(10000.0, "linear", 2.0), max_position_embeddings=256,
     ),
+    # Partial rotary (Phi-4-mini): the table rotates the first half of each head.
+    "phi3-partial-rotary-h64": ModelConfig(
+        "Phi3ForCausalLM", 128, 256, 2, 2, 2, 64, 384,
+        rope=RopeConfig(10000.0, partial_rotary_factor=0.5), max_position_embeddings=256,
+    ),
     # Gemma's norms (query/key ones on strided heads), GeGLU, scaled embeddings,
     # its own local RoPE, the final soft-cap (models/gemma.py).
     "gemma3-h64": ModelConfig(

@@ -111,6 +111,12 @@ FAMILY_ARCHITECTURES = {
             },
         ),
     ),
+    # Phi-4-mini's shape: half of each head rotates, tied embeddings.
+    "phi3-partial-rotary": (
+        Phi3Config,
+        "Phi3ForCausalLM",
+        dict(COMMON, partial_rotary_factor=0.5, tie_word_embeddings=True),
+    ),
 }
 
 
