@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker_service.support import flashinfer_fakes as fakes
+from worker_service.attention.flashinfer_modules import (
+    GEGLU_OP_MODULE,
+    OP_MODULES,
+    model_op_modules,
+)
 from worker_service.kernels.cpu_kernels import load_cpu_kernels
 from worker_service.kernels.flashinfer_kernels import FlashInferKernels
 from worker_service.kernels.torch_kernels import TorchKernels
@@ -143,3 +148,10 @@ def test_longrope_uses_the_long_factors_from_the_original_context_on():
 
     assert torch.equal(table[[0, 5, 63]], rows(short, [0, 5, 63]))
     assert torch.equal(table[[64, 200, 255]], rows(long, [64, 200, 255]))
+
+
+def test_only_a_geglu_model_needs_flashinfers_geglu_module():
+    # A Llama worker started against a bundle built before GeGLU still starts.
+    assert GEGLU_OP_MODULE in OP_MODULES  # built into the bundle
+    assert model_op_modules("gelu_pytorch_tanh") == ("norm", "rope", GEGLU_OP_MODULE)
+    assert GEGLU_OP_MODULE not in model_op_modules("silu")
