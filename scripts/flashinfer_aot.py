@@ -48,11 +48,12 @@ from worker_service.attention.flashinfer_modules import (
 def op_specs() -> Iterator[object]:
     """worker_service/kernels/flashinfer_kernels.py's modules: one each, every dtype
     and head dim inside (the getters flashinfer.norm.get_norm_module, rope's
-    get_rope_module, get_act_and_mul_module("silu") and get_sampling_module build
-    exactly these)."""
+    get_rope_module, get_act_and_mul_module("silu") / ("gelu_tanh") and
+    get_sampling_module build exactly these)."""
     yield gen_norm_module()
     yield gen_rope_module()
     yield gen_act_and_mul_module("silu")
+    yield gen_act_and_mul_module("gelu_tanh")
     yield gen_sampling_module()
 
 

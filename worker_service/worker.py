@@ -13,10 +13,10 @@ from worker_service.attention.attention_choice import choose_attention, dtype_na
 from worker_service.attention.base import AttentionBackend, AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
 from worker_service.attention.flashinfer_modules import (
-    MODEL_OP_MODULES,
     SAMPLER_OP_MODULES,
     check_prebuilt,
     flashinfer_kernel_source,
+    model_op_modules,
     needed_modules,
 )
 from worker_service.attention.layer_groups import (
@@ -315,7 +315,7 @@ def choose_compute(
     kernels = _select_kernels(device, dtype=dtype, choice=cfg.kernels)
     sampler_kernels = _select_kernels(device, dtype=None, choice=cfg.kernels)
     chosen = ComputeChoice(spec, choice.name, kernels, sampler_kernels, groups)
-    _check_flashinfer_modules(chosen)
+    _check_flashinfer_modules(chosen, hidden_act=mcfg.hidden_act)
     return chosen
 
 
@@ -359,7 +359,7 @@ def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str
         raise SystemExit(f"--kernels {choice}: {e}; use --kernels auto or torch") from None
 
 
-def _check_flashinfer_modules(choice: ComputeChoice) -> None:
+def _check_flashinfer_modules(choice: ComputeChoice, *, hidden_act: str = "silu") -> None:
     """Stop here, naming them, if FlashInfer modules this worker will load are
     neither prebuilt nor compilable (else the first use fails: graph capture)."""
     needed = []
@@ -372,7 +372,7 @@ def _check_flashinfer_modules(choice: ComputeChoice) -> None:
                 sliding_window=bool(spec.sliding_window),
                 soft_cap=spec.logit_soft_cap is not None,
             )
-    ops = list(MODEL_OP_MODULES) if choice.model_kernels.name == "flashinfer" else []
+    ops = list(model_op_modules(hidden_act)) if choice.model_kernels.name == "flashinfer" else []
     ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)

@@ -55,3 +55,20 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], steps: int):
     """Greedy tokens and the logprob of each."""
     tokens, rows = greedy_with_logprobs(model, prompt, steps)
     return tokens, [row[t].item() for row, t in zip(rows, tokens, strict=True)]
+
+
+def hf_greedy_check(
+    model: PreTrainedModel, prompt: list[int], tokens: list[int]
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy choice and the logprob of ``tokens[i]`` at each of
+    their positions, from one uncached forward over ``prompt + tokens[:-1]``:
+    ``tokens`` are transformers' greedy tokens exactly when they equal the
+    choices. The reference for sliding-window models: transformers 5.24's
+    generate() with its sliding-window cache picks tokens its own uncached
+    forward does not (a tiny Phi-3 with a 16-token window, the decode steps
+    after a 47- or 48-token prompt, eager and SDPA attention alike)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    rows = torch.log_softmax(logits.float(), -1)
+    picked = rows.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    return rows.argmax(-1).tolist(), picked.tolist()

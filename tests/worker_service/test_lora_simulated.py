@@ -45,3 +45,14 @@ def test_simulated_adapters_follow_their_own_rule(tmp_path):
     for r, adapter in zip(reqs, ["alpha", "beta", None, "alpha"], strict=True):
         assert r.outputs == expected_output(prompt, 6, VOCAB, adapter=adapter)
     assert len({tuple(r.outputs) for r in reqs}) == 3
+
+
+def test_fused_targets_are_their_parts(tmp_path):
+    """Phi-3 adapters name the checkpoint's fused qkv_proj / gate_up_proj."""
+    loader = worker_for("simulated").adapter_loader
+    fused = _config_dir(tmp_path / "f", target_modules=["qkv_proj", "o_proj", "gate_up_proj"])
+    assert loader.load("f", fused, 0).target_modules == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
+    )  # fmt: skip
+    with pytest.raises(AdapterError, match=r"unsupported target modules \['wqkv'\]"):
+        loader.load("w", _config_dir(tmp_path / "w", target_modules=["wqkv"]), 0)

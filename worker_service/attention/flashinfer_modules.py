@@ -53,8 +53,20 @@ DEFAULT_SOFTCAP_HEAD_DIMS = (256,)
 # FlashInferKernels' modules: one each, every dtype and head dim inside; the
 # model's ops, and the sampler's filters.
 MODEL_OP_MODULES = ("norm", "rope", "silu_and_mul")
+# GeGLU (Gemma's MLP activation): built beside them, needed only by a model
+# whose hidden_act is gelu_pytorch_tanh (model_op_modules).
+GEGLU_OP_MODULE = "gelu_tanh_and_mul"
 SAMPLER_OP_MODULES = ("sampling",)
-OP_MODULES = MODEL_OP_MODULES + SAMPLER_OP_MODULES
+OP_MODULES = (*MODEL_OP_MODULES, GEGLU_OP_MODULE, *SAMPLER_OP_MODULES)
+
+
+def model_op_modules(hidden_act: str) -> tuple[str, ...]:
+    """The FlashInferKernels modules a model with this MLP activation loads."""
+    if hidden_act == "gelu_pytorch_tanh":
+        return ("norm", "rope", GEGLU_OP_MODULE)
+    return MODEL_OP_MODULES
+
+
 # Decode on tensor cores (the FA2 prefill kernel at q_len 1) from this GQA group
 # on: it pays off for wide groups, and the CUDA-core kernel only has groups
 # 1, 2, 3, 4, 6, 8 and 16.

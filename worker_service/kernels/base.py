@@ -1,9 +1,9 @@
 """The interface both kernel sets implement, and the sampling filters' parameters.
 
 A ``Kernels`` object holds the small per-token ops of a decoder layer (RMSNorm,
-residual add + RMSNorm, RoPE, SiLU-and-mul) and the sampler's top-k / top-p /
-min-p filter. Shapes: ``T`` tokens, ``H`` heads, ``D`` head dim, ``S`` sampled
-rows, ``V`` vocabulary.
+residual add + RMSNorm, RoPE, SiLU-and-mul; Gemma's RMSNorm and GeGLU) and
+the sampler's top-k / top-p / min-p filter. Shapes: ``T`` tokens, ``H``
+heads, ``D`` head dim, ``S`` sampled rows, ``V`` vocabulary.
 
 Ops may work in place: ``add_rmsnorm`` and ``rope`` are allowed to overwrite
 their tensor arguments (FlashInfer's kernels do; the torch ones do not), so
@@ -63,13 +63,30 @@ class Kernels(Protocol):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H, D) and k (T, H_kv, D) rotated (rotate-half convention) at
-        ``positions`` (T,) int64; ``cos_sin_cache`` (max positions, D) float32 holds
-        cos then sin of each of the D/2 frequencies, any scale folded in. May
-        rotate q and k in place."""
+        ``positions`` (T,) int64; ``cos_sin_cache`` (max positions, R) float32 holds
+        cos then sin of each of the R/2 frequencies, any scale folded in: the
+        first R dims of each head rotate (R = D but for partial rotary RoPE),
+        the rest pass. May rotate q and k in place."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` (T, 2F) = [gate | up]; (T, F)."""
+        ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU, Gemma's
+        gelu_pytorch_tanh) for ``gate_up`` (T, 2F) = [gate | up]; (T, F)."""
+        ...
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``x / RMS(x) * (1 + weight)`` in float32, rounded
+        once to x's dtype; x (T, hidden) or (T, H, D)."""
+        ...
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gemma_rmsnorm(residual + x), residual + x)``; may overwrite both."""
         ...
 
     def filter_probs(self, probs: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:

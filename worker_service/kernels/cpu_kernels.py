@@ -9,6 +9,11 @@ differ from torch's within a few float32 ulp (the C source says how). In
 place where ``base.Kernels`` allows it: ``add_rmsnorm`` returns its x and
 residual arguments, overwritten; ``rope`` rotates q and k where they lie.
 
+Gemma's RMSNorm runs the C RMSNorm with ``1 + weight`` formed in float32 per
+call (a hidden-size vector): for float32 rows that is transformers'
+arithmetic. GeGLU (``gelu_tanh_and_mul``) is C too, within a few ulp of
+torch's tanh GELU (the C source says how).
+
 ``load_cpu_kernels`` builds the library (kernels/c_build.py) and returns None
 where it cannot (no compiler, a failed build): the torch kernels run then.
 
@@ -41,6 +46,7 @@ _SIGNATURES = {
     "rmsnorm": [_P, _P, _P, _I64, _INT, _F, _INT],
     "rope": [_P, _I64, _P, _I64, _INT, _P, _I64, _INT, _INT, _P, _INT],
     "silu_and_mul": [_P, _P, _I64, _INT, _INT],
+    "gelu_tanh_and_mul": [_P, _P, _I64, _INT, _INT],
 }
 
 
@@ -97,6 +103,29 @@ class CpuKernels(TorchKernels):
             self.threads,
         )  # fmt: skip
         return x, residual
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (_rows_of(gate_up) and gate_up.shape[-1] % 2 == 0):
+            return super().gelu_tanh_and_mul(gate_up)
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+        self._lib.gelu_tanh_and_mul(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+            self.threads,
+        )  # fmt: skip
+        return out
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not _rows_of(x):
+            return super().gemma_rmsnorm(x, weight, eps)
+        return self.rmsnorm(x, 1.0 + weight.float(), eps)
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (_rows_of(x) and _rows_of(residual)):
+            return super().gemma_add_rmsnorm(x, residual, weight, eps)
+        return self.add_rmsnorm(x, residual, 1.0 + weight.float(), eps)
 
     def rope(
         self,

@@ -16,7 +16,12 @@ parentheses; the review counted 30-40 per decoder layer):
   D/2 cosines then the D/2 sines of each position, used as given, so every
   scaling (linear, llama3, per-frequency GGUF factors: in the frequencies;
   yarn's attention factor: multiplied into cos and sin) comes for free.
-- ``flashinfer.activation.silu_and_mul``: ``silu(gate) * up`` (2 -> 1).
+- ``flashinfer.activation.silu_and_mul``: ``silu(gate) * up`` (2 -> 1);
+  ``gelu_tanh_and_mul`` the same for Gemma's GeGLU.
+- ``flashinfer.norm.gemma_rmsnorm`` / ``gemma_fused_add_rmsnorm``: Gemma's
+  RMSNorm (``x / RMS(x) * (1 + w)``, the weight and product in float32), plain
+  and with the residual add, as the two above; the plain one takes 2-D input
+  only, so Gemma 3's (T, H, D) query/key norm runs on T * H rows.
 - ``flashinfer.sampling.top_k_renorm_probs`` / ``top_p_renorm_probs``: the
   top-k and top-p filters by radix threshold search, no vocabulary sort. Both
   keep every token at or above the threshold (ties together) and renormalise.
@@ -92,6 +97,23 @@ class FlashInferKernels:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._activation.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._activation.gelu_tanh_and_mul(gate_up)
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2:
+            return self._norm.gemma_rmsnorm(x, weight, eps)
+        # Its kernel takes (rows, dim) only (rmsnorm's also takes heads): the
+        # query/key norm's (T, H, D) as T * H rows (a copy where q and k are
+        # strided views of the fused projection).
+        return self._norm.gemma_rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._norm.gemma_fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
 
     def filter_probs(self, probs: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
         # top-p after top-k: it then applies to the top-k distribution, as ours does.

@@ -35,11 +35,34 @@ class TorchKernels:
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+        rot = cos_sin_cache.shape[-1]
+        if rot == q.shape[-1]:
+            return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+        # Partial rotary: the first ``rot`` dims rotate, the rest pass (HF's order).
+        return tuple(
+            torch.cat((_rotate_half(x[..., :rot], cos, sin), x[..., rot:]), dim=-1) for x in (q, k)
+        )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def gemma_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # transformers' Gemma RMSNorm: the weight's 1 + w and the product in
+        # float32, one rounding at the end (Llama's rounds before its weight).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+    def gemma_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return self.gemma_rmsnorm(residual, weight, eps), residual
 
     def filter_probs(self, probs: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
         """Thresholds from one descending sort; each filter keeps the tokens at or

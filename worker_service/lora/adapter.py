@@ -13,6 +13,10 @@ communication beyond the base model's own:
   x_shard A_shard^T B^T is a partial sum like the base output's, added
   before RowLinear's all-reduce, which then sums the deltas exactly.
 
+An adapter on a checkpoint's fused module (Phi-3's qkv_proj, gate_up_proj;
+peft_config.FUSED_MODULES) is read as one per part, each with the fused A
+and its rows of B, before any of the above.
+
 The scale (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B at
 load; weights are never merged into the base model's.
 """
@@ -27,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from worker_service.lora.peft_config import (
+    FUSED_MODULES,
     LORA_MODULES,
     WEIGHTS_FILE,
     AdapterError,
@@ -94,8 +99,9 @@ def load_lora_adapter(
     """Read, check against the model and shard a PEFT LoRA adapter; any
     problem raises AdapterError before anything is kept."""
     config = read_lora_config(directory, max_rank)
-    chosen = resolve_targets(config, targets.module_paths())
-    raw = _read_matrices(directory, targets, chosen)
+    paths = _paths_with_fused(targets)
+    chosen = resolve_targets(config, paths)
+    raw = _split_fused(_read_matrices(directory, paths, targets, chosen), targets)
     r = config.rank
     for (layer, proj), pair in raw.items():
         shape = targets.projections[proj]
@@ -114,10 +120,47 @@ def load_lora_adapter(
     return adapter
 
 
-def _read_matrices(
-    directory: Path, targets: LoraTargets, chosen: set[str]
+def _paths_with_fused(targets: LoraTargets) -> dict[str, str]:
+    """The targetable module paths (-> projection name), with the fused modules
+    whose parts the model has (-> the fused name)."""
+    paths = targets.module_paths()
+    for i in range(targets.num_layers):
+        for fused, parts in FUSED_MODULES.items():
+            if all(p in targets.projections for p in parts):
+                block = targets.projections[parts[0]].block
+                paths[f"model.layers.{i}.{block}.{fused}"] = fused
+    return paths
+
+
+def _split_fused(
+    raw: dict[tuple[int, str], dict[str, torch.Tensor]], targets: LoraTargets
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-    """(layer, projection) -> {"A": ..., "B": ...} for every targeted module."""
+    """Each fused module's pair as one pair per part: the fused A, and the
+    part's rows of B."""
+    out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for (layer, proj), pair in raw.items():
+        parts = FUSED_MODULES.get(proj)
+        if parts is None:
+            out[(layer, proj)] = pair
+            continue
+        sizes = [targets.projections[p].out_features for p in parts]
+        if pair["B"].shape[0] != sum(sizes):
+            raise AdapterError(
+                f"layer {layer} {proj}: lora_B has {pair['B'].shape[0]} rows, the model's "
+                f"{' + '.join(parts)} have {sum(sizes)}: an adapter of another base model?"
+            )
+        for part, b in zip(parts, pair["B"].split(sizes), strict=True):
+            if (layer, part) in raw:
+                raise AdapterError(f"layer {layer}: {part} is targeted on its own and in {proj}")
+            out[(layer, part)] = {"A": pair["A"], "B": b}
+    return out
+
+
+def _read_matrices(
+    directory: Path, paths: dict[str, str], targets: LoraTargets, chosen: set[str]
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, projection or fused module) -> {"A": ..., "B": ...} for every
+    targeted module (``paths``: module path -> its name)."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         pickled = (directory / "adapter_model.bin").is_file()
@@ -131,7 +174,7 @@ def _read_matrices(
                 if m is None:
                     raise AdapterError(
                         f"unexpected tensor {key!r}: only lora_A/lora_B of "
-                        f"{', '.join(LORA_MODULES)} are supported"
+                        f"{', '.join((*LORA_MODULES, *FUSED_MODULES))} are supported"
                     )
                 layer, block, proj, which = int(m[1]), m[2], m[3], m[4]
                 if layer >= targets.num_layers:
@@ -152,7 +195,6 @@ def _read_matrices(
         raise
     except Exception as e:  # a corrupt or truncated file
         raise AdapterError(f"cannot read {WEIGHTS_FILE}: {e}") from e
-    paths = targets.module_paths()
     missing = sorted(p for p in chosen if len(raw.get((int(p.split(".")[2]), paths[p]), {})) != 2)
     if missing:
         raise AdapterError(

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from worker_service.lora.peft_config import LORA_MODULES, read_lora_config, resolve_targets
+from worker_service.lora.peft_config import (
+    FUSED_MODULES,
+    LORA_MODULES,
+    read_lora_config,
+    resolve_targets,
+)
 from worker_service.lora.store import LoadedAdapter
 
 
@@ -29,9 +34,11 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
 
 
-# A one-layer Llama's module paths, for resolving target_modules without a model.
+# A one-layer Llama's module paths, and its fused ones (Phi-3's checkpoint
+# names), for resolving target_modules without a model.
 _GENERIC_PATHS = {
-    f"model.layers.0.{'self_attn' if m in LORA_MODULES[:4] else 'mlp'}.{m}": m for m in LORA_MODULES
+    f"model.layers.0.{'self_attn' if m in (*LORA_MODULES[:4], 'qkv_proj') else 'mlp'}.{m}": m
+    for m in (*LORA_MODULES, *FUSED_MODULES)
 }
 
 
@@ -39,5 +46,6 @@ class ConfigOnlyLoader:
     def load(self, name: str, path: Path, max_rank: int) -> LoadedAdapter:
         config = read_lora_config(path, max_rank)
         chosen = {_GENERIC_PATHS[p] for p in resolve_targets(config, _GENERIC_PATHS)}
+        chosen |= {part for fused in chosen & set(FUSED_MODULES) for part in FUSED_MODULES[fused]}
         modules = tuple(m for m in LORA_MODULES if m in chosen)
         return AdapterInfo(name, config.rank, modules)

@@ -18,6 +18,14 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The projections an adapter may target, in the model's order.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoints that fuse projections (Phi-3) have adapters on the fused module:
+# one A for the parts and B's rows the parts' outputs in this order, the same
+# deltas as an adapter per part with that A and its rows of B (adapter.py
+# splits them so).
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 class AdapterError(ValueError):
@@ -126,10 +134,11 @@ def resolve_targets(config: LoraConfig, module_paths: dict[str, str]) -> set[str
         # PEFT's shorthand: every linear layer but the output head.
         spec = LORA_MODULES
     if isinstance(spec, tuple):
-        unknown = [n for n in spec if n.rsplit(".", 1)[-1] not in LORA_MODULES]
+        known = (*LORA_MODULES, *FUSED_MODULES)
+        unknown = [n for n in spec if n.rsplit(".", 1)[-1] not in known]
         if unknown:
             raise AdapterError(
-                f"unsupported target modules {unknown} (supported: {', '.join(LORA_MODULES)})"
+                f"unsupported target modules {unknown} (supported: {', '.join(known)})"
             )
         # A model without some projections (a mixture-of-experts MLP has no
         # gate/up/down of its own) refuses adapters trained on them.

@@ -36,7 +36,7 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    # None | "linear" | "llama3" | "yarn"; see models/rope.py
+    # None | "linear" | "llama3" | "yarn" | "longrope"; see models/rope.py
     scaling_type: str | None = None
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -50,6 +50,13 @@ class RopeConfig:
     truncate: bool = True
     # llama.cpp stores Llama 3.1 scaling as one divisor per frequency (GGUF).
     freq_factors: tuple[float, ...] | None = None
+    # longrope (Phi-3): one divisor per frequency below and from
+    # original_max_position_embeddings on.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    # The share of head_dim that rotates (Phi-4-mini: 0.75): the first
+    # partial_rotary_factor * head_dim dims, the rest pass through.
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,23 @@ from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
-from worker_service.models import gpt_oss, llama, mixtral, olmoe, qwen3_moe
+from worker_service.models import gemma, gpt_oss, llama, mixtral, olmoe, phi3, qwen3_moe
 from worker_service.models.config import ModelConfig, UnsupportedModelError
 from worker_service.models.family import ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
+    gemma.FAMILY,
+    phi3.FAMILY,
     qwen3_moe.FAMILY,
     mixtral.FAMILY,
     olmoe.FAMILY,
     gpt_oss.FAMILY,
 )
+
+# Architectures refused by name with the reason (a family's checkpoints we do
+# not serve, e.g. a multimodal variant of a text model we do).
+REFUSED: dict[str, str] = {**gemma.REFUSED}
 
 FAMILY_OF: dict[str, ModelFamily] = {
     arch: family for family in FAMILIES for arch in family.architectures
@@ -30,6 +36,8 @@ FAMILY_OF: dict[str, ModelFamily] = {
 def family_of(architecture: str) -> ModelFamily:
     family = FAMILY_OF.get(architecture)
     if family is None:
+        if architecture in REFUSED:
+            raise UnsupportedModelError(f"{architecture}: {REFUSED[architecture]}")
         raise UnsupportedModelError(
             f"architecture {architecture} is not supported; radixserve serves {sorted(FAMILY_OF)}"
         )
@@ -42,6 +50,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in FAMILY_OF), None)
     if arch is None:
+        refused = [a for a in archs if a in REFUSED]
+        if refused:
+            raise UnsupportedModelError(f"{refused[0]}: {REFUSED[refused[0]]}")
         raise UnsupportedModelError(
             f"architectures {archs} are not supported; radixserve serves {sorted(FAMILY_OF)}"
         )

@@ -4,7 +4,17 @@ Frequencies follow the Hugging Face definitions (the weights are in HF
 layout, rotate-half convention): default, linear (positions / factor),
 llama3 (low frequencies scaled by 1/factor, high ones kept, a smooth ramp
 between), yarn (NTK-by-parts interpolation plus an attention factor that
-scales cos and sin), and llama.cpp's per-frequency factors from GGUF files.
+scales cos and sin), longrope (Phi-3: per-frequency divisors, the short ones
+below original_max_position_embeddings and the long ones from there on, and
+an attention factor), and llama.cpp's per-frequency factors from GGUF files.
+
+Longrope by position: transformers switches every position of a sequence to
+the long factors once the sequence outgrows the original context (recomputing
+nothing already cached); a paged cache cannot re-rotate cached keys, so here
+position p uses the short factors below the original context and the long
+ones from it on, whatever the batch (vLLM switches the whole batch, which
+would make a request's tokens depend on its neighbours). Sequences within
+the original context match transformers exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ def inverse_frequencies(
         inv_freq = _llama3(inv_freq, rope)
     elif kind == "yarn":
         inv_freq, scale = _yarn(rope, dim, max_positions)
+    elif kind == "longrope":
+        inv_freq, scale = _longrope(rope, dim, rope.short_factor)
     if rope.freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     return inv_freq, scale
@@ -76,18 +88,54 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
     return inv_freq, float(scale)
 
 
+def _longrope(
+    rope: RopeConfig, dim: int, factors: tuple[float, ...] | None
+) -> tuple[torch.Tensor, float]:
+    if factors is None or len(factors) != dim // 2:
+        raise ValueError(f"longrope needs {dim // 2} factors per table, got {factors!r}")
+    ext = torch.tensor(factors, dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (ext * rope.theta**shape)
+    scale = rope.attention_factor
+    if scale is None:
+        original = rope.original_max_position_embeddings or 1
+        factor = rope.factor
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(scale)
+
+
+def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, head_dim: int, scale: float):
+    freqs = torch.outer(positions, inv_freq)
+    # cos / sin of the full-width (freqs, freqs) as transformers computes them,
+    # then one half of each: the same float32 values, bit for bit.
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = head_dim // 2
+    return torch.cat((emb.cos()[:, :half] * scale, emb.sin()[:, :half] * scale), dim=-1)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """RoPE from a precomputed table: ``cos_sin_cache`` (positions, head_dim)
-    float32 holds, per position, the cosines then the sines of the head_dim / 2
+    """RoPE from a precomputed table: ``cos_sin_cache`` (positions, rotary dims:
+    head_dim, or its rotating share) float32 holds, per position, the cosines
+    then the sines of the rotary dims / 2
     frequencies, the attention scaling multiplied in: the layout FlashInfer's
     RoPE kernel reads, half the size of full-width cos and sin tables."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        kernels: Kernels,
+        rope: RopeConfig | None = None,
+    ) -> None:
+        """``rope``: the layers' own RoPE where it is not ``config.rope`` (Gemma 3's
+        sliding layers). A partial rotary RoPE's table covers the rotating dims
+        only (its width is what the kernels rotate)."""
         super().__init__()
-        self.head_dim = config.head_dim
+        self.rope_config = rope or config.rope
+        self.head_dim = int(config.head_dim * self.rope_config.partial_rotary_factor)
         self.kernels = kernels
         inv_freq, self.scale = inverse_frequencies(
-            config.rope, config.head_dim, config.max_position_embeddings
+            self.rope_config, self.head_dim, config.max_position_embeddings
         )
         self.inv_freq = inv_freq
         self.device = device
@@ -96,14 +144,13 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _build(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)
-        # cos / sin of the full-width (freqs, freqs) as transformers computes them,
-        # then one half of each: the same float32 values, bit for bit.
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = self.head_dim // 2
-        cos = emb.cos()[:, :half] * self.scale
-        sin = emb.sin()[:, :half] * self.scale
-        self.cos_sin_cache = torch.cat((cos, sin), dim=-1).contiguous().to(self.device)
+        table = _cos_sin(self.inv_freq, t, self.head_dim, self.scale)
+        rope = self.rope_config
+        if rope.scaling_type == "longrope" and rope.original_max_position_embeddings:
+            start = min(rope.original_max_position_embeddings, n)
+            long_freq, scale = _longrope(rope, self.head_dim, rope.long_factor)
+            table[start:] = _cos_sin(long_freq, t[start:], self.head_dim, scale)
+        self.cos_sin_cache = table.contiguous().to(self.device)
 
     @property
     def max_positions(self) -> int:

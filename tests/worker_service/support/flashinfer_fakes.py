@@ -22,6 +22,9 @@ What they compute, per FlashInfer:
   first R dims, else interleaved (even, odd) pairs; q and k viewed as
   (nnz, -1, head_size) and overwritten;
 - silu_and_mul: ``silu(x[..., :d]) * x[..., d:]``, float32 math, one rounding;
+  gelu_tanh_and_mul the same with the tanh GELU;
+- gemma_rmsnorm / gemma_fused_add_rmsnorm: rmsnorm / fused_add_rmsnorm with
+  ``1 + weight`` (float32) in place of the weight; (B, D) input only;
 - top_k_renorm_probs: keep probs >= the k-th largest of the row (ties kept; k
   at or beyond the vocabulary keeps all), renormalise; a new tensor;
 - top_p_renorm_probs: keep probs >= the first value, in descending order, at
@@ -65,6 +68,13 @@ def rope_math(
         out[..., : rot // 2] = first * cos - second * sin
         out[..., rot // 2 : rot] = second * cos + first * sin
     return out.to(x.dtype)
+
+
+def gelu_tanh_and_mul_math(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    a, b = x[..., :d].float(), x[..., d:].float()
+    cdf = 0.5 * (1.0 + torch.tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+    return (a * cdf * b).to(x.dtype)
 
 
 def silu_and_mul_math(x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +152,33 @@ def silu_and_mul(input, out=None, enable_pdl=None):
     return out
 
 
+def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
+    assert input.shape[-1] % 2 == 0
+    result = gelu_tanh_and_mul_math(input)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    # csrc/norm.cu: CHECK_DIM(2, input), unlike rmsnorm's (B, D) or (B, H, D).
+    assert input.dim() == 2 and weight.dim() == 1 and input.shape[-1] == weight.shape[0]
+    assert input.dtype == weight.dtype, (input.dtype, weight.dtype)
+    if out is None:
+        out = torch.empty_like(input)
+    out.copy_(rmsnorm_math(input.float(), 1.0 + weight.float(), eps))
+    return out
+
+
+def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None) -> None:
+    assert input.dim() == 2 and residual.shape == input.shape and weight.dim() == 1
+    assert input.dtype == residual.dtype == weight.dtype
+    total = input.float() + residual.float()
+    residual.copy_(total)
+    input.copy_(rmsnorm_math(total, 1.0 + weight.float(), eps))
+
+
 def top_k_renorm_probs(probs, top_k, is_deterministic=False):
     assert probs.dim() == 2 and probs.dtype in (torch.float32, *HALF_DTYPES)
     return top_k_renorm_math(probs, _per_row(top_k, probs.shape[0], torch.int64))
@@ -167,6 +204,9 @@ def install_api(monkeypatch: pytest.MonkeyPatch) -> None:
             apply_rope_with_cos_sin_cache_inplace,
         ),
         (flashinfer.activation, "silu_and_mul", silu_and_mul),
+        (flashinfer.activation, "gelu_tanh_and_mul", gelu_tanh_and_mul),
+        (flashinfer.norm, "gemma_rmsnorm", gemma_rmsnorm),
+        (flashinfer.norm, "gemma_fused_add_rmsnorm", gemma_fused_add_rmsnorm),
         (flashinfer.sampling, "top_k_renorm_probs", top_k_renorm_probs),
         (flashinfer.sampling, "top_p_renorm_probs", top_p_renorm_probs),
     ]:
@@ -211,7 +251,24 @@ def _norm_cpp() -> SimpleNamespace:
         assert input.dim() == 2 and residual.shape == input.shape and weight.dim() == 1
         fused_add_rmsnorm(input, residual, weight, eps)
 
-    return SimpleNamespace(rmsnorm=rmsnorm_cpp, fused_add_rmsnorm=fused_add_rmsnorm_cpp)
+    def gemma_rmsnorm_cpp(output, input, weight, eps, enable_pdl) -> None:
+        _last_dim_contiguous(input, weight)
+        _half(input, weight)
+        assert input.dim() == 2 and output.shape == input.shape and weight.dim() == 1
+        output.copy_(rmsnorm_math(input.float(), 1.0 + weight.float(), eps))
+
+    def gemma_fused_add_rmsnorm_cpp(input, residual, weight, eps, enable_pdl) -> None:
+        _last_dim_contiguous(input, residual, weight)
+        _half(input, residual, weight)
+        assert input.dim() == 2 and residual.shape == input.shape and weight.dim() == 1
+        gemma_fused_add_rmsnorm(input, residual, weight, eps)
+
+    return SimpleNamespace(
+        rmsnorm=rmsnorm_cpp,
+        fused_add_rmsnorm=fused_add_rmsnorm_cpp,
+        gemma_rmsnorm=gemma_rmsnorm_cpp,
+        gemma_fused_add_rmsnorm=gemma_fused_add_rmsnorm_cpp,
+    )
 
 
 def _rope_cpp() -> SimpleNamespace:
@@ -239,6 +296,15 @@ def _silu_and_mul_cpp() -> SimpleNamespace:
         out.copy_(silu_and_mul_math(input))
 
     return SimpleNamespace(silu_and_mul=silu_and_mul_cpp)
+
+
+def _gelu_tanh_and_mul_cpp() -> SimpleNamespace:
+    def gelu_tanh_and_mul_cpp(out, input, enable_pdl) -> None:
+        _contiguous(input, out)
+        _half(input)
+        out.copy_(gelu_tanh_and_mul_math(input))
+
+    return SimpleNamespace(gelu_tanh_and_mul=gelu_tanh_and_mul_cpp)
 
 
 def _sampling_cpp() -> SimpleNamespace:
@@ -302,9 +368,10 @@ def install_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
     norm, rope, act, sampling = _norm_cpp(), _rope_cpp(), _silu_and_mul_cpp(), _sampling_cpp()
 
+    acts = {"silu": act, "gelu_tanh": _gelu_tanh_and_mul_cpp()}
+
     def act_spec(name: str) -> _BuiltSpec:
-        assert name == "silu", name
-        return _BuiltSpec(act)
+        return _BuiltSpec(acts[name])
 
     # The CUDA JIT norm module, not the CuTe DSL one (which the GPU bundle lacks).
     monkeypatch.setattr(flashinfer.norm, "_USE_CUDA_NORM", True)

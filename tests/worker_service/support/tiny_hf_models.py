@@ -9,8 +9,11 @@ import zlib
 import torch
 from transformers import AutoModelForCausalLM as HFAuto
 from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
@@ -51,15 +54,95 @@ ARCHITECTURES = {
 }
 
 
+# The families beside Llama's (models/gemma.py, models/phi3.py): windows of
+# 12-16 tokens, shorter than the prompts, so the sliding layers see less than
+# the global ones; a query scale that is not head_dim's; soft-caps small
+# enough to bend the scores and logits of a tiny model.
+WINDOW = 12
+GEMMA = dict(
+    COMMON,
+    num_hidden_layers=4,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=WINDOW,
+)
+FAMILY_ARCHITECTURES = {
+    "gemma2": (
+        Gemma2Config,
+        "Gemma2ForCausalLM",
+        dict(GEMMA, attn_logit_softcapping=0.5, final_logit_softcapping=5.0),
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        dict(
+            GEMMA,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    # Every layer global: what runs without per-layer windows in the backend.
+    "gemma3-global": (
+        Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        dict(GEMMA, layer_types=["full_attention"] * 4),
+    ),
+    "phi3-longrope": (
+        Phi3Config,
+        "Phi3ForCausalLM",
+        dict(
+            COMMON,
+            max_position_embeddings=512,
+            original_max_position_embeddings=256,
+            sliding_window=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0],
+            },
+        ),
+    ),
+    # Phi-4-mini's shape: half of each head rotates, tied embeddings.
+    "phi3-partial-rotary": (
+        Phi3Config,
+        "Phi3ForCausalLM",
+        dict(COMMON, partial_rotary_factor=0.5, tie_word_embeddings=True),
+    ),
+}
+
+
 def tiny_model(name: str, path) -> PreTrainedModel:
-    cls, extra = ARCHITECTURES[name]
     torch.manual_seed(zlib.crc32(name.encode()))
-    cfg = cls(**COMMON, **extra)
-    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    if name in FAMILY_ARCHITECTURES:
+        cls, arch, kwargs = FAMILY_ARCHITECTURES[name]
+        cfg = cls(**kwargs)
+    else:
+        cls, extra = ARCHITECTURES[name]
+        cfg = cls(**COMMON, **extra)
+        arch = cls.__name__.replace("Config", "ForCausalLM")
+    cfg.architectures = [arch]
     model = HFAuto.from_config(cfg, dtype=torch.float32).eval()
-    # Random init gives near-uniform logits where argmax ties are fragile; a
-    # sharper head makes greedy decoding meaningful.
     with torch.no_grad():
+        # Random init gives near-uniform logits where argmax ties are fragile; a
+        # sharper head makes greedy decoding meaningful.
         model.lm_head.weight.mul_(8.0)
+        if name in FAMILY_ARCHITECTURES:
+            # Norm weights drawn too (Gemma's start at 0, i.e. x (1 + 0)), so a
+            # norm applied the wrong way shows; sharper queries make attention
+            # scores large enough for windows and soft-caps to matter.
+            for pname, param in model.named_parameters():
+                if "norm" in pname:
+                    param.normal_(0.0, 0.3)
+                elif "q_proj" in pname or "qkv_proj" in pname:
+                    param.mul_(6.0)
     model.save_pretrained(path)
     return model

@@ -1,6 +1,6 @@
 /* The model's small per-token ops on the CPU in float32, one call each instead
  * of a handful of torch ops: residual add + RMSNorm, RMSNorm, RoPE in place,
- * SiLU-and-mul. A decode step of the default model runs about 25 such torch
+ * SiLU-and-mul, GeGLU. A decode step of the default model runs about 25 such torch
  * ops per layer, each a dispatch and an allocation for a few thousand floats.
  *
  * The arithmetic follows worker_service/kernels/torch_kernels.py: RoPE and the
@@ -107,5 +107,23 @@ void silu_and_mul(const float *gate_up, float *out, int64_t rows, int inter, int
         float *o = out + r * (int64_t)inter;
 #pragma omp simd
         for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}
+
+/* out (rows, inter) = gelu_tanh(gate) * up (Gemma's GeGLU). gelu_tanh(x) =
+ * x (1 + tanh(z)) / 2 with z = sqrt(2 / pi) (x + 0.044715 x^3), which is
+ * x / (1 + e^(-2z)): this file's exp, no tanh (torch's 1 + tanh(z) cancels
+ * where z is very negative; both are within 1e-6 of each other there). */
+void gelu_tanh_and_mul(const float *gate_up, float *out, int64_t rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * (int64_t)inter, *u = g + inter;
+        float *o = out + r * (int64_t)inter;
+#pragma omp simd
+        for (int i = 0; i < inter; i++) {
+            const float x = g[i];
+            const float two_z = 1.5957691216057308f * (x + 0.044715f * x * x * x);
+            o[i] = x / (1.0f + exp_f32(-two_z)) * u[i];
+        }
     }
 }
