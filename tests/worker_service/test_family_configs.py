@@ -215,3 +215,28 @@ def test_multimodal_gemma3_is_refused_by_name():
         config_from_hf(
             {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
         )
+
+
+def test_qwen2_slides_only_the_layers_transformers_slides():
+    # transformers: with use_sliding_window, Qwen2/3 slide the layers from
+    # max_window_layers on (or those config.json's layer_types names).
+    from transformers import Qwen2Config
+
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    hf = Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    raw = {"architectures": ["Qwen2ForCausalLM"], **shape, "use_sliding_window": True}
+    old_style = config_from_hf({**raw, "sliding_window": 8, "max_window_layers": 2})
+    assert old_style.layer_types == tuple(hf.layer_types)
+    assert [old_style.window_of(i) for i in range(4)] == [None, None, 8, 8]
+    declared = config_from_hf({**raw, "sliding_window": 8, "layer_types": hf.layer_types})
+    assert declared.layer_types == tuple(hf.layer_types)
+    # Every layer below max_window_layers: nothing slides.
+    none = config_from_hf({**raw, "sliding_window": 8, "max_window_layers": 4})
+    assert none.sliding_window is None and none.layer_types == ()

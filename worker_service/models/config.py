@@ -193,6 +193,9 @@ class ModelConfig:
         sliding = cfg.get("sliding_window")
         if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             sliding = None
+        layer_types = _llama_layer_types(arch, cfg, sliding)
+        if layer_types is not None and SLIDING_ATTENTION not in layer_types:
+            sliding, layer_types = None, ()
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -210,11 +213,30 @@ class ModelConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=traits.get("qk_norm", False),
             sliding_window=sliding,
+            layer_types=layer_types or (),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             score_head=score_head,
         )
+
+
+def _llama_layer_types(
+    arch: str, cfg: dict[str, Any], sliding: int | None
+) -> tuple[str, ...] | None:
+    """Which layers slide (None: all of them, as Mistral's window does).
+    Qwen2/3 slide only the layers from ``max_window_layers`` on, unless
+    config.json lists ``layer_types`` (transformers' own rule)."""
+    if sliding is None:
+        return None
+    declared = cfg.get("layer_types")
+    if declared:
+        return tuple(declared)
+    if arch.startswith("Qwen"):
+        first = cfg.get("max_window_layers", 28)
+        n = cfg["num_hidden_layers"]
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n))
+    return None
 
 
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
