@@ -558,17 +558,20 @@ class Scheduler:
         )
         return lost
 
-    def resize_pool(self, num_pages: int, num_swa_pages: int | None = None) -> None:
+    def resize_pool(self, num_pages: int, num_swa_pages: int = 0) -> None:
         """Take the page counts of the worker group that came back; only while
         nothing holds KV (between reset_after_worker_loss and the next step).
-        ``num_swa_pages``: its sliding pool (None: unchanged; a model with a
-        sliding pool keeps one)."""
+        ``num_swa_pages``: its sliding pool (0: none), which it must have
+        exactly when this scheduler has one."""
         if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
+        if (num_swa_pages > 0) != (self.sliding is not None):
+            raise RuntimeError(
+                f"the worker group came back with {num_swa_pages} sliding pages; "
+                f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
+            )
         self.pool.reset(num_pages)
-        if self.sliding is not None and num_swa_pages is not None:
-            if num_swa_pages < 2:
-                raise RuntimeError("the worker group came back without a sliding pool")
+        if self.sliding is not None:
             self.sliding.reset(num_swa_pages)
 
     # ========================================================== invariants
