@@ -113,6 +113,7 @@ class WorkerCodec:
                 new_pages=e.new_pages,
                 sample=e.sample,
                 draft_len=e.draft_len,
+                new_swa_pages=e.new_swa_pages,
             )
             if e.next_token is not None:
                 ext.next_token = e.next_token
