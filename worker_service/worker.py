@@ -71,6 +71,10 @@ class Worker:
     adapter_loader: AdapterLoader
     # How embedding requests are pooled (GetInfo tells the scheduler).
     pooling: PoolingConfig
+    # The sliding-window layers' pool (page 0 the null page) and their window;
+    # 0, 0: one pool (no sliding layers, or --swa-memory off).
+    num_swa_pages: int = 0
+    swa_window: int = 0
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -174,9 +178,13 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             dtype=dtype,
             device=device,
         )
-    num_pages = _num_pages(cfg, mcfg, tp=tp, dtype=dtype, device=device)
-    # One page more than the scheduler is told about: decode CUDA graphs pad
-    # their batch with rows that write and read only this scratch page.
+    max_context = model.rope.max_positions
+    swa_layers, swa_window = _sliding_layers(cfg, mcfg, max_context=max_context)
+    num_pages, num_swa_pages = _num_pages(
+        cfg, mcfg, num_swa_layers=len(swa_layers), tp=tp, dtype=dtype, device=device
+    )
+    # One page more per pool than the scheduler is told about: decode CUDA graphs
+    # pad their batch with rows that write and read only this scratch page.
     kv = KvCache(
         num_layers=mcfg.num_layers,
         num_pages=num_pages + 1,
@@ -185,14 +193,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         head_dim=mcfg.head_dim,
         dtype=dtype,
         device=device,
+        swa_layers=swa_layers,
+        num_swa_pages=num_swa_pages + 1 if swa_layers else 0,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
-    max_context = model.rope.max_positions
     graph_bytes = 0
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
-        attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        attn.enable_decode_graphs(compute.scratch_page, -(-max_context // cfg.page_size))
         if cfg.cuda_graph_max_draft > 0:
             attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
         compute.lora_slots = lora_slots
@@ -212,6 +221,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     runner = ModelRunner(
         compute,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         page_size=cfg.page_size,
         vocab_size=mcfg.vocab_size,
         max_context=max_context,
@@ -223,6 +234,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     logger.info(
         "worker ready",
         pages=num_pages,
+        swa_pages=num_swa_pages,
+        swa_layers=len(swa_layers),
         page_size=cfg.page_size,
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
@@ -235,6 +248,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model_name=str(source.path),
         model_config=mcfg,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         device=device,
         dtype=dtype,
         attention_backend=attn.name,
@@ -334,33 +349,63 @@ def _check_flashinfer_modules(
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
 
 
+def _sliding_layers(
+    cfg: WorkerConfig, mcfg: ModelConfig, *, max_context: int
+) -> tuple[frozenset[int], int]:
+    """The layers whose KV lives in the sliding pool, and their window (0: one
+    pool). A window that covers the whole context frees nothing: one pool."""
+    windows = {i: mcfg.sliding_window for i in range(mcfg.num_layers)}
+    sliding = {i: w for i, w in windows.items() if w is not None and w < max_context}
+    if not cfg.swa_memory or not sliding:
+        return frozenset(), 0
+    if len(set(sliding.values())) > 1:
+        raise SystemExit(
+            f"sliding-window layers with different windows {sorted(set(sliding.values()))}: "
+            "one sliding pool serves one window; run with --no-swa-memory"
+        )
+    return frozenset(sliding), next(iter(sliding.values()))
+
+
 def _num_pages(
     cfg: WorkerConfig,
     mcfg: ModelConfig,
     *,
+    num_swa_layers: int,
     tp: TensorParallel,
     dtype: torch.dtype,
     device: torch.device,
-) -> int:
+) -> tuple[int, int]:
+    """(full pages, sliding pages): sliding = --swa-full-tokens-ratio x full,
+    within the budget (KvCache.split_budget); sliding 0 without sliding layers."""
+    ratio = cfg.swa_full_tokens_ratio
     if cfg.num_pages:
-        return cfg.num_pages
-    if cfg.kv_memory != "auto":
-        budget = parse_bytes(cfg.kv_memory)
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_KV_FRACTION)
+        pages = cfg.num_pages
     else:
-        budget = CPU_KV_MEMORY
-    pages = KvCache.pages_for_budget(
-        budget,
-        num_layers=mcfg.num_layers,
-        page_size=cfg.page_size,
-        num_kv_heads=mcfg.num_kv_heads // tp.size,
-        head_dim=mcfg.head_dim,
-        dtype=dtype,
-    )
-    if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
-        pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
+        if cfg.kv_memory != "auto":
+            budget = parse_bytes(cfg.kv_memory)
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = CPU_KV_MEMORY
+        pages, _ = KvCache.split_budget(
+            budget,
+            num_layers=mcfg.num_layers,
+            num_swa_layers=num_swa_layers,
+            swa_ratio=ratio,
+            page_size=cfg.page_size,
+            num_kv_heads=mcfg.num_kv_heads // tp.size,
+            head_dim=mcfg.head_dim,
+            dtype=dtype,
+        )
+        if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
+            pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
     if pages < 1:
         raise SystemExit(f"--kv-memory {cfg.kv_memory} holds not even one page of KV cache")
-    return pages
+    swa_pages = int(pages * ratio) if num_swa_layers else 0
+    if num_swa_layers and swa_pages < 2:
+        raise SystemExit(
+            f"the sliding-window pool gets {swa_pages} pages (--swa-full-tokens-ratio "
+            f"{ratio} of {pages}); it needs its null page and at least one more"
+        )
+    return pages, swa_pages

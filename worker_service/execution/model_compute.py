@@ -87,6 +87,21 @@ class ModelCompute:
         # The requests' page ids on the device; ModelRunner applies each plan's
         # page deltas to it, the step reads it (O(batch) host work, no page lists).
         self.page_table = PageTable(device)
+        # Two pools: the sliding layers' page ids, same rows (None: one pool).
+        self.swa_table = PageTable(device) if kv.swa_layers else None
+        # The layer groups the attention serves: "full", "sliding" or both. One
+        # group: the backend gets that group's batch, as with one pool; both:
+        # a mapping of batches (GroupedAttention).
+        groups = ["full"] if kv.has_full_layers else []
+        self.groups = tuple(groups + (["sliding"] if kv.swa_layers else []))
+
+    @property
+    def scratch_page(self) -> int:
+        """The page CUDA-graph padding rows write and read: the last of the pool
+        the (single-group) backend reads, which the scheduler is never told of."""
+        if self.groups == ("sliding",):
+            return self.kv.num_swa_pages - 1
+        return self.kv.num_pages - 1
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
@@ -148,19 +163,23 @@ class ModelCompute:
         sampling on the device; the host does not wait. Decode inputs still
         PENDING are gathered on the device from ``previous``'s sampled tokens."""
         device = self.device
-        batch, input_ids = self._batch(work, num_extends, previous)
+        batches, input_ids = self._batch(work, num_extends, previous)
+        # The group batches share their sequences and positions.
+        batch = next(iter(batches.values()))
         adapters = any(w.state.adapter is not None for w in work)
-        if self.graphs is not None and num_extends == 0:
+        # Captured graphs hold one backend's plan: a step of one layer group.
+        one_group = len(batches) == 1
+        if self.graphs is not None and num_extends == 0 and one_group:
             hidden = self._replay_decode(work, batch, input_ids, adapters=adapters)
             if hidden is not None:  # every row of a decode step samples
                 return self._sample(self.model.logits(hidden), work)
         lora = self._lora_batch(work, batch.seqs) if adapters else None
         drafted = any(w.draft_len for w in work[:num_extends])
-        if drafted and self.verify_graphs is not None and lora is None:
+        if drafted and self.verify_graphs is not None and lora is None and one_group:
             replayed = self._replay_drafted(work, num_extends, batch, input_ids)
             if replayed is not None:
                 return replayed
-        self.attn.begin_step(batch)
+        self.attn.begin_step(batch if len(batches) == 1 else batches)  # type: ignore[arg-type]
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
@@ -277,13 +296,17 @@ class ModelCompute:
     # ------------------------------------------------------------- batch
     def _batch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None = None
-    ) -> tuple[AttentionBatch, torch.Tensor]:
+    ) -> tuple[dict[str, AttentionBatch], torch.Tensor]:
         """The step's layout from O(batch) numbers and the pages it writes
         (O(tokens)), built with numpy on the host and sent to the device in one
         non-blocking copy from pinned memory (no stream synchronisation). Page
-        lists are not read: the page table's rows are (device/page_table.py)."""
-        page_size, n, table = self.page_size, len(work), self.page_table
+        lists are not read: the page table's rows are (device/page_table.py).
+        One batch per layer group (``groups``): the sliding group's writes go
+        to its own pages and it reads its own table (the same rows)."""
+        page_size, n, table, swa = self.page_size, len(work), self.page_table, self.swa_table
         table.sync()
+        if swa is not None:
+            swa.sync()
         rows = np.fromiter((w.state.row for w in work), np.int64, n)
         starts = np.fromiter((w.start for w in work), np.int64, n)
         if num_extends:
@@ -304,7 +327,9 @@ class ModelCompute:
         else:
             seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
             positions = np.arange(num_tokens, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
-        pages = table.host[rows[seq_of], positions // page_size].astype(np.int64)
+        cells = (rows[seq_of], positions // page_size)
+        pages = table.host[cells].astype(np.int64)
+        swa_pages = swa.host[cells].astype(np.int64) if swa is not None else pages[:0]
         # Decodes whose input the previous step is still sampling: (row, index
         # among its sampled tokens); their ids are gathered on the device.
         waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
@@ -312,13 +337,13 @@ class ModelCompute:
             raise ValueError("a decode input is pending but no previous step was given")
         gather = np.array(waiting, dtype=np.int64).reshape(-1, 2).T
         ids[gather[0]] = 0
-        pos_t, pages_t, offsets_t, ids_t, gather_t = to_device(
-            [positions, pages, positions % page_size, ids, gather], self.device
+        pos_t, pages_t, offsets_t, ids_t, gather_t, swa_pages_t = to_device(
+            [positions, pages, positions % page_size, ids, gather, swa_pages], self.device
         )
         if waiting:
             ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
         columns = SeqColumns(first_row, q_lens, kv_lens, rows)
-        batch = AttentionBatch(
+        full = AttentionBatch(
             seqs=ColumnSlices(columns),
             num_extends=num_extends,
             positions=pos_t,
@@ -328,7 +353,10 @@ class ModelCompute:
             pages=table,
             columns=columns,
         )
-        return batch, ids_t
+        batches = {"full": full} if "full" in self.groups else {}
+        if swa is not None:
+            batches["sliding"] = dataclasses.replace(full, write_pages=swa_pages_t, pages=swa)
+        return batches, ids_t
 
     def _lora_batch(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> LoraBatch | None:
         """The step's token rows grouped by adapter; None when all are base rows."""
