@@ -19,6 +19,12 @@ from worker_service.attention.flashinfer_modules import (
     flashinfer_kernel_source,
     needed_modules,
 )
+from worker_service.attention.layer_groups import (
+    Attention,
+    LayerGroups,
+    group_attention,
+    layer_groups,
+)
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
@@ -151,7 +157,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # Everything that can refuse this model on this device does so before the
     # weights are loaded.
     compute_choice = choose_compute(cfg, mcfg, tp_size=tp.size, device=device, dtype=dtype)
-    spec, kernels = compute_choice.spec, compute_choice.model_kernels
+    kernels = compute_choice.model_kernels
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
     if source.kind == "random":
@@ -166,7 +172,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
     # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
-    attn = _attention(cfg, spec, compute_choice.attention)
+    attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
     lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
@@ -268,10 +274,18 @@ def build_worker(cfg: WorkerConfig) -> Worker:
 class ComputeChoice:
     """What runs the model's steps, decided at start before the weights load."""
 
-    spec: AttentionSpec
+    spec: AttentionSpec  # a single-group model's; with groups, theirs but the window
     attention: str  # the backend: "flashinfer" or "torch"
     model_kernels: Kernels
     sampler_kernels: Kernels
+    groups: LayerGroups | None = None  # layers that differ in window (layer_groups.py)
+
+    @property
+    def specs(self) -> list[AttentionSpec]:
+        """One spec per backend the worker builds."""
+        if self.groups is None:
+            return [self.spec]
+        return list(self.groups.specs(self.spec).values())
 
 
 def choose_compute(
@@ -283,44 +297,72 @@ def choose_compute(
     dtype: torch.dtype,
 ) -> ComputeChoice:
     """The attention backend (attention_choice.py: torch where FlashInfer's kernels
-    do not fit the dtype or head dim, logged), the kernels, and, where FlashInfer
+    do not fit the dtype or head dim or the model has sinks, logged), its layer
+    groups where the layers differ in window, the kernels, and, where FlashInfer
     runs, a check that the modules it will load are prebuilt or compilable; a
     configuration that cannot work stops the worker here (SystemExit), by name."""
+    try:
+        groups = layer_groups([mcfg.window_of(i) for i in range(mcfg.num_layers)])
+    except ValueError as e:
+        raise SystemExit(f"{mcfg.architecture}: {e}") from None
     spec = AttentionSpec(
         num_heads=mcfg.num_heads // tp_size,
         num_kv_heads=mcfg.num_kv_heads // tp_size,
         head_dim=mcfg.head_dim,
         page_size=cfg.page_size,
-        sliding_window=mcfg.sliding_window,
+        sliding_window=mcfg.window_of(0) if groups is None else None,
         dtype=dtype,
         device=device,
+        logit_soft_cap=mcfg.attn_logit_softcap,
+        softmax_scale=mcfg.attn_scale,
     )
     choice = choose_attention(
-        cfg.attention_backend, device_type=device.type, dtype=dtype, head_dim=mcfg.head_dim
+        cfg.attention_backend,
+        device_type=device.type,
+        dtype=dtype,
+        head_dim=mcfg.head_dim,
+        sinks=mcfg.attention_sinks,
     )
     if choice.reason is not None:
         logger.warning("using the torch attention backend", reason=choice.reason)
     kernels = _select_kernels(device, dtype=dtype, choice=cfg.kernels)
     sampler_kernels = _select_kernels(device, dtype=None, choice=cfg.kernels)
-    _check_flashinfer_modules(spec, choice.name, model_kernels=kernels, sampler=sampler_kernels)
-    return ComputeChoice(spec, choice.name, kernels, sampler_kernels)
+    chosen = ComputeChoice(spec, choice.name, kernels, sampler_kernels, groups)
+    _check_flashinfer_modules(chosen)
+    return chosen
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _attention(cfg: WorkerConfig, spec: AttentionSpec, name: str) -> AttentionBackend:
-    if name == "torch":
+def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
+    """The model's attention: one backend, or one per layer group (the groups'
+    backends share the CPU decode kernel, or FlashInfer's float workspace)."""
+    spec = choice.spec
+    if choice.attention == "torch":
         kernel = None
         if spec.device.type == "cpu" and cfg.cpu_decode_kernel:
             kernel = load_paged_decode(
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
             )
-        return TorchAttention(spec, kernel)
+        if choice.groups is None:
+            return TorchAttention(spec, kernel)
+        specs = choice.groups.specs(spec)
+        return group_attention(
+            {g: TorchAttention(s, kernel) for g, s in specs.items()}, choice.groups
+        )
     from worker_service.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(spec)
+    if choice.groups is None:
+        return FlashInferAttention(spec)
+    backends: dict[str, AttentionBackend] = {}
+    workspace = None
+    for group, group_spec in choice.groups.specs(spec).items():
+        backend = FlashInferAttention(group_spec, workspace=workspace)
+        workspace = backend.workspace
+        backends[group] = backend
+    return group_attention(backends, choice.groups)
 
 
 def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str) -> Kernels:
@@ -330,21 +372,21 @@ def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str
         raise SystemExit(f"--kernels {choice}: {e}; use --kernels auto or torch") from None
 
 
-def _check_flashinfer_modules(
-    spec: AttentionSpec, attention: str, *, model_kernels: Kernels, sampler: Kernels
-) -> None:
+def _check_flashinfer_modules(choice: ComputeChoice) -> None:
     """Stop here, naming them, if FlashInfer modules this worker will load are
     neither prebuilt nor compilable (else the first use fails: graph capture)."""
     needed = []
-    if attention == "flashinfer":
-        needed = needed_modules(
-            dtype_name(spec.dtype),
-            spec.head_dim,
-            group=spec.num_heads // spec.num_kv_heads,
-            sliding_window=bool(spec.sliding_window),
-        )
-    ops = list(MODEL_OP_MODULES) if model_kernels.name == "flashinfer" else []
-    ops += SAMPLER_OP_MODULES if sampler.name == "flashinfer" else ()
+    if choice.attention == "flashinfer":
+        for spec in choice.specs:
+            needed += needed_modules(
+                dtype_name(spec.dtype),
+                spec.head_dim,
+                group=spec.num_heads // spec.num_kv_heads,
+                sliding_window=bool(spec.sliding_window),
+                soft_cap=spec.logit_soft_cap is not None,
+            )
+    ops = list(MODEL_OP_MODULES) if choice.model_kernels.name == "flashinfer" else []
+    ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
 

@@ -24,12 +24,12 @@ import structlog
 import torch
 
 from worker_service.attention.base import (
-    AttentionBackend,
     AttentionBatch,
     ColumnSlices,
     SeqColumns,
     SequenceSlice,
 )
+from worker_service.attention.layer_groups import Attention
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.page_table import PageTable
@@ -64,7 +64,7 @@ class ModelCompute:
         self,
         model: LlamaForCausalLM,
         *,
-        attn: AttentionBackend,
+        attn: Attention,
         kv: KvCache,
         sampler: Sampler,
         tp: TensorParallel,
