@@ -396,7 +396,7 @@ def _sliding_layers(
 ) -> tuple[frozenset[int], int]:
     """The layers whose KV lives in the sliding pool, and their window (0: one
     pool). A window that covers the whole context frees nothing: one pool."""
-    windows = {i: mcfg.sliding_window for i in range(mcfg.num_layers)}
+    windows = {i: mcfg.window_of(i) for i in range(mcfg.num_layers)}
     sliding = {i: w for i, w in windows.items() if w is not None and w < max_context}
     if not cfg.swa_memory or not sliding:
         return frozenset(), 0

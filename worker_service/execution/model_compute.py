@@ -29,7 +29,7 @@ from worker_service.attention.base import (
     SeqColumns,
     SequenceSlice,
 )
-from worker_service.attention.layer_groups import Attention
+from worker_service.attention.layer_groups import Attention, Batches, one_batch
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.page_table import PageTable
@@ -96,12 +96,14 @@ class ModelCompute:
         self.groups = tuple(groups + (["sliding"] if kv.swa_layers else []))
 
     @property
-    def scratch_page(self) -> int:
+    def scratch_page(self) -> int | dict[str, int]:
         """The page CUDA-graph padding rows write and read: the last of the pool
-        the (single-group) backend reads, which the scheduler is never told of."""
-        if self.groups == ("sliding",):
-            return self.kv.num_swa_pages - 1
-        return self.kv.num_pages - 1
+        the backend reads, which the scheduler is never told of; with two pools
+        and two groups, each group's (its pool's last)."""
+        full, swa = self.kv.num_pages - 1, self.kv.num_swa_pages - 1
+        if len(self.groups) == 2:
+            return {"full": full, "sliding": swa}
+        return swa if self.groups == ("sliding",) else full
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
@@ -166,20 +168,20 @@ class ModelCompute:
         batches, input_ids = self._batch(work, num_extends, previous)
         # The group batches share their sequences and positions.
         batch = next(iter(batches.values()))
+        # What the attention takes: one group's batch, or (GroupedAttention) each group's.
+        attn_batch = batch if len(batches) == 1 else batches
         adapters = any(w.state.adapter is not None for w in work)
-        # Captured graphs hold one backend's plan: a step of one layer group.
-        one_group = len(batches) == 1
-        if self.graphs is not None and num_extends == 0 and one_group:
-            hidden = self._replay_decode(work, batch, input_ids, adapters=adapters)
+        if self.graphs is not None and num_extends == 0:
+            hidden = self._replay_decode(work, attn_batch, input_ids, adapters=adapters)
             if hidden is not None:  # every row of a decode step samples
                 return self._sample(self.model.logits(hidden), work)
         lora = self._lora_batch(work, batch.seqs) if adapters else None
         drafted = any(w.draft_len for w in work[:num_extends])
-        if drafted and self.verify_graphs is not None and lora is None and one_group:
-            replayed = self._replay_drafted(work, num_extends, batch, input_ids)
+        if drafted and self.verify_graphs is not None and lora is None:
+            replayed = self._replay_drafted(work, num_extends, batches, input_ids)
             if replayed is not None:
                 return replayed
-        self.attn.begin_step(batch if len(batches) == 1 else batches)  # type: ignore[arg-type]
+        self.attn.begin_step(attn_batch)  # type: ignore[arg-type]
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
@@ -212,14 +214,14 @@ class ModelCompute:
     def _replay_decode(
         self,
         work: list[SeqWork],
-        batch: AttentionBatch,
+        batch: Batches,
         input_ids: torch.Tensor,
         *,
         adapters: bool,
     ) -> torch.Tensor | None:
         """A decode step's hidden states from a graph: the base model's, or with
         adapter rows the LoRA graphs' once its adapters hold slots; None: eager."""
-        inputs = {"ids": input_ids, "positions": batch.positions}
+        inputs = {"ids": input_ids, "positions": one_batch(batch).positions}
         if not adapters:
             assert self.graphs is not None
             return self.graphs.replay(batch, inputs)
@@ -242,21 +244,37 @@ class ModelCompute:
         self,
         work: list[SeqWork],
         num_extends: int,
-        batch: AttentionBatch,
+        batches: dict[str, AttentionBatch],
         input_ids: torch.Tensor,
     ) -> ModelStep | None:
         """A drafted step through a verify graph: every extend drafted (no prompt
-        chunk) and no row longer than the graphs' rows; None: run it eagerly."""
+        chunk) and no row longer than the graphs' rows; None: run it eagerly.
+        Two pools: each group's batch is padded onto its own pool's scratch page."""
         graphs = self.verify_graphs
         assert graphs is not None
         q = graphs.rows_per_seq
+        batch = next(iter(batches.values()))
         if not all(w.draft_len for w in work[:num_extends]):
             return None
         if any(s.q_len > q for s in batch.seqs):
             return None
-        scratch = graphs.attention.scratch_page
-        padded, ids, _ = pad_verify_batch(batch, input_ids, rows_per_seq=q, scratch_page=scratch)
-        hidden = graphs.replay(padded, {"ids": ids, "positions": padded.positions})
+        if len(batches) == 1:
+            scratch = graphs.attention.scratch_page
+            padded, ids, _ = pad_verify_batch(
+                batch, input_ids, rows_per_seq=q, scratch_page=scratch
+            )
+            attn_batch: Batches = padded
+        else:
+            parts = graphs.attention.parts  # type: ignore[attr-defined]  # GroupedVerifyGraphs
+            pads = {
+                g: pad_verify_batch(
+                    b, input_ids, rows_per_seq=q, scratch_page=parts[g].scratch_page
+                )
+                for g, b in batches.items()
+            }
+            attn_batch = {g: p[0] for g, p in pads.items()}
+            padded, ids, _ = next(iter(pads.values()))
+        hidden = graphs.replay(attn_batch, {"ids": ids, "positions": padded.positions})
         if hidden is None:
             return None
         # A sequence's samples: its last draft_len + 1 real rows (one for a decode).

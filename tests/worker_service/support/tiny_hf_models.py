@@ -55,6 +55,18 @@ ARCHITECTURES = {
 SLIDING_WINDOW = 8
 SLIDING_ARCHITECTURES = {
     "mistral-sliding": (MistralConfig, {"sliding_window": SLIDING_WINDOW, "num_hidden_layers": 3}),
+    # Layers alternating sliding and full attention (GPT-OSS's pattern), which
+    # transformers' Qwen2 reads from layer_types (the worker: with_layer_types).
+    "qwen2-alternating": (
+        Qwen2Config,
+        {
+            "use_sliding_window": True,
+            "sliding_window": SLIDING_WINDOW,
+            "max_window_layers": 0,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
 }
 
 
