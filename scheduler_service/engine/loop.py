@@ -67,7 +67,8 @@ class Engine:
         self.lag = overlap_depth
         # Debug (--check-integrity): check pool and cache after every step and update.
         self.check_integrity = check_integrity
-        self.codec = WorkerCodec()
+        info = group.info
+        self.codec = WorkerCodec(sliding=info is not None and info.num_swa_pages > 0)
         self.running = True
         self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
         self.recovery = WorkerRecovery(

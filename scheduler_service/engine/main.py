@@ -97,6 +97,8 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         ),
         info.num_pages,
         stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
+        num_swa_pages=info.num_swa_pages,
+        swa_window=info.swa_window,
     )
     adapters = AdapterLoader(sched, group, config.engine.max_lora_rank)
     try:
