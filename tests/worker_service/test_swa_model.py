@@ -22,6 +22,7 @@ import torch
 from tests.support.hf_reference import hf_greedy
 from tests.worker_service.support import flashinfer_cpu_harness as harness
 from tests.worker_service.support.plan_driver import DriverRequest
+from tests.worker_service.support.scheduler_plans import serve_with_scheduler
 from tests.worker_service.support.swa_plan_driver import SwaPlanDriver
 from tests.worker_service.support.tiny_hf_models import SLIDING_WINDOW, VOCAB, tiny_model
 from tests.worker_service.support.worker_factory import worker_for
@@ -174,5 +175,26 @@ def test_layer_groups_each_read_their_own_pool(alternating, page_size, chunk) ->
     assert two == one
     for (tokens, logprobs), r in zip(two, workload(8), strict=True):
         ref_tokens, ref_logprobs = hf_greedy(hf, r.prompt, STEPS)
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.slow  # transformers' reference
+@pytest.mark.parametrize(("page_size", "chunk"), [(1, 9), (16, 32)])
+def test_the_real_schedulers_plans_give_one_pools_tokens(checkpoint, page_size, chunk) -> None:
+    """The scheduler frees sliding pages behind the window, reuses them, and
+    serves the shared prefix from its radix cache (null entries where its
+    sliding pages were freed)."""
+    path, hf = checkpoint
+    arrivals = [(r.arrive, r.prompt) for r in workload(page_size)]
+    kw = {"new_tokens": STEPS, "chunk": chunk}
+    two, stats = serve_with_scheduler(two_pools(path, page_size).runner, arrivals, **kw)
+    assert stats.reused > 0 and stats.null_entries > 0, stats
+    one, _ = serve_with_scheduler(
+        one_pool(path, page_size, swa_memory=False).runner, arrivals, **kw
+    )
+    assert two == one
+    for (tokens, logprobs), (_, prompt) in zip(two, arrivals, strict=True):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, STEPS)
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) < 1e-4
