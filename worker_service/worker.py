@@ -30,7 +30,8 @@ from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
-from worker_service.device.kv_cache import KvCache, parse_bytes
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_sizing import size_kv_pools
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
@@ -55,9 +56,6 @@ from worker_service.weights.pooling_config import (
 )
 
 logger = structlog.get_logger(__name__)
-
-CPU_KV_MEMORY = 1 << 30
-GPU_KV_FRACTION = 0.9
 
 
 @dataclass(kw_only=True)
@@ -171,7 +169,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # Everything else that lives on the GPU (attention workspaces, sampler
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
-    # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
+    # comes out of the share of free memory the pool leaves (kv_sizing.GPU_KV_FRACTION).
     attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
@@ -185,10 +183,21 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             device=device,
         )
     max_context = model.rope.max_positions
-    swa_layers, swa_window = _sliding_layers(cfg, mcfg, max_context=max_context)
-    num_pages, num_swa_pages = _num_pages(
-        cfg, mcfg, num_swa_layers=len(swa_layers), tp=tp, dtype=dtype, device=device
+    pools = size_kv_pools(
+        [mcfg.window_of(i) for i in range(mcfg.num_layers)],
+        max_context=max_context,
+        swa_memory=cfg.swa_memory,
+        swa_ratio=cfg.swa_full_tokens_ratio,
+        num_pages=cfg.num_pages,
+        kv_memory=cfg.kv_memory,
+        page_size=cfg.page_size,
+        num_kv_heads=mcfg.num_kv_heads // tp.size,
+        head_dim=mcfg.head_dim,
+        dtype=dtype,
+        tp=tp,
+        device=device,
     )
+    num_pages, num_swa_pages, swa_window = pools.num_pages, pools.num_swa_pages, pools.swa_window
     # One page more per pool than the scheduler is told about: decode CUDA graphs
     # pad their batch with rows that write and read only this scratch page.
     kv = KvCache(
@@ -199,8 +208,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         head_dim=mcfg.head_dim,
         dtype=dtype,
         device=device,
-        swa_layers=swa_layers,
-        num_swa_pages=num_swa_pages + 1 if swa_layers else 0,
+        swa_layers=pools.swa_layers,
+        num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
@@ -241,7 +250,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         "worker ready",
         pages=num_pages,
         swa_pages=num_swa_pages,
-        swa_layers=len(swa_layers),
+        swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
@@ -389,65 +398,3 @@ def _check_flashinfer_modules(choice: ComputeChoice) -> None:
     ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
-
-
-def _sliding_layers(
-    cfg: WorkerConfig, mcfg: ModelConfig, *, max_context: int
-) -> tuple[frozenset[int], int]:
-    """The layers whose KV lives in the sliding pool, and their window (0: one
-    pool). A window that covers the whole context frees nothing: one pool."""
-    windows = {i: mcfg.window_of(i) for i in range(mcfg.num_layers)}
-    sliding = {i: w for i, w in windows.items() if w is not None and w < max_context}
-    if not cfg.swa_memory or not sliding:
-        return frozenset(), 0
-    if len(set(sliding.values())) > 1:
-        raise SystemExit(
-            f"sliding-window layers with different windows {sorted(set(sliding.values()))}: "
-            "one sliding pool serves one window; run with --no-swa-memory"
-        )
-    return frozenset(sliding), next(iter(sliding.values()))
-
-
-def _num_pages(
-    cfg: WorkerConfig,
-    mcfg: ModelConfig,
-    *,
-    num_swa_layers: int,
-    tp: TensorParallel,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[int, int]:
-    """(full pages, sliding pages): sliding = --swa-full-tokens-ratio x full,
-    within the budget (KvCache.split_budget); sliding 0 without sliding layers."""
-    ratio = cfg.swa_full_tokens_ratio
-    if cfg.num_pages:
-        pages = cfg.num_pages
-    else:
-        if cfg.kv_memory != "auto":
-            budget = parse_bytes(cfg.kv_memory)
-        elif device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * GPU_KV_FRACTION)
-        else:
-            budget = CPU_KV_MEMORY
-        pages, _ = KvCache.split_budget(
-            budget,
-            num_layers=mcfg.num_layers,
-            num_swa_layers=num_swa_layers,
-            swa_ratio=ratio,
-            page_size=cfg.page_size,
-            num_kv_heads=mcfg.num_kv_heads // tp.size,
-            head_dim=mcfg.head_dim,
-            dtype=dtype,
-        )
-        if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
-            pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
-    if pages < 1:
-        raise SystemExit(f"--kv-memory {cfg.kv_memory} holds not even one page of KV cache")
-    swa_pages = int(pages * ratio) if num_swa_layers else 0
-    if num_swa_layers and swa_pages < 2:
-        raise SystemExit(
-            f"the sliding-window pool gets {swa_pages} pages (--swa-full-tokens-ratio "
-            f"{ratio} of {pages}); it needs its null page and at least one more"
-        )
-    return pages, swa_pages
