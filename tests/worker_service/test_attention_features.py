@@ -17,6 +17,7 @@ from tests.worker_service.support.attention_reference import (
     random_sinks,
     reference_attention,
 )
+from worker_service.attention import torch_backend
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import TorchAttention
@@ -90,9 +91,15 @@ def test_torch_backend_matches_the_plain_softmax(features, page_size, with_kerne
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_features_off_keep_the_sdpa_path_bit_identical(page_size, kernel):
-    """A spec without the features, and one that names the default scale, give
-    exactly the outputs of today's path (SDPA and the kernel)."""
+def test_features_off_keep_the_sdpa_path_bit_identical(monkeypatch, page_size, kernel):
+    """Without a cap or sinks no row takes the explicit softmax: every path is
+    SDPA's (or the kernel's) as before, and a spec that names the default scale
+    gives the same bits as one that leaves it out."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the explicit softmax ran without a cap or sinks")
+
+    monkeypatch.setattr(torch_backend, "manual_attention", refused)
     spec, batch, q, k, v, kv, _ = setup(Features(window=8), page_size)
     named = AttentionSpec(*HEADS, page_size, 8, torch.float32, CPU, softmax_scale=HEADS[2] ** -0.5)
     for dk in (None, kernel):
@@ -135,9 +142,47 @@ def test_kernel_rows_take_the_features_in_bf16(kernel):
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("with_kernel", [False, True], ids=["gather", "kernel"])
+def test_long_extends_attend_in_blocks_of_queries(monkeypatch, with_kernel, kernel):
+    """The explicit softmax's scores are bounded: a long extend attends in blocks
+    of queries (here of 3), with the same outputs."""
+    from worker_service.attention import torch_backend as backend
+
+    monkeypatch.setattr(backend, "MANUAL_BLOCK_SCORES", 3 * HEADS[0] * 53)
+    rows: list[int] = []
+    real = backend.manual_attention
+
+    def recorded(q, *args, **kwargs):
+        rows.append(q.shape[-2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "manual_attention", recorded)
+    features = CASES[-1]
+    spec, batch, q, k, v, kv, sinks = setup(features, 16)
+    attn = TorchAttention(spec, kernel if with_kernel else None)
+    attn.begin_step(batch)
+    out = attn.forward(0, q, k, v, kv=kv, sinks=sinks)
+    assert max(rows) <= 3 and len(rows) >= (40 + 20) // 3
+    expected = reference_attention(batch, q, kv, 0, features=features, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_takes_the_features_on_threads():
+    """The threaded build (OpenMP, or a Python pool) hands every task the cap and sinks."""
+    threaded = load_paged_decode(*HEADS, 2)
+    assert threaded is not None and threaded.threads == 2
+    features = CASES[-1]
+    spec, batch, q, k, v, kv, sinks = setup(features, 16, seed=2)
+    attn = TorchAttention(spec, threaded)
+    attn.begin_step(batch)
+    out = attn.forward(0, q, k, v, kv=kv, sinks=sinks)
+    expected = reference_attention(batch, q, kv, 0, features=features, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_refuses_misshapen_sinks(kernel):
     spec, batch, q, k, v, kv, _ = setup(Features(sinks=True), 16)
     attn = TorchAttention(spec, kernel)
     attn.begin_step(batch)
     with pytest.raises(ValueError, match="sinks must be"):
-        attn.forward(0, q, k, v, kv=kv, sinks=torch.zeros(HEADS[0], dtype=torch.float64))
+        attn.forward(0, q, k, v, kv=kv, sinks=torch.zeros(HEADS[0] + 1))

@@ -23,6 +23,14 @@ from tests.worker_service.support.attention_reference import (
 from tests.worker_service.support.flashinfer_conformance import like_the_runner
 from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import load_paged_decode
+from worker_service.attention.flashinfer_modules import (
+    MANIFEST_NAME,
+    OP_MODULES,
+    AttentionModule,
+    Manifest,
+    build_list,
+    needed_modules,
+)
 from worker_service.attention.layer_groups import (
     FULL,
     SLIDING,
@@ -144,7 +152,7 @@ def _model(**kw) -> ModelConfig:
         num_layers=4,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=64,
+        head_dim=kw.pop("head_dim", 64),
         vocab_size=96,
         **kw,
     )
@@ -182,3 +190,41 @@ def test_worker_runs_a_sink_model_on_the_torch_backend_on_cuda() -> None:
     cfg = load_config(["--device", "cuda", "--attention-backend", "flashinfer"], env={})
     with pytest.raises(SystemExit, match="sinks"):
         choose_compute(cfg, mcfg, tp_size=1, device=cuda, dtype=torch.bfloat16)
+
+
+def test_a_soft_capped_grouped_model_needs_each_groups_capped_modules(tmp_path, monkeypatch):
+    """Gemma 2's shape on CUDA: FlashInfer, both groups' soft-capped modules
+    (with and without the window) required at start, refused by name where the
+    prebuilt set lacks them."""
+    env = pytest.importorskip("flashinfer.jit.env")
+    dirs: list = []
+    monkeypatch.setattr(env, "FLASHINFER_AOT_DIRS", dirs)
+    monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")
+
+    def prebuilt(name: str, modules: list[AttentionModule]):
+        aot = tmp_path / name
+        for n in [m.name for m in modules] + list(OP_MODULES):
+            (aot / n).mkdir(parents=True)
+            (aot / n / f"{n}.so").write_bytes(b"\x7fELF")
+        manifest = Manifest("0.7.2.post1", "9.0a", tuple(modules), OP_MODULES)
+        (aot / MANIFEST_NAME).write_text(manifest.to_json())
+        return aot
+
+    gemma2 = _model(
+        head_dim=256, sliding_window=32, layer_types=ALTERNATING, attn_logit_softcap=50.0
+    )
+    cfg = load_config(["--device", "cuda"], env={})
+    cuda = torch.device("cuda")
+    dirs.append(prebuilt("uncapped", build_list(soft_cap_head_dims=())))
+    with pytest.raises(SystemExit) as refused:
+        choose_compute(cfg, gemma2, tp_size=1, device=cuda, dtype=torch.bfloat16)
+    needed = {
+        m.name
+        for window in (False, True)
+        for m in needed_modules("bfloat16", 256, group=2, sliding_window=window, soft_cap=True)
+    }
+    assert len(needed) == 4 and all(name in str(refused.value) for name in needed)
+    assert 'FI_SOFTCAP_HEAD_DIMS="256"' in str(refused.value)
+    dirs[0] = prebuilt("default", build_list())
+    chosen = choose_compute(cfg, gemma2, tp_size=1, device=cuda, dtype=torch.bfloat16)
+    assert chosen.attention == "flashinfer" and chosen.groups is not None

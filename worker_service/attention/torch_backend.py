@@ -41,6 +41,10 @@ from worker_service.device.transfer import to_device
 # per query (each reads the sequence's keys once more); longer ones through
 # SDPA. Covers every drafted verify row (at most --speculative-max-draft + 1).
 KERNEL_MAX_QUERIES = 16
+# The explicit softmax (a soft cap or sinks) materialises its scores: a long
+# extend attends in blocks of queries of at most this many scores (256 MiB in
+# float32), not (heads, q_len, kv_len) at once (17 GB for 64 heads over 8k x 8k).
+MANUAL_BLOCK_SCORES = 2**26
 
 
 @dataclass(slots=True)
@@ -174,7 +178,7 @@ class TorchAttention(AttentionBackend):
                 window=self.spec.sliding_window,
                 scale=self.spec.scale,
                 soft_cap=cap,
-                sinks=sinks,
+                sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
@@ -207,16 +211,37 @@ class TorchAttention(AttentionBackend):
                 ks = ks.repeat_interleave(groups, dim=1)
                 vs = vs.repeat_interleave(groups, dim=1)
             if manual:
-                if mask is None:  # a whole prompt: causal
-                    mask = torch.ones(s.q_len, s.kv_len, dtype=torch.bool, device=q.device).tril_()
-                bias = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, -math.inf)
-                heads_sinks = None if sinks is None else sinks.view(-1, 1)
-                o = manual_attention(qs, ks, vs, bias, spec=self.spec, sinks=heads_sinks)
+                o = self._manual_extend(qs, ks, vs, mask=mask, sinks=sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.spec.scale
                 )
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+        return out
+
+    def _manual_extend(
+        self,
+        qs: torch.Tensor,
+        ks: torch.Tensor,
+        vs: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One long extend, (1, heads, q_len, D) queries, through the explicit
+        softmax in blocks of queries (MANUAL_BLOCK_SCORES); ``mask`` None: causal."""
+        heads, q_len, kv_len = qs.shape[1], qs.shape[2], ks.shape[2]
+        if mask is None:  # a whole prompt: causal
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=qs.device).tril_()
+        heads_sinks = None if sinks is None else sinks.view(-1, 1)
+        block = max(1, MANUAL_BLOCK_SCORES // (heads * kv_len))
+        out = torch.empty_like(qs)
+        for a in range(0, q_len, block):
+            part = mask[a : a + block]
+            bias = torch.zeros(part.shape, device=qs.device).masked_fill_(~part, -math.inf)
+            out[:, :, a : a + block] = manual_attention(
+                qs[:, :, a : a + block], ks, vs, bias, spec=self.spec, sinks=heads_sinks
+            )
         return out
 
 

@@ -90,6 +90,14 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* tanh(x) from exp_nonpositive, to within about 1e-7 absolute (the soft cap
+ * multiplies it by the cap: well inside the scores' rounding); vectorisable,
+ * unlike the C library's tanhf, which made a capped step ~1.7x slower. */
+static inline float tanh_approx(float x) {
+    const float e = exp_nonpositive(-2.0f * fabsf(x));
+    return copysignf((1.0f - e) / (1.0f + e), x);
+}
+
 /* Row `index` of `base` as floats: in place for float32, else converted into `scratch`. */
 static inline const float *float_row(float *scratch, const void *base, int64_t index, int dim,
                                      int dtype) {
@@ -151,8 +159,9 @@ static inline __attribute__((always_inline)) void decode_task(
     }
     if (soft_cap > 0.0f) {
         const float inv_cap = 1.0f / soft_cap;
-        for (int64_t i = 0; i < (int64_t)group * span; i++)
-            scores[i] = soft_cap * tanhf(scores[i] * inv_cap);
+        const int64_t n = (int64_t)group * span;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) scores[i] = soft_cap * tanh_approx(scores[i] * inv_cap);
     }
     /* softmax per query head; a sink joins the maximum and the denominator */
     for (int g = 0; g < group; g++) {
