@@ -137,6 +137,7 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         recovery_timeout_s=config.engine.worker_recovery_timeout_s,
         check_integrity=config.engine.check_integrity,
         adapters=adapters,
+        sliding=info.num_swa_pages > 0,
     )
     tune_gc()
     try:

@@ -83,7 +83,10 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        return self._available_tokens() - self.rem_total_offset
+        # The full pool's: the sliding pool has its own (swa_rem_tokens).
+        kv = self.kv
+        full = kv.pool.num_free + kv.cache.evictable_pages
+        return full * self.page_size - self.rem_total_offset
 
     @property
     def cur_rem_tokens(self) -> int:

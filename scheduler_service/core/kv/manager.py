@@ -103,6 +103,7 @@ class KvManager:
         pages: array,
         length: int,
         node: RadixNode,
+        *,
         swa: array | None = None,
     ) -> None:
         """Start ``req``'s table with a cached prefix (the caller locked ``node``)."""

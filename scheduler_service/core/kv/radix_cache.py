@@ -73,6 +73,7 @@ class RadixCache:
         pool: PagePool | None = None,
         enable_events: bool = False,
         max_events: int = 65536,
+        *,
         sliding: SlidingPages | None = None,
     ) -> None:
         if pool is not None and pool.page_size != page_size:
@@ -238,6 +239,7 @@ class RadixCache:
         key: Iterable[int],
         pages: Iterable[int],
         extra_key: str | None = None,
+        *,
         swa: array | None = None,
     ) -> InsertResult:
         """Cache ``key`` (page aligned) whose KV is in ``pages``.
@@ -278,7 +280,7 @@ class RadixCache:
                     for p in leaf_swa:
                         if p:
                             sliding.tree_take(p)
-                leaf = self._add_leaf(node, key[pos:], pages[pos // page_size :], now, leaf_swa)
+                leaf = self._add_leaf(node, key[pos:], pages[pos // page_size :], now, swa=leaf_swa)
                 return InsertResult(pos, dup, leaf)
             edge = child.key
             m = common_len(key, pos, edge, min(len(edge), n - pos))
@@ -311,11 +313,11 @@ class RadixCache:
                 entries[j] = p
 
     def _add_leaf(
-        self, parent: RadixNode, key: array, pages: array, now: int, swa: array | None = None
+        self, parent: RadixNode, key: array, pages: array, now: int, *, swa: array | None = None
     ) -> RadixNode:
         """A leaf under ``parent`` owning ``key`` and ``pages`` (copies, never
         a caller's array: requests append to theirs)."""
-        leaf = RadixNode(key, pages, parent, parent.namespace, swa)
+        leaf = RadixNode(key, pages, parent, parent.namespace, swa=swa)
         leaf.last_access = now
         parent.children[self._child_key(key, 0)] = leaf
         self._num_nodes += 1
@@ -452,7 +454,9 @@ class RadixCache:
                     if first < 0:
                         first = j
             if first >= 0 and self.events is not None:
-                log_unusable(self.events, node, first, sliding.window, self.page_size)
+                log_unusable(
+                    self.events, node, first, window=sliding.window, page_size=self.page_size
+                )
             if freed >= num_pages:
                 break
         return freed

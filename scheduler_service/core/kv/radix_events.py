@@ -62,7 +62,7 @@ def log_stored(
 
 
 def log_unusable(
-    events: EventLog, node: RadixNode, first: int, window: int, page_size: int
+    events: EventLog, node: RadixNode, first: int, *, window: int, page_size: int
 ) -> None:
     """``node``'s sliding entry ``first`` (and maybe later ones) became a
     tombstone: every prefix ending from that page on, up to a window further

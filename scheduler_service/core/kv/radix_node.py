@@ -44,6 +44,7 @@ class RadixNode:
         pages: array,
         parent: RadixNode | None,
         namespace: str | None,
+        *,
         swa: array | None = None,
     ) -> None:
         self.key = key

@@ -230,3 +230,27 @@ def test_abort_retraction_and_worker_loss_return_both_pools():
     assert sched2.sliding.num_free == 19
     with pytest.raises(RuntimeError):
         sched2.resize_pool(40, 0)  # the worker lost its sliding layers: another model
+
+
+def test_long_requests_run_together_when_only_their_windows_fit_the_sliding_pool():
+    """The sliding pool holds a window a request, not its whole length: with
+    room for 3 windows but not 2 whole prompts, 3 long requests run at once
+    (the full pool has room for all)."""
+    page_size, window = 16, 64
+    sched, worker = make_pair(
+        config(page_size, chunked_prefill_size=128, max_prefill_tokens=128),
+        400,
+        V,
+        num_swa_pages=1 + 3 * (window // page_size + 1) + 128 // page_size + 2,
+        swa_window=window,
+    )
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    reqs = [Request(f"r{i}", prompt(1000, seed=i), sp) for i in range(3)]
+    assert sched.sliding.num_pages * page_size < 2 * 1000
+    most = 0
+    for r in reqs:
+        sched.add_request(r)
+    while not all(r.finished for r in reqs):
+        one_step(sched, worker)
+        most = max(most, len(sched.table.running))
+    assert most == 3
