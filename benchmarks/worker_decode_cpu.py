@@ -129,9 +129,16 @@ def main() -> None:
     p.add_argument("--ab-linear", type=int, default=0, metavar="ROUNDS")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "cpu"))
     args = p.parse_args()
+    # Every request of the largest batch holds its whole context at once (the
+    # default pool is too small for batch 32 x 1024 tokens).
+    per_request = -(-(args.context + args.steps + 1) // args.page_size) + 1
     worker = build_worker(
         WorkerConfig(
-            model="default", threads=args.threads, page_size=args.page_size, kernels=args.kernels
+            model="default",
+            threads=args.threads,
+            page_size=args.page_size,
+            kernels=args.kernels,
+            num_pages=max(args.batch) * per_request + 64,
         )
     )
     if args.ab_decode_kernel:

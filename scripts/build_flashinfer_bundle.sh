@@ -21,11 +21,12 @@
 #                               or too old (scripts/gpu_check.sh)
 #   env.sh                      source it: PYTHONPATH, FLASHINFER_DISABLE_JIT=1, ...
 #
-# Usage: scripts/build_flashinfer_bundle.sh     (about 35 min on 2 idle cores for the
-# default 24 attention modules: one job builds a prefill module in ~4 min, a decode
+# Usage: scripts/build_flashinfer_bundle.sh     (about 45 min on 2 idle cores for the
+# default 28 attention modules: one job builds a prefill module in ~4 min, a decode
 # module in ~1.2; reruns reuse the build cache in $FI_BUNDLE_WORK; docs/benchmarks.md
-# estimates the bundle at ~57 MiB of the 64 a device run carries). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
-# FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
+# estimates the bundle at ~61.5 MiB of the 64 a device run carries). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
+# FI_SOFTCAP_DTYPES ("bfloat16"), FI_SOFTCAP_HEAD_DIMS ("256"; "none": no soft-capped
+# modules, 4.8 MiB less), FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
 # Hopper, about 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
 # The defaults are worker_service/attention/flashinfer_modules.py's.
 set -euo pipefail
@@ -52,6 +53,8 @@ PY312=(--python-version 3.12 --implementation cp --only-binary=:all:
 # Empty: flashinfer_modules.py's defaults (fp16 and bf16, head dims 64, 128, 256).
 export FI_HEAD_DIMS=${FI_HEAD_DIMS:-}
 export FI_DTYPES=${FI_DTYPES:-}
+export FI_SOFTCAP_DTYPES=${FI_SOFTCAP_DTYPES:-}
+export FI_SOFTCAP_HEAD_DIMS=${FI_SOFTCAP_HEAD_DIMS:-}
 export FI_PREFILL_BACKENDS=${FI_PREFILL_BACKENDS:-"fa2"}
 export FLASHINFER_CUDA_ARCH_LIST=${FI_CUDA_ARCH:-9.0a}
 

@@ -8,7 +8,9 @@ start (worker_service/attention/flashinfer_modules.py: the list is data there).
 
 Used by scripts/build_flashinfer_bundle.sh and docker/Dockerfile.cuda. Knobs (env):
 FI_DTYPES ("bfloat16 float16"), FI_HEAD_DIMS ("64 128 256"), FI_PREFILL_BACKENDS
-("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper), FLASHINFER_CUDA_ARCH_LIST.
+("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper), the soft-capped
+modules' FI_SOFTCAP_DTYPES ("bfloat16") and FI_SOFTCAP_HEAD_DIMS ("256"; "none"
+for none), FLASHINFER_CUDA_ARCH_LIST.
 
 Usage: python scripts/flashinfer_aot.py OUT
 """
@@ -33,6 +35,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from worker_service.attention.flashinfer_modules import (
     DEFAULT_DTYPES,
     DEFAULT_HEAD_DIMS,
+    DEFAULT_SOFTCAP_DTYPES,
+    DEFAULT_SOFTCAP_HEAD_DIMS,
     MANIFEST_NAME,
     OP_MODULES,
     AttentionModule,
@@ -55,14 +59,25 @@ def op_specs() -> Iterator[object]:
 def attention_modules() -> list[AttentionModule]:
     dtypes = os.environ.get("FI_DTYPES", "").split() or DEFAULT_DTYPES
     head_dims = [int(d) for d in os.environ.get("FI_HEAD_DIMS", "").split()] or DEFAULT_HEAD_DIMS
-    return build_list(dtypes, head_dims, os.environ.get("FI_PREFILL_BACKENDS", "fa2").split())
+    cap_dtypes = os.environ.get("FI_SOFTCAP_DTYPES", "").split() or DEFAULT_SOFTCAP_DTYPES
+    cap_dims_env = os.environ.get("FI_SOFTCAP_HEAD_DIMS", "").split()
+    cap_dims: tuple[int, ...] = DEFAULT_SOFTCAP_HEAD_DIMS
+    if cap_dims_env:
+        cap_dims = () if cap_dims_env == ["none"] else tuple(int(d) for d in cap_dims_env)
+    return build_list(
+        dtypes,
+        head_dims,
+        os.environ.get("FI_PREFILL_BACKENDS", "fa2").split(),
+        soft_cap_dtypes=cap_dtypes,
+        soft_cap_head_dims=cap_dims,
+    )
 
 
 def attention_spec(module: AttentionModule) -> object:
     """FlashInfer's JitSpec for ``module``, the one its wrappers' plan() looks up."""
     dt = getattr(torch, module.dtype)
     hd = module.head_dim
-    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, False)
+    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
     if module.kind == "decode":
         spec = m.gen_batch_decode_module(*a)
     elif module.backend == "fa2":

@@ -145,7 +145,9 @@ def _small_batch(page_size: int, device: torch.device) -> Any:
     )
 
 
-def _attention_case(dtype: torch.dtype, head_dim: int, tensor_cores: bool) -> float:
+def _attention_case(
+    dtype: torch.dtype, head_dim: int, tensor_cores: bool, *, soft_cap: float | None = None
+) -> float:
     """Largest |FlashInfer - torch fp32| over one step of the small batch."""
     from worker_service.attention.base import AttentionSpec
     from worker_service.attention.flashinfer_backend import FlashInferAttention
@@ -153,10 +155,21 @@ def _attention_case(dtype: torch.dtype, head_dim: int, tensor_cores: bool) -> fl
     from worker_service.device.kv_cache import KvCache
 
     device, page_size, heads, kv_heads = _cuda(), 16, 8, 2
-    spec = AttentionSpec(heads, kv_heads, head_dim, page_size, None, dtype, device)
+    spec = AttentionSpec(
+        heads, kv_heads, head_dim, page_size, None, dtype, device, logit_soft_cap=soft_cap
+    )
     fi = FlashInferAttention(spec, workspace_bytes=32 * 2**20, decode_tensor_cores=tensor_cores)
     ref = TorchAttention(
-        AttentionSpec(heads, kv_heads, head_dim, page_size, None, torch.float32, device)
+        AttentionSpec(
+            heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            None,
+            torch.float32,
+            device,
+            logit_soft_cap=soft_cap,
+        )
     )
     shape = dict(
         num_layers=1, num_pages=8, page_size=page_size, num_kv_heads=kv_heads, head_dim=head_dim
@@ -192,6 +205,15 @@ def attention() -> dict[str, Any]:
                     results[key] = (
                         f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     )
+    # The prebuilt soft-capped modules (Gemma 2's: bf16, head dim 256), cap 2:
+    # random scores of about 1 are bent by it.
+    for tc in (False, True):
+        key = f"bfloat16/d256/soft-cap/{'tensor-core' if tc else 'cuda-core'}"
+        try:
+            diff = _attention_case(torch.bfloat16, 256, tc, soft_cap=2.0)
+            results[key] = f"ok, max diff {diff:.3g}"
+        except Exception as e:  # a missing module is a fact, not a failure
+            results[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return results
 
 

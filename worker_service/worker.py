@@ -19,12 +19,19 @@ from worker_service.attention.flashinfer_modules import (
     flashinfer_kernel_source,
     needed_modules,
 )
+from worker_service.attention.layer_groups import (
+    Attention,
+    LayerGroups,
+    group_attention,
+    layer_groups,
+)
 from worker_service.attention.torch_backend import TorchAttention
 from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
-from worker_service.device.kv_cache import KvCache, parse_bytes
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_sizing import size_kv_pools
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
@@ -50,9 +57,6 @@ from worker_service.weights.pooling_config import (
 
 logger = structlog.get_logger(__name__)
 
-CPU_KV_MEMORY = 1 << 30
-GPU_KV_FRACTION = 0.9
-
 
 @dataclass(kw_only=True)
 class Worker:
@@ -71,6 +75,10 @@ class Worker:
     adapter_loader: AdapterLoader
     # How embedding requests are pooled (GetInfo tells the scheduler).
     pooling: PoolingConfig
+    # The sliding-window layers' pool (page 0 the null page) and their window;
+    # 0, 0: one pool (no sliding layers, or --swa-memory off).
+    num_swa_pages: int = 0
+    swa_window: int = 0
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -147,7 +155,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # Everything that can refuse this model on this device does so before the
     # weights are loaded.
     compute_choice = choose_compute(cfg, mcfg, tp_size=tp.size, device=device, dtype=dtype)
-    spec, kernels = compute_choice.spec, compute_choice.model_kernels
+    kernels = compute_choice.model_kernels
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
     if source.kind == "random":
@@ -161,8 +169,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # Everything else that lives on the GPU (attention workspaces, sampler
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
-    # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
-    attn = _attention(cfg, spec, compute_choice.attention)
+    # comes out of the share of free memory the pool leaves (kv_sizing.GPU_KV_FRACTION).
+    attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
     lora_slots = None  # the LoRA decode graphs' adapter slots: fixed, like the workspaces
@@ -174,9 +182,24 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             dtype=dtype,
             device=device,
         )
-    num_pages = _num_pages(cfg, mcfg, tp=tp, dtype=dtype, device=device)
-    # One page more than the scheduler is told about: decode CUDA graphs pad
-    # their batch with rows that write and read only this scratch page.
+    max_context = model.rope.max_positions
+    pools = size_kv_pools(
+        [mcfg.window_of(i) for i in range(mcfg.num_layers)],
+        max_context=max_context,
+        swa_memory=cfg.swa_memory,
+        swa_ratio=cfg.swa_full_tokens_ratio,
+        num_pages=cfg.num_pages,
+        kv_memory=cfg.kv_memory,
+        page_size=cfg.page_size,
+        num_kv_heads=mcfg.num_kv_heads // tp.size,
+        head_dim=mcfg.head_dim,
+        dtype=dtype,
+        tp=tp,
+        device=device,
+    )
+    num_pages, num_swa_pages, swa_window = pools.num_pages, pools.num_swa_pages, pools.swa_window
+    # One page more per pool than the scheduler is told about: decode CUDA graphs
+    # pad their batch with rows that write and read only this scratch page.
     kv = KvCache(
         num_layers=mcfg.num_layers,
         num_pages=num_pages + 1,
@@ -185,14 +208,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         head_dim=mcfg.head_dim,
         dtype=dtype,
         device=device,
+        swa_layers=pools.swa_layers,
+        num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
-    max_context = model.rope.max_positions
     graph_bytes = 0
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
-        attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        attn.enable_decode_graphs(compute.scratch_page, -(-max_context // cfg.page_size))
         if cfg.cuda_graph_max_draft > 0:
             attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
         compute.lora_slots = lora_slots
@@ -212,6 +236,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     runner = ModelRunner(
         compute,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         page_size=cfg.page_size,
         vocab_size=mcfg.vocab_size,
         max_context=max_context,
@@ -223,6 +249,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     logger.info(
         "worker ready",
         pages=num_pages,
+        swa_pages=num_swa_pages,
+        swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
@@ -235,6 +263,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model_name=str(source.path),
         model_config=mcfg,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         device=device,
         dtype=dtype,
         attention_backend=attn.name,
@@ -253,10 +283,18 @@ def build_worker(cfg: WorkerConfig) -> Worker:
 class ComputeChoice:
     """What runs the model's steps, decided at start before the weights load."""
 
-    spec: AttentionSpec
+    spec: AttentionSpec  # a single-group model's; with groups, theirs but the window
     attention: str  # the backend: "flashinfer" or "torch"
     model_kernels: Kernels
     sampler_kernels: Kernels
+    groups: LayerGroups | None = None  # layers that differ in window (layer_groups.py)
+
+    @property
+    def specs(self) -> list[AttentionSpec]:
+        """One spec per backend the worker builds."""
+        if self.groups is None:
+            return [self.spec]
+        return list(self.groups.specs(self.spec).values())
 
 
 def choose_compute(
@@ -268,44 +306,72 @@ def choose_compute(
     dtype: torch.dtype,
 ) -> ComputeChoice:
     """The attention backend (attention_choice.py: torch where FlashInfer's kernels
-    do not fit the dtype or head dim, logged), the kernels, and, where FlashInfer
+    do not fit the dtype or head dim or the model has sinks, logged), its layer
+    groups where the layers differ in window, the kernels, and, where FlashInfer
     runs, a check that the modules it will load are prebuilt or compilable; a
     configuration that cannot work stops the worker here (SystemExit), by name."""
+    try:
+        groups = layer_groups([mcfg.window_of(i) for i in range(mcfg.num_layers)])
+    except ValueError as e:
+        raise SystemExit(f"{mcfg.architecture}: {e}") from None
     spec = AttentionSpec(
         num_heads=mcfg.num_heads // tp_size,
         num_kv_heads=mcfg.num_kv_heads // tp_size,
         head_dim=mcfg.head_dim,
         page_size=cfg.page_size,
-        sliding_window=mcfg.sliding_window,
+        sliding_window=mcfg.window_of(0) if groups is None else None,
         dtype=dtype,
         device=device,
+        logit_soft_cap=mcfg.attn_logit_softcap,
+        softmax_scale=mcfg.attn_scale,
     )
     choice = choose_attention(
-        cfg.attention_backend, device_type=device.type, dtype=dtype, head_dim=mcfg.head_dim
+        cfg.attention_backend,
+        device_type=device.type,
+        dtype=dtype,
+        head_dim=mcfg.head_dim,
+        sinks=mcfg.attention_sinks,
     )
     if choice.reason is not None:
         logger.warning("using the torch attention backend", reason=choice.reason)
     kernels = _select_kernels(device, dtype=dtype, choice=cfg.kernels)
     sampler_kernels = _select_kernels(device, dtype=None, choice=cfg.kernels)
-    _check_flashinfer_modules(spec, choice.name, model_kernels=kernels, sampler=sampler_kernels)
-    return ComputeChoice(spec, choice.name, kernels, sampler_kernels)
+    chosen = ComputeChoice(spec, choice.name, kernels, sampler_kernels, groups)
+    _check_flashinfer_modules(chosen)
+    return chosen
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _attention(cfg: WorkerConfig, spec: AttentionSpec, name: str) -> AttentionBackend:
-    if name == "torch":
+def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
+    """The model's attention: one backend, or one per layer group (the groups'
+    backends share the CPU decode kernel, or FlashInfer's float workspace)."""
+    spec = choice.spec
+    if choice.attention == "torch":
         kernel = None
         if spec.device.type == "cpu" and cfg.cpu_decode_kernel:
             kernel = load_paged_decode(
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
             )
-        return TorchAttention(spec, kernel)
+        if choice.groups is None:
+            return TorchAttention(spec, kernel)
+        specs = choice.groups.specs(spec)
+        return group_attention(
+            {g: TorchAttention(s, kernel) for g, s in specs.items()}, choice.groups
+        )
     from worker_service.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(spec)
+    if choice.groups is None:
+        return FlashInferAttention(spec)
+    backends: dict[str, AttentionBackend] = {}
+    workspace = None
+    for group, group_spec in choice.groups.specs(spec).items():
+        backend = FlashInferAttention(group_spec, workspace=workspace)
+        workspace = backend.workspace
+        backends[group] = backend
+    return group_attention(backends, choice.groups)
 
 
 def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str) -> Kernels:
@@ -315,52 +381,20 @@ def _select_kernels(device: torch.device, dtype: torch.dtype | None, choice: str
         raise SystemExit(f"--kernels {choice}: {e}; use --kernels auto or torch") from None
 
 
-def _check_flashinfer_modules(
-    spec: AttentionSpec, attention: str, *, model_kernels: Kernels, sampler: Kernels
-) -> None:
+def _check_flashinfer_modules(choice: ComputeChoice) -> None:
     """Stop here, naming them, if FlashInfer modules this worker will load are
     neither prebuilt nor compilable (else the first use fails: graph capture)."""
     needed = []
-    if attention == "flashinfer":
-        needed = needed_modules(
-            dtype_name(spec.dtype),
-            spec.head_dim,
-            group=spec.num_heads // spec.num_kv_heads,
-            sliding_window=bool(spec.sliding_window),
-        )
-    ops = list(MODEL_OP_MODULES) if model_kernels.name == "flashinfer" else []
-    ops += SAMPLER_OP_MODULES if sampler.name == "flashinfer" else ()
+    if choice.attention == "flashinfer":
+        for spec in choice.specs:
+            needed += needed_modules(
+                dtype_name(spec.dtype),
+                spec.head_dim,
+                group=spec.num_heads // spec.num_kv_heads,
+                sliding_window=bool(spec.sliding_window),
+                soft_cap=spec.logit_soft_cap is not None,
+            )
+    ops = list(MODEL_OP_MODULES) if choice.model_kernels.name == "flashinfer" else []
+    ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
-
-
-def _num_pages(
-    cfg: WorkerConfig,
-    mcfg: ModelConfig,
-    *,
-    tp: TensorParallel,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> int:
-    if cfg.num_pages:
-        return cfg.num_pages
-    if cfg.kv_memory != "auto":
-        budget = parse_bytes(cfg.kv_memory)
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_KV_FRACTION)
-    else:
-        budget = CPU_KV_MEMORY
-    pages = KvCache.pages_for_budget(
-        budget,
-        num_layers=mcfg.num_layers,
-        page_size=cfg.page_size,
-        num_kv_heads=mcfg.num_kv_heads // tp.size,
-        head_dim=mcfg.head_dim,
-        dtype=dtype,
-    )
-    if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
-        pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
-    if pages < 1:
-        raise SystemExit(f"--kv-memory {cfg.kv_memory} holds not even one page of KV cache")
-    return pages

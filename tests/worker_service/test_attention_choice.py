@@ -64,3 +64,17 @@ def test_explicit_flashinfer_that_cannot_work_is_refused_with_what_to_do() -> No
     assert ok == AttentionChoice("flashinfer")
     with pytest.raises(ValueError, match="triton"):
         choose_attention("triton", device_type="cuda", dtype=torch.float16, head_dim=256)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_sink_model_on_cuda_runs_torch_and_explicit_flashinfer_is_refused(dtype) -> None:
+    """FlashInfer's FA2 kernels drop sinks (test_flashinfer_features.py shows it)."""
+    choice = choose_attention("auto", device_type="cuda", dtype=dtype, head_dim=64, sinks=True)
+    assert choice.name == "torch" and "sinks" in choice.reason
+    with pytest.raises(AttentionRefused) as refused:
+        choose_attention("flashinfer", device_type="cuda", dtype=dtype, head_dim=64, sinks=True)
+    assert "sinks" in str(refused.value) and "--attention-backend torch" in str(refused.value)
+    assert "--dtype" not in str(refused.value)
+    assert choose_attention("torch", device_type="cuda", dtype=dtype, head_dim=64, sinks=True) == (
+        AttentionChoice("torch")
+    )

@@ -1,6 +1,7 @@
 """The prebuilt FlashInfer kernels as data (worker_service/attention/flashinfer_modules.py):
 the default set covers every configuration the worker sends to FlashInfer (fp16 and
-bf16, head dims 64/128/256, any GQA group, with and without a sliding window), the
+bf16, head dims 64/128/256, any GQA group, with and without a sliding window; bf16
+at head dim 256 soft-capped, Gemma 2's), the
 module names are FlashInfer's own, the names FlashInfer's real wrappers ask for in a
 step are the ones ``needed_modules`` predicts, the image and the bundle build the
 default set, and the worker refuses a model whose modules are neither prebuilt nor
@@ -8,6 +9,7 @@ compilable by name, before loading it."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -66,7 +68,25 @@ def test_default_set_covers_every_configuration_the_worker_sends_to_flashinfer()
                     asked += 1
     # bf16 and fp16 at 64, 128 and 256; the rest goes to the torch backend.
     assert asked == 2 * 3 * 8 * 2
-    assert len(built) == 2 * 3 * 2 * 2  # (decode + FA2 prefill) x window x dims x dtypes
+    for group in (1, 2, 4, 8):
+        for window in (False, True):
+            capped = needed_modules(
+                "bfloat16", 256, group=group, sliding_window=window, soft_cap=True
+            )
+            assert set(capped) <= built
+    # (decode + FA2 prefill) x window x dims x dtypes, and the soft-capped bf16 x 256
+    assert len(built) == 2 * 3 * 2 * 2 + 2 * 2
+
+
+def test_soft_capped_modules_follow_their_own_knobs() -> None:
+    modules = build_list(["bfloat16"], [128], soft_cap_dtypes=["float16"], soft_cap_head_dims=[128])
+    capped = [m for m in modules if m.soft_cap]
+    assert {(m.kind, m.dtype, m.head_dim) for m in capped} == {
+        ("decode", "float16", 128),
+        ("prefill", "float16", 128),
+    }
+    assert all("use_logits_cap_True" in m.name for m in capped)
+    assert not [m for m in build_list(soft_cap_head_dims=()) if m.soft_cap]
 
 
 def test_unbuildable_configurations_are_refused_by_the_build_list() -> None:
@@ -81,7 +101,7 @@ def _flashinfer_uri(module: AttentionModule) -> str:
     modules = pytest.importorskip("flashinfer.jit.attention.modules")
     dt = getattr(torch, module.dtype)
     hd = module.head_dim
-    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, False)
+    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
     if module.kind == "decode":
         return modules.get_batch_decode_uri(*a)
     base = modules.get_batch_prefill_uri(module.backend, *a, False)
@@ -124,10 +144,13 @@ class _Recorder:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])  # groups 1, 4, 2
 @pytest.mark.parametrize("window", [None, 24])
-def test_wrappers_ask_for_exactly_the_needed_modules(fi_cpu, monkeypatch, dtype, heads, window):
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_wrappers_ask_for_exactly_the_needed_modules(
+    fi_cpu, monkeypatch, dtype, heads, window, soft_cap
+):
     recorder = _Recorder(monkeypatch)
     gen = seed("modules", dtype, heads, window)
-    spec = spec_for(heads, 16, window, dtype, "cpu")
+    spec = dataclasses.replace(spec_for(heads, 16, window, dtype, "cpu"), logit_soft_cap=soft_cap)
     fi = FlashInferAttention(spec, workspace_bytes=2**20)
     kv, _ = random_caches(spec, 32, gen)
     batch = like_the_runner(make_batch(*BATCHES["mixed"], 16, 32, gen))
@@ -138,6 +161,7 @@ def test_wrappers_ask_for_exactly_the_needed_modules(fi_cpu, monkeypatch, dtype,
         heads[2],
         group=heads[0] // heads[1],
         sliding_window=window is not None,
+        soft_cap=soft_cap is not None,
     )
     assert recorder.names == {m.name for m in needed}
 
@@ -159,7 +183,9 @@ def test_manifest_round_trips_and_refuses_a_renamed_entry(tmp_path) -> None:
     aot = _prebuilt_dir(tmp_path, build_list())
     manifest = read_manifest(aot)
     assert manifest is not None and manifest.attention == tuple(build_list())
-    assert manifest.summary() == "bfloat16, float16 x head dims 64, 128, 256 for 9.0a"
+    assert manifest.summary() == (
+        "bfloat16, float16 x head dims 64, 128, 256 for 9.0a; soft-capped bfloat16 x head dims 256"
+    )
     text = (aot / MANIFEST_NAME).read_text().replace("head_dim_qk_64_", "head_dim_qk_65_", 1)
     with pytest.raises(ValueError, match="is not"):
         Manifest.from_json(text)

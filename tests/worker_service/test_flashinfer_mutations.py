@@ -1,7 +1,8 @@
 """FlashInfer conformance, the mutation tests: each breaks one thing our backend
 hands FlashInfer's wrappers (an argument's order, dtype, value or placement) and
 requires the comparison of test_flashinfer_conformance.py
-(support/flashinfer_conformance.py) to fail, so that check has teeth.
+(support/flashinfer_conformance.py) to fail, so that check has teeth; the soft
+cap's mutations run it on soft-capped attention.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ flashinfer = pytest.importorskip(
 
 MUTATION_HEADS = (8, 2, 64)  # GQA group 4
 MUTATION_WINDOW = 24  # shorter than the longer sequences of the "mixed" batch
+SOFT_CAP = 1.0  # scaled scores of random data are about 1: the cap bends them
 Args = list[Any]
 Kwargs = dict[str, Any]
 
@@ -169,6 +171,7 @@ class Mutation:
     match: str
     tensor_cores: bool | None = None  # decode kernel: None = ours (tensor cores for group 4)
     graphs: bool = False  # run the graph scenario instead of one eager step
+    soft_cap: float | None = None  # the eager scenario's attention soft-capped
 
 
 MUTATIONS = {
@@ -222,6 +225,19 @@ MUTATIONS = {
     "sm_scale doubled": Mutation(
         both_plans(edit_kw("sm_scale", lambda s: 2 * s)), AssertionError, MISMATCH
     ),
+    "soft cap left out of the plans": Mutation(
+        both_plans(edit_kw("logits_soft_cap", lambda _: None)),
+        AssertionError,
+        MISMATCH,
+        soft_cap=SOFT_CAP,
+    ),
+    "soft cap doubled": Mutation(
+        both_plans(edit_kw("logits_soft_cap", lambda c: 2 * c)),
+        AssertionError,
+        MISMATCH,
+        soft_cap=SOFT_CAP,
+        tensor_cores=False,
+    ),
     "prefill not causal": Mutation(
         prefill_plan(edit_kw("causal", lambda c: False)), AssertionError, MISMATCH
     ),
@@ -240,12 +256,12 @@ MUTATIONS = {
 }
 
 
-def eager_scenario(tensor_cores: bool | None) -> None:
+def eager_scenario(tensor_cores: bool | None, soft_cap: float | None = None) -> None:
     page_size = 16
     gen = seed("mutation")
     num_pages = 512 // page_size
     batch = like_the_runner(make_batch(*BATCHES["mixed"], page_size, num_pages, gen))
-    fi, ref = backends(MUTATION_HEADS, page_size, MUTATION_WINDOW, tensor_cores)
+    fi, ref = backends(MUTATION_HEADS, page_size, MUTATION_WINDOW, tensor_cores, soft_cap=soft_cap)
     fi_kv, ref_kv = random_caches(fi.spec, num_pages, gen)
     compare_step(fi, ref, batch, fi_kv, ref_kv, gen, layers=1)
 
@@ -277,14 +293,14 @@ def graph_scenario(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fi_cpu")
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize(("graphs", "soft_cap"), [(False, None), (True, None), (False, SOFT_CAP)])
 @pytest.mark.parametrize("tensor_cores", [None, False])
-def test_mutation_scenarios_pass_unmutated(monkeypatch, graphs, tensor_cores) -> None:
+def test_mutation_scenarios_pass_unmutated(monkeypatch, graphs, tensor_cores, soft_cap) -> None:
     """The scenarios below fail only because of their mutation."""
     if graphs:
         graph_scenario(monkeypatch)
     else:
-        eager_scenario(tensor_cores)
+        eager_scenario(tensor_cores, soft_cap)
 
 
 @pytest.mark.usefixtures("fi_cpu")
@@ -296,7 +312,7 @@ def test_mutation_is_caught(monkeypatch, name: str) -> None:
         if m.graphs:
             graph_scenario(monkeypatch)
         else:
-            eager_scenario(m.tensor_cores)
+            eager_scenario(m.tensor_cores, m.soft_cap)
 
 
 @pytest.mark.usefixtures("fi_cpu")

@@ -56,7 +56,8 @@ def test_attention_and_graph_capture_facts_on_the_cpu_harness(monkeypatch) -> No
     harness.install_graph_stand_ins(monkeypatch)
     monkeypatch.setattr(facts, "HEAD_DIMS", (64, 128))
     found = facts.attention()
-    assert len(found) == 2 * 2 * 2
+    assert len(found) == 2 * 2 * 2 + 2  # and the soft-capped bf16 x 256 on both decode kernels
+    assert "bfloat16/d256/soft-cap/cuda-core" in found
     assert all(v.startswith("ok, max diff") for v in found.values()), found
     assert all(float(v.rsplit(" ", 1)[1]) < 0.05 for v in found.values()), found
     graph = facts.graph_capture()

@@ -4,10 +4,13 @@ op): a tiny bf16 Llama whose decode, drafted (verify) and LoRA decode steps
 replay captured graphs gives the tokens and logprobs of the same model run
 eagerly. Decode steps are padded to a graph size; drafted steps to max draft
 + 1 rows a request and to a graph size in requests; LoRA decode steps read
-their adapters from fixed slots; the LM head runs after the replay."""
+their adapters from fixed slots; the LM head runs after the replay. A model
+whose layers alternate sliding and full attention (layer groups: one FlashInfer
+backend per group) replays its graphs too."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -18,9 +21,11 @@ from tests.worker_service.support.draft_driver import DraftDriver
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.tiny_hf_models import tiny_model
 from tests.worker_service.support.worker_factory import worker_for
+from worker_service.attention.layer_groups import GroupedGraphAttention
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.plan import AdapterSlot
 from worker_service.lora.graph_slots import LoraSlots
+from worker_service.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from worker_service.models.lora_loader import lora_targets
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
@@ -55,10 +60,23 @@ def runner(checkpoint, *, graphs: bool) -> ModelRunner:
     )
     if graphs:  # what build_worker does on CUDA
         attn = worker.runner.compute.attn
-        attn.enable_decode_graphs(worker.runner.num_pages, 16, sizes=(2, 4))
+        attn.enable_decode_graphs(worker.runner.compute.scratch_page, 16, sizes=(2, 4))
         attn.enable_verify_graphs(MAX_DRAFT + 1, sizes=(2,))
         worker.runner.compute.capture_decode_graphs()
     return worker.runner
+
+
+def alternate_windows(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    """The tiny Llama read as a model whose layers alternate a ``window``-token
+    sliding window and full attention (Gemma 2 / GPT-OSS's pattern)."""
+    read = ModelConfig.from_hf.__func__
+
+    def from_hf(cls, cfg):
+        mcfg = read(cls, cfg)
+        types = (SLIDING_ATTENTION, FULL_ATTENTION) * (mcfg.num_layers // 2)
+        return dataclasses.replace(mcfg, sliding_window=window, layer_types=types)
+
+    monkeypatch.setattr(ModelConfig, "from_hf", classmethod(from_hf))
 
 
 def script(r: ModelRunner, greedy: list[int]) -> tuple[list[int], list[float], list[int]]:
@@ -107,6 +125,48 @@ def test_graph_replays_give_the_eager_tokens(monkeypatch, checkpoint) -> None:
     assert eager[2][2:5] == [MAX_DRAFT + 1, 2, 1]  # the drafts were judged as meant
     assert graphed[1] == pytest.approx(eager[1], abs=2e-2)
     assert eager[0][: len(eager[0])] == greedy[: len(eager[0])]
+
+
+@pytest.mark.usefixtures("fi_cpu")
+def test_a_grouped_models_graph_replays_give_the_eager_tokens(monkeypatch, checkpoint) -> None:
+    """Decode and verify graphs over both groups' backends: the tokens and
+    logprobs of the eager grouped model, which the window changes."""
+    harness.install_model_graph_stand_ins(monkeypatch)
+    full_attention = runner(checkpoint, graphs=False)  # read before the windows
+    alternate_windows(monkeypatch, window=4)
+    d = DraftDriver(runner(checkpoint, graphs=False))
+    seq = d.start(0, PROMPT, GREEDY)
+    for _ in range(16):
+        d.decode(seq)
+    greedy = seq.outputs
+    eager = script(runner(checkpoint, graphs=False), greedy)
+    graphed_runner = runner(checkpoint, graphs=True)
+    attn = graphed_runner.compute.attn
+    assert isinstance(attn, GroupedGraphAttention)
+    assert graphed_runner.num_swa_pages > 0  # two KV pools: each group pads its own
+    assert {g: b.spec.sliding_window for g, b in attn.backends.items()} == {
+        "full": None,
+        "sliding": 4,
+    }
+    replays: Counter[str] = Counter()
+    for name in ("graphs", "verify_graphs"):
+        graphs = getattr(graphed_runner.compute, name)
+        real_replay = graphs.replay
+
+        def counted(batch, inputs, _real=real_replay, _name=name):
+            out = _real(batch, inputs)
+            replays[_name] += out is not None
+            return out
+
+        monkeypatch.setattr(graphs, "replay", counted)
+    graphed = script(graphed_runner, greedy)
+    assert replays == {"graphs": 2, "verify_graphs": 4}
+    assert graphed[0] == eager[0] and graphed[2] == eager[2]
+    assert graphed[1] == pytest.approx(eager[1], abs=2e-2)
+    full = script(full_attention, greedy)
+    # The prompt's and the first decode's samples (before any draft): the
+    # sliding layers saw less than full attention would have.
+    assert full[1][:2] != pytest.approx(eager[1][:2], abs=2e-2)
 
 
 ADAPTERS = {

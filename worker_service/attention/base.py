@@ -123,13 +123,16 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers this backend serves
     dtype: torch.dtype
     device: torch.device
+    # Scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2).
+    logit_soft_cap: float | None = None
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        return self.head_dim**-0.5 if self.softmax_scale is None else self.softmax_scale
 
 
 class AttentionBackend(ABC):
@@ -144,7 +147,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        kv: KvCache,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim). Writes k, v
-        into the cache, returns (T, heads, head_dim)."""
+        into the cache, returns (T, heads, head_dim). ``sinks``: (heads,) float32
+        learned logits (GPT-OSS), each joining its head's softmax denominator as
+        exp(sink) with no value."""

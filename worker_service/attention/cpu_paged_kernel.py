@@ -80,6 +80,8 @@ _ARGTYPES = [
     ctypes.c_int,  # head_dim
     ctypes.c_int,  # window
     ctypes.c_float,  # scale
+    ctypes.c_float,  # soft_cap (0: none)
+    ctypes.c_void_p,  # sinks: (heads,) float32, or NULL
     ctypes.c_int64,  # task_begin (paged_decode_parallel: tasks)
     ctypes.c_int64,  # task_end (paged_decode_parallel: threads, an int)
 ]
@@ -130,13 +132,20 @@ class PagedDecodeKernel:
         layout: DecodeLayout,
         window: int | None,
         scale: float,
+        soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Attention of the decode rows ``layout.rows`` of q (T, heads, D) over
         one layer's cache (pages, 2, page_size, kv_heads, D), into the same
-        rows of out."""
+        rows of out; ``soft_cap`` caps the scaled scores, ``sinks`` (heads,)
+        float32 join each head's softmax denominator."""
         if not (q.is_contiguous() and cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("the CPU decode kernel needs contiguous q, cache and out")
         _, heads, head_dim = q.shape
+        if sinks is not None and (
+            sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()
+        ):
+            raise ValueError(f"sinks must be a contiguous ({heads},) float32 tensor")
         page_size, kv_heads = cache.shape[2], cache.shape[3]
         args = (
             q.data_ptr(),
@@ -154,6 +163,8 @@ class PagedDecodeKernel:
             head_dim,
             window or 0,
             scale,
+            soft_cap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
         )
         tasks = layout.num_rows * kv_heads
         if self._parallel is not None:

@@ -20,7 +20,11 @@ kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
 would also need each token's batch index and position on the device).
 
-Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``.
+Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``;
+the spec's scale is ``sm_scale`` and its soft cap ``logits_soft_cap`` (FlashInfer
+caps the scaled scores: cap * tanh(scale * q.k / cap), as Gemma 2), both planned
+once per wrapper. Sinks are refused: the FA2 modules drop them
+(attention_choice.py).
 
 CUDA graphs for decode (glue: ``worker_service.execution.cuda_graphs.DecodeGraphs``):
 1. Give the KvCache one spare page the scheduler never hands out (allocate
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker_service.attention.attention_choice import SINKS_UNSUPPORTED
 from worker_service.attention.base import (
     AttentionBackend,
     AttentionBatch,
@@ -137,7 +142,10 @@ class FlashInferAttention(AttentionBackend):
         workspace_bytes: int = 256 * 2**20,
         prefill_backend: str = "fa2",
         decode_tensor_cores: bool | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> None:
+        """``workspace``: a float workspace shared with another backend whose
+        kernels run on the same stream (layer groups), else one of its own."""
         super().__init__(spec)
         if spec.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -165,10 +173,12 @@ class FlashInferAttention(AttentionBackend):
         wide = group >= TENSOR_CORE_DECODE_GROUP
         self._tensor_cores = wide if decode_tensor_cores is None else decode_tensor_cores
         # FlashInfer wants the float workspace zeroed before its first use.
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
+        if workspace is None:
+            workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.spec.device)
+        self.workspace = workspace
         self._prefill_backend = prefill_backend
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=prefill_backend
+            self.workspace, "NHD", backend=prefill_backend
         )
         self._decode = self._decode_wrapper()
         # FlashInfer copies each plan from pinned buffers it reuses without waiting;
@@ -178,6 +188,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan_kw: dict[str, Any] = {
             "window_left": spec.sliding_window - 1 if spec.sliding_window else -1,
             "sm_scale": spec.scale,
+            "logits_soft_cap": spec.logit_soft_cap,
             "q_data_type": spec.dtype,
             "kv_data_type": spec.dtype,
             "non_blocking": True,
@@ -204,7 +215,7 @@ class FlashInferAttention(AttentionBackend):
             }
         # "fa2" explicitly: "auto" may route to cuDNN, which the bundle does not carry.
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="fa2", **kwargs
+            self.workspace, "NHD", backend="fa2", **kwargs
         )
 
     def _rows(self, batch: AttentionBatch) -> tuple[np.ndarray | None, torch.Tensor | None]:
@@ -266,8 +277,17 @@ class FlashInferAttention(AttentionBackend):
         self._plan_done.record()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        kv: KvCache,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError(SINKS_UNSUPPORTED + "; use the torch attention backend")
         cache = kv.layers[layer]
         if cache.dtype != self.spec.dtype:
             raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.dtype}")
@@ -361,7 +381,7 @@ class FlashInferAttention(AttentionBackend):
         self._v_rows = torch.zeros(2, largest * q, dtype=torch.int64, device=dev)
         self._verify = {
             size: self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace,
+                self.workspace,
                 "NHD",
                 backend=self._prefill_backend,
                 use_cuda_graph=True,

@@ -3,11 +3,12 @@ prebuilt set holds (the manifest the AOT build writes beside them), and the chec
 the worker runs at start against it.
 
 FlashInfer compiles one module per attention configuration (dtype, head dim,
-sliding window or not, kernel) and looks for it in ``flashinfer/data/aot/<name>/``
-before compiling. Where it may not compile (``FLASHINFER_DISABLE_JIT``: the CUDA
-image and the offline bundle, which carry no compiler) a missing module fails at
-its first use, which is decode graph capture at start, with a message that names
-neither the model's setting nor a way out. ``check_prebuilt`` refuses such a
+sliding window or not, logit soft cap or not, kernel) and looks for it in
+``flashinfer/data/aot/<name>/`` before compiling. Where it may not compile
+(``FLASHINFER_DISABLE_JIT``: the CUDA image and the offline bundle, which carry
+no compiler) a missing module fails at its first use, which is decode graph
+capture at start, with a message that names neither the model's setting nor a
+way out. ``check_prebuilt`` refuses such a
 configuration before the weights are loaded, naming the missing modules and what
 to do.
 
@@ -20,9 +21,16 @@ the CUDA-core decode kernel reduces over HEAD_DIM / 8 lanes with a power-of-two
 shuffle tree, wrong for 10 or 12 lanes), and have no fp32 (attention_choice.py picks
 the torch backend for those). 512 is left out of the prebuilt set for its size.
 
+Soft-capped modules (``use_logits_cap_True``) are built only where a served
+model soft-caps its attention logits: Gemma 2, bf16 (its trained dtype; fp16
+overflows its activations) at head dim 256 (2B and 9B; 27B's 128 is a build
+knob away: FI_SOFTCAP_HEAD_DIMS), with and without its sliding window: four
+modules, about 4.8 MiB.
+
 Sizes (sm_90a, CUDA 13.0 nvcc, built here): a decode module 0.45 MiB, an FA2
 prefill module 1.7-1.95 MiB, whatever the head dim; the default set adds about
-18.7 MiB to the bundle, about 57 of its 64 MiB (docs/benchmarks.md).
+18.7 MiB to the bundle, about 57 of its 64 MiB, and the soft-capped four about
+4.8 more, about 61.5 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ FLASHINFER_DTYPES = ("bfloat16", "float16")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 DEFAULT_DTYPES = FLASHINFER_DTYPES
 DEFAULT_HEAD_DIMS = FLASHINFER_HEAD_DIMS
+# The soft-capped modules' dtypes and head dims (module docstring: Gemma 2).
+DEFAULT_SOFTCAP_DTYPES = ("bfloat16",)
+DEFAULT_SOFTCAP_HEAD_DIMS = (256,)
 # FlashInferKernels' modules: one each, every dtype and head dim inside; the
 # model's ops, and the sampler's filters.
 MODEL_OP_MODULES = ("norm", "rope", "silu_and_mul")
@@ -65,6 +76,7 @@ class AttentionModule:
     head_dim: int
     sliding_window: bool
     backend: str = "fa2"
+    soft_cap: bool = False  # built for a logit soft cap (FlashInfer's use_logits_soft_cap)
 
     @property
     def name(self) -> str:
@@ -73,7 +85,7 @@ class AttentionModule:
         body = (
             f"dtype_q_{t}_dtype_kv_{t}_dtype_o_{t}_dtype_idx_i32_"
             f"head_dim_qk_{self.head_dim}_head_dim_vo_{self.head_dim}_posenc_0_"
-            f"use_swa_{self.sliding_window}_use_logits_cap_False"
+            f"use_swa_{self.sliding_window}_use_logits_cap_{self.soft_cap}"
         )
         if self.kind == "decode":
             return f"batch_decode_with_kv_cache_{body}"
@@ -83,16 +95,18 @@ class AttentionModule:
     def describe(self) -> str:
         kernel = "decode" if self.kind == "decode" else f"prefill {self.backend}"
         window = ", sliding window" if self.sliding_window else ""
-        return f"{self.dtype} head dim {self.head_dim}{window} ({kernel})"
+        cap = ", logit soft cap" if self.soft_cap else ""
+        return f"{self.dtype} head dim {self.head_dim}{window}{cap} ({kernel})"
 
 
 def needed_modules(
-    dtype: str, head_dim: int, *, group: int, sliding_window: bool
+    dtype: str, head_dim: int, *, group: int, sliding_window: bool, soft_cap: bool = False
 ) -> list[AttentionModule]:
-    """The attention modules FlashInferAttention loads for this model (per rank)."""
-    needed = [AttentionModule("prefill", dtype, head_dim, sliding_window)]
+    """The attention modules FlashInferAttention loads for one spec (per rank;
+    a model with layer groups needs each group's)."""
+    needed = [AttentionModule("prefill", dtype, head_dim, sliding_window, soft_cap=soft_cap)]
     if group < TENSOR_CORE_DECODE_GROUP:
-        needed.append(AttentionModule("decode", dtype, head_dim, sliding_window))
+        needed.append(AttentionModule("decode", dtype, head_dim, sliding_window, soft_cap=soft_cap))
     return needed
 
 
@@ -100,28 +114,44 @@ def build_list(
     dtypes: Iterable[str] = DEFAULT_DTYPES,
     head_dims: Iterable[int] = DEFAULT_HEAD_DIMS,
     prefill_backends: Iterable[str] = ("fa2",),
+    *,
+    soft_cap_dtypes: Iterable[str] = DEFAULT_SOFTCAP_DTYPES,
+    soft_cap_head_dims: Iterable[int] = DEFAULT_SOFTCAP_HEAD_DIMS,
 ) -> list[AttentionModule]:
     """The attention modules a prebuilt set holds: for every dtype and head dim,
     with and without a sliding window, the decode and FA2 prefill modules (every
-    GQA group: both are needed by some), plus FA3 prefill if asked for."""
+    GQA group: both are needed by some), plus FA3 prefill if asked for; then the
+    same (FA2 only) soft-capped for the soft-cap dtypes and head dims."""
     backends = tuple(prefill_backends)
     if "fa2" not in backends:
         raise ValueError("the FA2 prefill modules are always needed (decode on tensor cores)")
     modules = []
+    for dtype, head_dim in _checked(dtypes, head_dims):
+        for window in (False, True):
+            modules.append(AttentionModule("decode", dtype, head_dim, window))
+            modules += [AttentionModule("prefill", dtype, head_dim, window, b) for b in backends]
+    for dtype, head_dim in _checked(soft_cap_dtypes, soft_cap_head_dims):
+        for window in (False, True):
+            modules += [
+                AttentionModule(kind, dtype, head_dim, window, soft_cap=True)
+                for kind in ("decode", "prefill")
+            ]
+    return modules
+
+
+def _checked(dtypes: Iterable[str], head_dims: Iterable[int]) -> list[tuple[str, int]]:
+    dims = tuple(head_dims)
+    pairs = []
     for dtype in dtypes:
         if dtype not in _DTYPE_TAGS:
             raise ValueError(f"FlashInfer has no {dtype} attention kernels ({FLASHINFER_DTYPES})")
-        for head_dim in head_dims:
+        for head_dim in dims:
             if head_dim not in FLASHINFER_HEAD_DIMS:
                 raise ValueError(
                     f"head dim {head_dim}: FlashInfer's FA2 kernels take {FLASHINFER_HEAD_DIMS}"
                 )
-            for window in (False, True):
-                modules.append(AttentionModule("decode", dtype, head_dim, window))
-                modules += [
-                    AttentionModule("prefill", dtype, head_dim, window, b) for b in backends
-                ]
-    return modules
+            pairs.append((dtype, head_dim))
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -138,12 +168,10 @@ class Manifest:
         return {m.name for m in self.attention} | set(self.ops)
 
     def summary(self) -> str:
-        dtypes = sorted({m.dtype for m in self.attention})
-        dims = sorted({m.head_dim for m in self.attention})
-        return (
-            f"{', '.join(dtypes) or 'no dtypes'} x head dims {', '.join(map(str, dims)) or 'none'}"
-            f" for {self.cuda_arch}"
-        )
+        plain = [m for m in self.attention if not m.soft_cap]
+        capped = [m for m in self.attention if m.soft_cap]
+        text = f"{_shapes(plain)} for {self.cuda_arch}"
+        return text + (f"; soft-capped {_shapes(capped)}" if capped else "")
 
     def to_json(self) -> str:
         data = {
@@ -165,11 +193,18 @@ class Manifest:
                 int(entry["head_dim"]),
                 bool(entry["sliding_window"]),
                 entry.get("backend", "fa2"),
+                bool(entry.get("soft_cap", False)),
             )
             if entry.get("name", module.name) != module.name:
                 raise ValueError(f"manifest entry {entry['name']} is not {module.name}")
             attention.append(module)
         return cls(data["flashinfer"], data["cuda_arch"], tuple(attention), tuple(data["ops"]))
+
+
+def _shapes(modules: Sequence[AttentionModule]) -> str:
+    dtypes = sorted({m.dtype for m in modules})
+    dims = sorted({m.head_dim for m in modules})
+    return f"{', '.join(dtypes) or 'no dtypes'} x head dims {', '.join(map(str, dims)) or 'none'}"
 
 
 @dataclass(frozen=True)
@@ -243,11 +278,21 @@ def check_prebuilt(
     lines += [f"  {name} (FlashInfer's {name} kernels)" for name in missing_ops]
     fixes = []
     if missing_attention:
-        dtypes = " ".join(sorted({m.dtype for m in missing_attention} | set(DEFAULT_DTYPES)))
-        dims = sorted({m.head_dim for m in missing_attention} | set(DEFAULT_HEAD_DIMS))
+        plain = [m for m in missing_attention if not m.soft_cap]
+        capped = [m for m in missing_attention if m.soft_cap]
+        knobs = []
+        if plain:
+            dtypes = " ".join(sorted({m.dtype for m in plain} | set(DEFAULT_DTYPES)))
+            dims = sorted({m.head_dim for m in plain} | set(DEFAULT_HEAD_DIMS))
+            knobs.append(f'FI_DTYPES="{dtypes}" FI_HEAD_DIMS="{" ".join(map(str, dims))}"')
+        if capped:
+            dtypes = " ".join(sorted({m.dtype for m in capped} | set(DEFAULT_SOFTCAP_DTYPES)))
+            dims = sorted({m.head_dim for m in capped} | set(DEFAULT_SOFTCAP_HEAD_DIMS))
+            knobs.append(
+                f'FI_SOFTCAP_DTYPES="{dtypes}" FI_SOFTCAP_HEAD_DIMS="{" ".join(map(str, dims))}"'
+            )
         fixes.append(
-            f'rebuild the kernels with FI_DTYPES="{dtypes}" '
-            f'FI_HEAD_DIMS="{" ".join(map(str, dims))}" '
+            f"rebuild the kernels with {' '.join(knobs)} "
             "(scripts/build_flashinfer_bundle.sh, or docker/Dockerfile.cuda's build args)"
         )
         fixes.append("start with --attention-backend torch (slower; no CUDA graphs)")

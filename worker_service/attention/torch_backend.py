@@ -13,6 +13,12 @@ With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
 of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
 chunks), attend through it instead, reading the pages in place.
 
+Soft-capped scores and sinks (AttentionSpec.logit_soft_cap, forward's
+``sinks``): SDPA takes neither, so with either set the decode batch and the
+long extends attend through ``manual_attention`` (explicit scores, cap, mask,
+softmax with the sinks in its denominator), and the CPU kernel takes both;
+without them every path is the SDPA one above, unchanged.
+
 Pages come from the batch's page table (device/page_table.py): the kernel
 reads its host array in place, the gather path indexes its device tensor,
 and a long extend reads a view of its row; no page list is copied per step."""
@@ -35,6 +41,10 @@ from worker_service.device.transfer import to_device
 # per query (each reads the sequence's keys once more); longer ones through
 # SDPA. Covers every drafted verify row (at most --speculative-max-draft + 1).
 KERNEL_MAX_QUERIES = 16
+# The explicit softmax (a soft cap or sinks) materialises its scores: a long
+# extend attends in blocks of queries of at most this many scores (256 MiB in
+# float32), not (heads, q_len, kv_len) at once (17 GB for 64 heads over 8k x 8k).
+MANUAL_BLOCK_SCORES = 2**26
 
 
 @dataclass(slots=True)
@@ -144,9 +154,18 @@ class TorchAttention(AttentionBackend):
         return _DecodeRows(rows_t, width, kv_rows_t, bias[:, None, None, :])
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kv: KvCache
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        kv: KvCache,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = self._batch
+        cap = self.spec.logit_soft_cap
+        manual = cap is not None or sinks is not None
         kv.write(layer, k, v, pages=batch.write_pages, offsets=batch.write_offsets)
         out = torch.empty_like(q)
         groups = self.spec.num_heads // self.spec.num_kv_heads
@@ -158,6 +177,8 @@ class TorchAttention(AttentionBackend):
                 layout=self._layout,
                 window=self.spec.sliding_window,
                 scale=self.spec.scale,
+                soft_cap=cap,
+                sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
@@ -168,9 +189,13 @@ class TorchAttention(AttentionBackend):
             keys = both[0].to(q.dtype).transpose(1, 2)
             values = both[1].to(q.dtype).transpose(1, 2)
             qs = q[d.rows].view(n, kv_heads, groups, -1)
-            o = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=d.bias.to(q.dtype), scale=self.spec.scale
-            )
+            if manual:
+                heads_sinks = None if sinks is None else sinks.view(kv_heads, groups)
+                o = manual_attention(qs, keys, values, d.bias, spec=self.spec, sinks=heads_sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, keys, values, attn_mask=d.bias.to(q.dtype), scale=self.spec.scale
+                )
             out[d.rows] = o.reshape(n, self.spec.num_heads, -1)
         kernel_max_q = self._batched_max_q
         for s, table, mask in zip(batch.seqs, self._tables, self._masks, strict=True):
@@ -185,8 +210,61 @@ class TorchAttention(AttentionBackend):
             if groups > 1:
                 ks = ks.repeat_interleave(groups, dim=1)
                 vs = vs.repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.spec.scale
-            )
+            if manual:
+                o = self._manual_extend(qs, ks, vs, mask=mask, sinks=sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=self.spec.scale
+                )
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
         return out
+
+    def _manual_extend(
+        self,
+        qs: torch.Tensor,
+        ks: torch.Tensor,
+        vs: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One long extend, (1, heads, q_len, D) queries, through the explicit
+        softmax in blocks of queries (MANUAL_BLOCK_SCORES); ``mask`` None: causal."""
+        heads, q_len, kv_len = qs.shape[1], qs.shape[2], ks.shape[2]
+        if mask is None:  # a whole prompt: causal
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=qs.device).tril_()
+        heads_sinks = None if sinks is None else sinks.view(-1, 1)
+        block = max(1, MANUAL_BLOCK_SCORES // (heads * kv_len))
+        out = torch.empty_like(qs)
+        for a in range(0, q_len, block):
+            part = mask[a : a + block]
+            bias = torch.zeros(part.shape, device=qs.device).masked_fill_(~part, -math.inf)
+            out[:, :, a : a + block] = manual_attention(
+                qs[:, :, a : a + block], ks, vs, bias, spec=self.spec, sinks=heads_sinks
+            )
+        return out
+
+
+def manual_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    spec: AttentionSpec,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA's attention with the soft cap and sinks it lacks, in float32: q
+    (..., Lq, D), k and v (..., Lk, D), ``bias`` additive (0 or -inf, broadcast to
+    the scores), ``sinks`` broadcast to the scores without their last dim."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * spec.scale
+    if spec.logit_soft_cap is not None:
+        cap = spec.logit_soft_cap
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores + bias
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        column = sinks.float()[..., None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -1,8 +1,11 @@
-"""The shape of a Llama-family model, read from a Hugging Face config or GGUF.
+"""The shape of a model, read from a Hugging Face config or GGUF.
 
-One dataclass covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM2: they
-differ in flags (qkv bias, qk-norm, tied embeddings, RoPE scaling, sliding
-window), not in code paths.
+One dataclass covers every family the worker serves. The Llama family (Llama
+2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) differs only in flags (qkv bias,
+qk-norm, tied embeddings, RoPE scaling, sliding window); the other families
+(models/family.py) set the fields after ``score_head``, which default to the
+Llama family's behaviour. ``ModelConfig.from_hf`` reads the Llama family;
+each other family reads its own config.json (its ``read_config``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,31 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (models/moe.py); every layer has one unless
+    the family says otherwise."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    # "softmax_topk": softmax over all experts, then the top k (renormalised
+    # iff norm_topk_prob); "topk_softmax": the top k router logits, then a
+    # softmax over those k (GPT-OSS).
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    # GPT-OSS's clamped SwiGLU: gate clamped above at the limit, up to
+    # [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -85,12 +113,43 @@ class ModelConfig:
     # A sequence classifier's score head (models/score_head.py); None: a
     # causal LM, whose LM head generates.
     score_head: ScoreHeadConfig | None = None
+    # --- set by families other than Llama's (models/family.py)
+    # One per layer, FULL_ATTENTION or SLIDING_ATTENTION (transformers'
+    # names); empty: every layer uses ``sliding_window`` (None: full).
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    rope_local: RopeConfig | None = None  # the sliding layers' RoPE where it differs
+    embed_scale: float | None = None  # embeddings multiplied by it (in the model dtype)
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh" (the gated MLP's activation)
+    attention_sinks: bool = False  # a learned per-head sink logit in every softmax
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"{self.num_heads} attention heads do not group into {self.num_kv_heads} KV heads"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}"
+            )
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise UnsupportedModelError("sliding_attention layers need a sliding_window")
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens (None: full attention)."""
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.window_of(i) is not None)
 
     @property
     def q_size(self) -> int:

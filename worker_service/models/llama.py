@@ -39,6 +39,7 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
 from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
 from worker_service.models.config import ModelConfig
+from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.layers import (
     FusedColumnLinear,
     RMSNorm,
@@ -47,6 +48,7 @@ from worker_service.models.layers import (
     VocabEmbedding,
 )
 from worker_service.models.rope import RotaryEmbedding
+from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 
 class LlamaAttention(nn.Module):
@@ -187,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         # The running step's LoRA work, shared by every projection.
         self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
+            self.decoder_layer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
@@ -207,6 +209,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         self.rope = RotaryEmbedding(cfg, device, kernels)
+
+    def decoder_layer(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
+    ) -> nn.Module:
+        """Layer ``layer`` of the stack: a family's hook (its own layer class)."""
+        return LlamaDecoderLayer(
+            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
+        )
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -259,7 +277,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             raise ValueError("a sequence classifier has no LM head: it scores, never samples")
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def pack_linears_for_cpu(self) -> int:
         """Pack every projection and the LM head for oneDNN (models/cpu_linear.py),
@@ -345,3 +366,23 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r}")
         else:
             raise ValueError(f"unexpected weight {name!r}")
+
+
+def _read_config(architecture: str, cfg: dict) -> ModelConfig:
+    return ModelConfig.from_hf(cfg)
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        # The same class with a score head instead of the LM head (config.score_head).
+        *SEQUENCE_CLASSIFIERS,
+    ),
+    model_class=LlamaForCausalLM,
+    read_config=_read_config,
+    support=FamilySupport(gguf=True),
+)

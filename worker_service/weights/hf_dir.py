@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.models.registry import config_from_hf
 from worker_service.weights.declarations import with_hf_declarations
 from worker_service.weights.tokenizer_files import hf_tokenizer_files
 
@@ -39,7 +40,7 @@ class HfDirectory:
             )
         raw = _read_json(config_file)
         try:
-            config = ModelConfig.from_hf(raw)
+            config = config_from_hf(raw)
         except KeyError as err:
             raise UnsupportedModelError(f"{config_file} lacks the field {err}") from err
         config = _with_generation_eos(config, directory / "generation_config.json")

@@ -8,6 +8,7 @@ installs the CPU harness they run under."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Any
 
@@ -88,9 +89,13 @@ def backends(
     page_size: int,
     window: int | None,
     tensor_cores: bool | None = None,
+    *,
+    soft_cap: float | None = None,
 ) -> tuple[FlashInferAttention, TorchAttention]:
     spec = spec_for(heads, page_size, window, torch.bfloat16, "cpu")
     ref_spec = spec_for(heads, page_size, window, torch.float32, "cpu")
+    spec = dataclasses.replace(spec, logit_soft_cap=soft_cap)
+    ref_spec = dataclasses.replace(ref_spec, logit_soft_cap=soft_cap)
     fi = FlashInferAttention(spec, workspace_bytes=2**20, decode_tensor_cores=tensor_cores)
     return fi, TorchAttention(ref_spec)
 

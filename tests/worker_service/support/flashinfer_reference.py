@@ -26,7 +26,11 @@ causal masking keeps keys ``j <= p``; a sliding window (modules built with
 ``use_sliding_window``, ``window_left >= 0``) keeps ``j >= p - window_left``, i.e.
 ``window_left + 1`` keys including the query's own (include/flashinfer/attention/
 variants.cuh); query head h reads key/value head ``h // (num_qo_heads //
-num_kv_heads)``; logits are scaled by ``sm_scale`` before the softmax.
+num_kv_heads)``; logits are scaled by ``sm_scale`` before the softmax; a module
+built with ``use_logits_soft_cap`` caps the scaled logits, ``cap * tanh(logits /
+cap)`` with the run's ``logits_soft_cap`` (variants.cuh: LogitsTransform), and one
+built without it ignores the value. The FA2 modules take no sinks: FlashInfer's
+Python drops a wrapper's ``sinks`` before calling them (prefill.py's paged_run).
 """
 
 from __future__ import annotations
@@ -181,14 +185,17 @@ def attend(
     causal: bool,
     window_left: int,
     sm_scale: float,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """One request: q (qo_len, qo_heads, D), k/v (kv_len, kv_heads, D) -> (qo_len, qo_heads, D),
-    float32. ``window_left < 0`` means no window."""
+    float32. ``window_left < 0`` means no window; ``soft_cap`` 0: no cap."""
     qo_len, kv_len = q.shape[0], k.shape[0]
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     qf = q.float().view(qo_len, kv_heads, group, -1)
     logits = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * sm_scale
+    if soft_cap > 0:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
     pos = torch.arange(kv_len - qo_len, kv_len)[:, None]
     key = torch.arange(kv_len)[None, :]
     keep = torch.ones(qo_len, kv_len, dtype=torch.bool)
@@ -219,9 +226,16 @@ class Specialization:
     use_sliding_window: bool
     use_logits_soft_cap: bool
 
+    def soft_cap(self, logits_soft_cap: float) -> float:
+        """The cap the kernel applies: the run's value in a soft-cap module (which
+        divides by it: 0 there is a division by zero), none elsewhere."""
+        if not self.use_logits_soft_cap:
+            return 0.0
+        _require(logits_soft_cap > 0, "a soft-cap module run with logits_soft_cap <= 0")
+        return logits_soft_cap
+
     def check_supported(self) -> None:
         _require(self.pos_encoding_mode == POS_ENCODING_NONE, "only pos_encoding NONE is modelled")
-        _require(not self.use_logits_soft_cap, "logits soft-capping is not modelled")
         _require(self.head_dim_qk == self.head_dim_vo, "only head_dim_qk == head_dim_vo modelled")
 
     def check_index(self, **arrays: torch.Tensor) -> None:
@@ -338,8 +352,10 @@ def _paged_attention(
     causal: bool,
     window_left: int,
     sm_scale: float,
+    soft_cap: float,
 ) -> None:
-    """The work shared by the prefill and decode kernels, into ``o``."""
+    """The work shared by the prefill and decode kernels, into ``o``; ``soft_cap``
+    0: none."""
     num_pages = k_cache.shape[0]
     page_size = _cache_geometry(k_cache, layout)[1]
     qo, kv, last = qo_indptr.tolist(), kv_indptr.tolist(), last_page_len.tolist()
@@ -357,7 +373,8 @@ def _paged_attention(
         kv_len = max(pages.numel() - 1, 0) * page_size + (last[i] if pages.numel() else 0)
         rows = slice(qo[i], qo[i + 1])
         k, v = paged_kv(k_cache, v_cache, layout, pages, kv_len)
-        o[rows] = attend(q[rows], k, v, causal, window_left, sm_scale).to(o.dtype)
+        out = attend(q[rows], k, v, causal, window_left, sm_scale, soft_cap)
+        o[rows] = out.to(o.dtype)
 
 
 # ---- the modules ----------------------------------------------------------------------------

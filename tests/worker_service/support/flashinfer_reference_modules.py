@@ -139,6 +139,7 @@ class ReferencePrefillModule:
             layout,
             window_left,
             sm_scale,
+            logits_soft_cap,
         )
 
     def _paged_run_now(
@@ -158,6 +159,7 @@ class ReferencePrefillModule:
         layout: int,
         window_left: int,
         sm_scale: float,
+        logits_soft_cap: float,
     ) -> None:
         _require(all(x is None for x in unmodelled), "lse/custom mask/prefix/fp4 not modelled")
         _require(mask_mode in (MASK_NON_CAUSAL, MASK_CAUSAL), f"mask_mode {mask_mode} unmodelled")
@@ -186,6 +188,7 @@ class ReferencePrefillModule:
             mask_mode == MASK_CAUSAL,
             window,
             sm_scale,
+            self.spec.soft_cap(logits_soft_cap),
         )
 
     def ragged_run(self, *args: Any) -> None:
@@ -285,6 +288,7 @@ class ReferenceDecodeModule:
             kv_layout_code,
             window_left,
             sm_scale,
+            logits_soft_cap,
         )
 
     def _run_now(
@@ -302,6 +306,7 @@ class ReferenceDecodeModule:
         layout: int,
         window_left: int,
         sm_scale: float,
+        logits_soft_cap: float,
     ) -> None:
         _require(lse is None, "lse is not modelled")
         record = _read_plan(int_workspace, plan_info, _DECODE_TAG)
@@ -332,4 +337,5 @@ class ReferenceDecodeModule:
             False,
             window,
             sm_scale,
+            self.spec.soft_cap(logits_soft_cap),
         )

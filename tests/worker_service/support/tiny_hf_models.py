@@ -50,11 +50,30 @@ ARCHITECTURES = {
     "smollm2-tied": (LlamaConfig, {"tie_word_embeddings": True}),
 }
 
+# Sliding-window models, served from two KV pools (apart: a plan for them
+# carries sliding pages, which plan_driver.py does not make).
+SLIDING_WINDOW = 8
+SLIDING_ARCHITECTURES = {
+    "mistral-sliding": (MistralConfig, {"sliding_window": SLIDING_WINDOW, "num_hidden_layers": 3}),
+    # Layers alternating sliding and full attention (GPT-OSS's pattern), which
+    # transformers' Qwen2 reads from layer_types (the worker: with_layer_types).
+    "qwen2-alternating": (
+        Qwen2Config,
+        {
+            "use_sliding_window": True,
+            "sliding_window": SLIDING_WINDOW,
+            "max_window_layers": 0,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+}
+
 
 def tiny_model(name: str, path) -> PreTrainedModel:
-    cls, extra = ARCHITECTURES[name]
+    cls, extra = {**ARCHITECTURES, **SLIDING_ARCHITECTURES}[name]
     torch.manual_seed(zlib.crc32(name.encode()))
-    cfg = cls(**COMMON, **extra)
+    cfg = cls(**(COMMON | extra))
     cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     model = HFAuto.from_config(cfg, dtype=torch.float32).eval()
     # Random init gives near-uniform logits where argmax ties are fragile; a
