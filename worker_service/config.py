@@ -87,6 +87,12 @@ class WorkerConfig:
     )
     simulated_step_ms: float = setting(0.0, "the simulated model's time per step")
     simulated_vocab: int = setting(SIMULATED_VOCAB, "the simulated model's vocabulary size")
+    simulated_swa_window: int = setting(
+        0,
+        "the simulated model shaped like one with sliding-window layers (Gemma 3, GPT-OSS): "
+        "their window in tokens, a sliding pool of --swa-full-tokens-ratio x --num-pages "
+        "(page 0 the null page) and every plan's sliding pages checked; 0: one pool",
+    )
     simulated_fail_token: int | None = setting(
         None,
         "fault tests: every step of the simulated model that computes this token fails "

@@ -103,6 +103,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     tp = init_tensor_parallel(cfg.tp_rank, cfg.tp_size, cfg.dist_addr, device)
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
+        # Shaped like a sliding-window model: a second pool whose plans the
+        # runner validates (in range, never the null page inside a window).
+        swa_window = cfg.simulated_swa_window if cfg.swa_memory else 0
+        num_swa_pages = int(num_pages * cfg.swa_full_tokens_ratio) if swa_window else 0
+        if swa_window and num_swa_pages < 2:
+            raise SystemExit(
+                f"the simulated sliding pool gets {num_swa_pages} pages; it needs its null "
+                "page and at least one more"
+            )
         compute = SimulatedCompute(
             cfg.simulated_step_ms / 1e3, cfg.simulated_vocab, cfg.simulated_fail_token
         )
@@ -117,6 +126,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         runner = ModelRunner(
             compute,
             num_pages=num_pages,
+            num_swa_pages=num_swa_pages,
+            swa_window=swa_window,
             page_size=cfg.page_size,
             vocab_size=vocab,
             grammars=grammars,
@@ -128,6 +139,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             model_name="simulated",
             model_config=None,
             num_pages=num_pages,
+            num_swa_pages=num_swa_pages,
+            swa_window=swa_window,
             device=device,
             dtype=dtype,
             attention_backend="simulated",
