@@ -103,6 +103,13 @@ class PrefillAdder:
         """Sliding tokens a request computing ``computes`` tokens now holds."""
         return self._ceil_paged(computes) + self.swa_window + self.page_size
 
+    def _swa_computes(self, req: Request) -> int:
+        """What a waiting request would compute this step (its chunk at most)."""
+        computes = self._ceil_paged(req.num_tokens - req.match_len)
+        if self.rem_chunk_tokens is not None:
+            computes = min(computes, max(self.rem_chunk_tokens, 0))
+        return computes
+
     def budget_state(self) -> AddResult:
         if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
             return AddResult.NO_TOKEN
@@ -172,12 +179,11 @@ class PrefillAdder:
         force = self.nothing_running and not self.admitted
         if total >= self.rem_total_tokens and not force:
             return AddResult.NO_TOKEN
-        if self.swa_window and not force:
-            computes = paged_extend
-            if self.rem_chunk_tokens is not None:
-                computes = min(computes, max(self.rem_chunk_tokens, 0))
-            if self._swa_need(computes) >= self.swa_rem_tokens:
-                return AddResult.NO_TOKEN
+        swa_short = self.swa_window and (
+            self._swa_need(self._swa_computes(req)) >= self.swa_rem_tokens
+        )
+        if swa_short and not force:
+            return AddResult.NO_TOKEN
         if (
             self.rem_chunk_tokens is None
             and self.admitted
@@ -242,6 +248,15 @@ class PrefillAdder:
                 break
         if not chosen or to_remove >= 0:
             return False
+        sliding = self.kv.sliding
+        if sliding is not None:
+            # The sliding budget must fit too once they are gone, or the
+            # preemption is wasted (and repeats every step: a livelock).
+            gain = sliding.available_after_release([r.swa_pages for r in chosen])
+            gain = (gain + len(chosen)) * self.page_size  # their pages, their per-request page
+            if self._swa_need(self._swa_computes(req)) >= self.swa_rem_tokens + gain:
+                return False
+            self.swa_offset -= self.page_size * len(chosen)
         for r in chosen:
             self.rem_total_offset -= self.running_need(r)
             self.kv.release(r)

@@ -145,6 +145,22 @@ class SlidingPages:
             extra[page] = count - 1
         return False
 
+    def available_after_release(self, tables: Sequence[Sequence[int]]) -> int:
+        """How many sliding pages would become free or evictable if these
+        requests' tables were released (pages other requests share do not)."""
+        counts: dict[int, int] = {}
+        for table in tables:
+            for p in table:
+                if p:
+                    counts[p] = counts.get(p, 0) + 1
+        extra, in_tree = self.pool._extra, self._in_tree
+        gained = 0
+        for p, n in counts.items():
+            left = 1 + extra.get(p, 0) - n  # holders left afterwards
+            if left == 0 or (left == 1 and in_tree[p]):
+                gained += 1
+        return gained
+
     def is_tree_only(self, page: int) -> bool:
         return bool(self._in_tree[page]) and page not in self.pool._extra
 

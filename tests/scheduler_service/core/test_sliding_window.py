@@ -254,3 +254,24 @@ def test_long_requests_run_together_when_only_their_windows_fit_the_sliding_pool
         one_step(sched, worker)
         most = max(most, len(sched.table.running))
     assert most == 3
+
+
+def test_no_preemption_for_a_request_the_sliding_pool_cannot_take():
+    """A higher-priority request preempts a running one only if the sliding
+    budget takes it afterwards; a wasted preemption repeated every step (the
+    order policy puts the preempted request first again) was a livelock."""
+    cfg = config(
+        16,
+        chunked_prefill_size=16,
+        max_prefill_tokens=16,
+        schedule_policy="dfs-weight",
+        enable_priority_scheduling=True,
+        schedule_low_priority_values_first=True,
+    )
+    sched, worker = make_pair(cfg, 64, V, num_swa_pages=6, swa_window=20)
+    low = Request("low", prompt(28, seed=1), SamplingParams(max_new_tokens=30), priority=20)
+    high = Request("high", prompt(17, seed=2), SamplingParams(max_new_tokens=30), priority=0)
+    log = drive(sched, worker, [(0, low), (1, high)], overlap=True, max_steps=2000)
+    assert low.finished and high.finished and log.steps < 2000
+    assert sched.stats.preemptions <= 1
+    check_drained(sched, worker)
