@@ -20,6 +20,11 @@ per step):
   kernels on a GPU, queued without waiting) is stubbed out of the host
   figure and timed on its own, on this CPU, as ``gather``.
 
+``--swa``: the after side as a model with sliding-window layers runs it (two
+KV pools): every request also holds a row of the sliding page table, which
+gets the same deltas, ``_batch`` builds the sliding group's batch too (its
+write pages from that table), and each group's backend plans its own step.
+
 The runner's own appends to the page lists are the same on both sides and
 left out of both. The sides run in separate passes over equal workloads.
 Times are the process's CPU time (``time.process_time``, torch on one
@@ -30,12 +35,14 @@ after each configuration.
 
     python benchmarks/worker_host_step.py                      # 1/64/256 x 1k/8k/32k
     python benchmarks/worker_host_step.py --batch 256 --context 32768 --steps 50
+    python benchmarks/worker_host_step.py --swa                # two page tables
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -125,9 +132,11 @@ def flashinfer_on_the_host() -> Iterator[None]:
 class Workload:
     """``batch`` decoding requests of about ``context`` tokens on distinct pages."""
 
-    def __init__(self, batch: int, context: int, seed: int = 0) -> None:
+    def __init__(self, batch: int, context: int, seed: int = 0, *, swa: bool = False) -> None:
         rng = random.Random(seed)
         self.table = PageTable(CPU, separate=True)  # as on CUDA: deltas uploaded at sync
+        # Two pools: the sliding table, the same deltas (other page ids).
+        self.swa_table = PageTable(CPU, separate=True) if swa else None
         self.next_page = 0
         self.states: list[SlotState] = []
         sampling, logprobs = SamplingParams(temperature=0.0), LogprobOptions()
@@ -135,9 +144,16 @@ class Workload:
             kv_len = context - (i % PAGE)  # staggered page boundaries
             state = SlotState(f"r{i}", sampling, logprobs, 1, [1], kv_len)
             state.row = self.table.acquire()
-            self.table.append(*self._give(state, -(-(kv_len + 1) // PAGE)))
+            if self.swa_table is not None:
+                assert self.swa_table.acquire() == state.row  # same rows, as the runner's
+            self._append(*self._give(state, -(-(kv_len + 1) // PAGE)))
             self.states.append(state)
         rng.shuffle(self.states)  # rows not in batch order
+
+    def _append(self, row: int, new: list[int]) -> None:
+        self.table.append(row, new)
+        if self.swa_table is not None:
+            self.swa_table.append(row, [p + 1 for p in new])
 
     def _give(self, state: SlotState, pages: int) -> tuple[int, list[int]]:
         new = list(range(self.next_page, self.next_page + pages - len(state.pages)))
@@ -155,7 +171,7 @@ class Workload:
                 grown.append(self._give(s, len(s.pages) + 1))
         t1 = time.process_time()
         for row, new in grown:
-            self.table.append(row, new)
+            self._append(row, new)
         t2 = time.process_time()
         work = [
             SeqWork(slot=i, state=s, start=s.kv_len, inputs=[1], sample=True)
@@ -164,28 +180,40 @@ class Workload:
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3, work
 
 
-def _compute(table: PageTable) -> ModelCompute:
+def _compute(table: PageTable, swa_table: PageTable | None) -> ModelCompute:
     """A ModelCompute with only what ``_batch`` reads (no model: the layout alone)."""
     compute = ModelCompute.__new__(ModelCompute)
     compute.page_size, compute.page_table, compute.device = PAGE, table, CPU
+    compute.swa_table = swa_table
+    compute.groups = ("full", "sliding") if swa_table is not None else ("full",)
     return compute
 
 
-def measure(batch: int, context: int, steps: int, mode: str) -> dict[str, float]:
+def measure(batch: int, context: int, steps: int, mode: str, swa: bool) -> dict[str, float]:
     """The two sides in separate passes over equal workloads (one side's large
     arrays would evict the other's from the CPU caches if they alternated)."""
     spec = AttentionSpec(32, 8, 128, PAGE, None, torch.bfloat16, CPU)
     rows: dict[str, list[float]] = {k: [] for k in ("before", "deltas", "batch", "attn", "gather")}
     for side in ("after", "before"):
-        w = Workload(batch, context)
-        compute = _compute(w.table)
+        w = Workload(batch, context, swa=swa and side == "after")
+        compute = _compute(w.table, w.swa_table)
         scratch = w.next_page + batch * (steps // PAGE + 2)
         attn = (backend.FlashInferAttention if side == "after" else OldFlashInferAttention)(
             spec, workspace_bytes=1024
         )
         attn.enable_decode_graphs(scratch, -(-(context + steps + PAGE) // PAGE), sizes=(batch,))
+        # Two pools: the sliding group's backend (window 512), planning its own batch.
+        backends = {"full": attn}
+        if w.swa_table is not None:
+            sliding = dataclasses.replace(spec, sliding_window=512)
+            backends["sliding"] = backend.FlashInferAttention(sliding, workspace_bytes=1024)
+            backends["sliding"].enable_decode_graphs(
+                scratch + 1, -(-(context + steps + PAGE) // PAGE), sizes=(batch,)
+            )
         real_gather = w.table.gather
         host_gather = lambda bases, counts, total, *, out: out[:total]  # noqa: E731
+        if w.swa_table is not None:
+            w.swa_table.gather = host_gather  # type: ignore[method-assign]
         for step in range(WARMUP + steps):
             _, table_ms, work = w.advance()
             if side == "before":
@@ -200,13 +228,15 @@ def measure(batch: int, context: int, steps: int, mode: str) -> dict[str, float]
                 continue
             w.table.gather = host_gather  # type: ignore[method-assign]
             t2 = time.process_time()
-            new, _ = compute._batch(work, 0)
+            batches, _ = compute._batch(work, 0)
             t3 = time.process_time()
-            if mode == "graph":
-                attn.begin_graph_step(new, batch)
-            else:
-                attn.begin_step(new)
+            for group, group_batch in batches.items():
+                if mode == "graph":
+                    backends[group].begin_graph_step(group_batch, batch)
+                else:
+                    backends[group].begin_step(group_batch)
             t4 = time.process_time()
+            new = batches["full"]
             if step >= WARMUP:  # first touches of fresh buffers, the table's growth
                 rows["deltas"].append(table_ms)
                 rows["batch"].append((t3 - t2) * 1e3)
@@ -235,6 +265,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--mode", nargs="+", choices=["graph", "eager"], default=["graph", "eager"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--swa", action="store_true", help="two page tables (sliding layers)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -245,7 +276,7 @@ def main() -> None:
         for mode in args.mode:
             for b in args.batch:
                 for c in args.context:
-                    r = measure(b, c, args.steps, mode)
+                    r = measure(b, c, args.steps, mode, args.swa)
                     ratio = r["before"] / r["after"]
                     print(
                         f"{mode:6} {b:5d} {c:7d} {r['before']:9.3f} {r['after']:7.3f}"

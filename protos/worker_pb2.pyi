@@ -105,7 +105,7 @@ class ModelSamplingDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend")
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class WorkerInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: ModelInfo
     page_size: int
@@ -132,7 +134,9 @@ class WorkerInfo(_message.Message):
     kv_cache_bytes: int
     graph_bytes: int
     grammar_backend: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ...) -> None: ...
+    num_swa_pages: int
+    swa_window: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "epoch")
@@ -287,7 +291,7 @@ class Join(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class Extend(_message.Message):
-    __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token", "draft_len")
+    __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token", "draft_len", "new_swa_pages")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +299,7 @@ class Extend(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
     slot: int
     start_pos: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -302,10 +307,11 @@ class Extend(_message.Message):
     sample: bool
     next_token: int
     draft_len: int
-    def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ..., draft_len: _Optional[int] = ...) -> None: ...
+    new_swa_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ..., draft_len: _Optional[int] = ..., new_swa_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session")
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session", "decode_new_swa_pages")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +322,7 @@ class StepPlan(_message.Message):
     DECODE_NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NEW_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     mode: ForwardMode
     leaves: _containers.RepeatedScalarFieldContainer[int]
@@ -326,7 +333,8 @@ class StepPlan(_message.Message):
     decode_new_pages: _containers.RepeatedScalarFieldContainer[int]
     adapter_slots: _containers.RepeatedCompositeFieldContainer[AdapterSlot]
     session: SessionOpen
-    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ...) -> None: ...
+    decode_new_swa_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ..., decode_new_swa_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")

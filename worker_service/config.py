@@ -68,6 +68,18 @@ class WorkerConfig:
         "GPU memory after the weights)",
     )
     num_pages: int | None = setting(None, "KV pages to allocate (overrides --kv-memory)")
+    swa_full_tokens_ratio: float = setting(
+        0.8,
+        "a model with sliding-window layers: their pool's tokens per token of the full "
+        "layers' pool, both within --kv-memory (SGLang's name; with --num-pages: that many "
+        "full pages, this share of it sliding)",
+    )
+    swa_memory: bool = setting(
+        True,
+        "a model with sliding-window layers keeps their KV in a pool of its own, from which "
+        "the scheduler frees what left the window; off: one pool for every layer (SGLang's "
+        "--disable-hybrid-swa-memory; for a scheduler that does not send sliding pages)",
+    )
     tp_size: int = setting(1, "tensor-parallel ranks in the group")
     tp_rank: int = setting(0, "this worker's tensor-parallel rank")
     dist_addr: str | None = setting(
@@ -75,6 +87,12 @@ class WorkerConfig:
     )
     simulated_step_ms: float = setting(0.0, "the simulated model's time per step")
     simulated_vocab: int = setting(SIMULATED_VOCAB, "the simulated model's vocabulary size")
+    simulated_swa_window: int = setting(
+        0,
+        "the simulated model shaped like one with sliding-window layers (Gemma 3, GPT-OSS): "
+        "their window in tokens, a sliding pool of --swa-full-tokens-ratio x --num-pages "
+        "(page 0 the null page) and every plan's sliding pages checked; 0: one pool",
+    )
     simulated_fail_token: int | None = setting(
         None,
         "fault tests: every step of the simulated model that computes this token fails "
@@ -240,6 +258,10 @@ def load_config(
     cfg = build(WorkerConfig, args)
     if cfg.page_size < 1:
         raise SystemExit("--page-size must be >= 1")
+    if not 0 < cfg.swa_full_tokens_ratio <= 1:
+        raise SystemExit(
+            f"--swa-full-tokens-ratio must be in (0, 1] (got {cfg.swa_full_tokens_ratio})"
+        )
     if cfg.tp_size < 1 or not 0 <= cfg.tp_rank < cfg.tp_size:
         raise SystemExit(f"--tp-rank must be in [0, --tp-size) (got {cfg.tp_rank}, {cfg.tp_size})")
     return cfg

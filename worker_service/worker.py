@@ -30,7 +30,8 @@ from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
-from worker_service.device.kv_cache import KvCache, parse_bytes
+from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_sizing import size_kv_pools
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
@@ -56,9 +57,6 @@ from worker_service.weights.pooling_config import (
 
 logger = structlog.get_logger(__name__)
 
-CPU_KV_MEMORY = 1 << 30
-GPU_KV_FRACTION = 0.9
-
 
 @dataclass(kw_only=True)
 class Worker:
@@ -77,6 +75,10 @@ class Worker:
     adapter_loader: AdapterLoader
     # How embedding requests are pooled (GetInfo tells the scheduler).
     pooling: PoolingConfig
+    # The sliding-window layers' pool (page 0 the null page) and their window;
+    # 0, 0: one pool (no sliding layers, or --swa-memory off).
+    num_swa_pages: int = 0
+    swa_window: int = 0
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -101,6 +103,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     tp = init_tensor_parallel(cfg.tp_rank, cfg.tp_size, cfg.dist_addr, device)
     if cfg.model == "simulated":
         num_pages = cfg.num_pages or 65536
+        # Shaped like a sliding-window model: a second pool whose plans the
+        # runner validates (in range, never the null page inside a window).
+        swa_window = cfg.simulated_swa_window if cfg.swa_memory else 0
+        num_swa_pages = int(num_pages * cfg.swa_full_tokens_ratio) if swa_window else 0
+        if swa_window and num_swa_pages < 2:
+            raise SystemExit(
+                f"the simulated sliding pool gets {num_swa_pages} pages; it needs its null "
+                "page and at least one more"
+            )
         compute = SimulatedCompute(
             cfg.simulated_step_ms / 1e3, cfg.simulated_vocab, cfg.simulated_fail_token
         )
@@ -115,6 +126,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         runner = ModelRunner(
             compute,
             num_pages=num_pages,
+            num_swa_pages=num_swa_pages,
+            swa_window=swa_window,
             page_size=cfg.page_size,
             vocab_size=vocab,
             grammars=grammars,
@@ -126,6 +139,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             model_name="simulated",
             model_config=None,
             num_pages=num_pages,
+            num_swa_pages=num_swa_pages,
+            swa_window=swa_window,
             device=device,
             dtype=dtype,
             attention_backend="simulated",
@@ -167,7 +182,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # Everything else that lives on the GPU (attention workspaces, sampler
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take
-    # comes out of the share of free memory the pool leaves (GPU_KV_FRACTION).
+    # comes out of the share of free memory the pool leaves (kv_sizing.GPU_KV_FRACTION).
     attn = _attention(cfg, compute_choice)
     sampler = Sampler(mcfg.vocab_size, device, kernels=compute_choice.sampler_kernels)
     graphs = cfg.cuda_graphs and not classifier and hasattr(attn, "enable_decode_graphs")
@@ -182,9 +197,24 @@ def build_worker(cfg: WorkerConfig) -> Worker:
             dtype=dtype,
             device=device,
         )
-    num_pages = _num_pages(cfg, mcfg, tp=tp, dtype=dtype, device=device)
-    # One page more than the scheduler is told about: decode CUDA graphs pad
-    # their batch with rows that write and read only this scratch page.
+    max_context = model.rope.max_positions
+    pools = size_kv_pools(
+        [mcfg.window_of(i) for i in range(mcfg.num_layers)],
+        max_context=max_context,
+        swa_memory=cfg.swa_memory,
+        swa_ratio=cfg.swa_full_tokens_ratio,
+        num_pages=cfg.num_pages,
+        kv_memory=cfg.kv_memory,
+        page_size=cfg.page_size,
+        num_kv_heads=mcfg.num_kv_heads // tp.size,
+        head_dim=mcfg.head_dim,
+        dtype=dtype,
+        tp=tp,
+        device=device,
+    )
+    num_pages, num_swa_pages, swa_window = pools.num_pages, pools.num_swa_pages, pools.swa_window
+    # One page more per pool than the scheduler is told about: decode CUDA graphs
+    # pad their batch with rows that write and read only this scratch page.
     kv = KvCache(
         num_layers=mcfg.num_layers,
         num_pages=num_pages + 1,
@@ -193,14 +223,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         head_dim=mcfg.head_dim,
         dtype=dtype,
         device=device,
+        swa_layers=pools.swa_layers,
+        num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
-    max_context = model.rope.max_positions
     graph_bytes = 0
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
-        attn.enable_decode_graphs(num_pages, -(-max_context // cfg.page_size))
+        attn.enable_decode_graphs(compute.scratch_page, -(-max_context // cfg.page_size))
         if cfg.cuda_graph_max_draft > 0:
             attn.enable_verify_graphs(cfg.cuda_graph_max_draft + 1)
         compute.lora_slots = lora_slots
@@ -220,6 +251,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     runner = ModelRunner(
         compute,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         page_size=cfg.page_size,
         vocab_size=mcfg.vocab_size,
         max_context=max_context,
@@ -231,6 +264,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     logger.info(
         "worker ready",
         pages=num_pages,
+        swa_pages=num_swa_pages,
+        swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
@@ -243,6 +278,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         model_name=str(source.path),
         model_config=mcfg,
         num_pages=num_pages,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
         device=device,
         dtype=dtype,
         attention_backend=attn.name,
@@ -376,35 +413,3 @@ def _check_flashinfer_modules(choice: ComputeChoice, *, hidden_act: str = "silu"
     ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()
     if needed or ops:
         check_prebuilt(needed, ops, flashinfer_kernel_source(), log=logger.warning)
-
-
-def _num_pages(
-    cfg: WorkerConfig,
-    mcfg: ModelConfig,
-    *,
-    tp: TensorParallel,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> int:
-    if cfg.num_pages:
-        return cfg.num_pages
-    if cfg.kv_memory != "auto":
-        budget = parse_bytes(cfg.kv_memory)
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_KV_FRACTION)
-    else:
-        budget = CPU_KV_MEMORY
-    pages = KvCache.pages_for_budget(
-        budget,
-        num_layers=mcfg.num_layers,
-        page_size=cfg.page_size,
-        num_kv_heads=mcfg.num_kv_heads // tp.size,
-        head_dim=mcfg.head_dim,
-        dtype=dtype,
-    )
-    if tp.enabled:  # one scheduler pool for the group: every rank holds as many pages
-        pages = int(tp.all_reduce_min(torch.tensor([pages], device=device)).item())
-    if pages < 1:
-        raise SystemExit(f"--kv-memory {cfg.kv_memory} holds not even one page of KV cache")
-    return pages

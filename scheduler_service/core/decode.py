@@ -154,6 +154,9 @@ def plain_decodes(kv: KvManager, reqs: list[Request]) -> list[PlanEntry]:
     entries = [decode_entry(r, r.kv_len) for r in reqs]
     starting = [e for e in entries if not e.start_pos % page_size]
     if starting:
+        if kv.sliding is not None:
+            _sliding_pages(kv, starting)
+            return entries
         fresh = kv.alloc(len(starting))
         if fresh is None:
             raise RuntimeError(f"decode needs {len(starting)} pages that make_room found")
@@ -161,6 +164,18 @@ def plain_decodes(kv: KvManager, reqs: list[Request]) -> list[PlanEntry]:
             e.req.pages.append(page)
             e.new_pages = [page]
     return entries
+
+
+def _sliding_pages(kv: KvManager, starting: list[PlanEntry]) -> None:
+    """Each decode that starts a page takes a full page and a sliding page."""
+    both = kv.alloc_both(len(starting))
+    if both is None:
+        raise RuntimeError(f"decode needs {len(starting)} pages that make_room found")
+    for e, page, swa in zip(starting, both[0].tolist(), both[1].tolist(), strict=True):
+        e.req.pages.append(page)
+        e.req.swa_pages.append(swa)
+        e.new_pages = [page]
+        e.new_swa_pages = [swa]
 
 
 def decode_rows(

@@ -19,14 +19,16 @@ def check_scheduler_integrity(
     container its place names, holding what that place allows."""
     table.check()
     holders: dict[int, int] = {}
-    kv.cache.check_integrity(holders)
+    swa_holders: dict[int, int] = {}
+    kv.cache.check_integrity(holders, swa_holders)
+    swa_tree = dict(swa_holders)
     for req in table.waiting:
-        if req.pages or req.last_node is not None or req.pending:
+        if req.pages or req.swa_pages or req.last_node is not None or req.pending:
             raise AssertionError(f"waiting request {req.rid} holds KV or tokens in flight")
         if req.waits_for is not None:
             raise AssertionError(f"waiting request {req.rid} still waits for {req.waits_for}")
     for req in table.held:
-        if req.pages or req.adapter_slot:
+        if req.pages or req.swa_pages or req.adapter_slot:
             raise AssertionError(f"held request {req.rid} holds KV or an adapter slot")
         if req.waits_for is None:
             raise AssertionError(f"held request {req.rid} waits for nobody")
@@ -53,7 +55,7 @@ def check_scheduler_integrity(
                 raise AssertionError(f"{req.rid}: {drafts} drafts in flight, no drafted plan")
         elif req.pending:
             raise AssertionError(f"{req.place.value} request {req.rid} has tokens in flight")
-        kv.add_request_holdings(req, holders)
+        kv.add_request_holdings(req, holders, swa_holders)
         if req.last_node is not None and req.last_node.parent is not None:
             locking += 1
     for req in table:
@@ -63,3 +65,5 @@ def check_scheduler_integrity(
     if locks != locking:
         raise AssertionError(f"cache holds {locks} request locks, requests hold {locking}")
     kv.pool.check_integrity(holders)
+    if kv.sliding is not None:
+        kv.sliding.check_integrity(swa_holders, swa_tree)

@@ -87,6 +87,9 @@ class PlanEntry:
     # The prompt token right after a chunk that stops inside the prompt, sent
     # when prompt logprobs are wanted so the chunk's last logits can score it.
     next_token: int | None = None
+    # A model with a sliding pool: the sliding pages appended to the
+    # request's sliding table, parallel to new_pages (0: the null page).
+    new_swa_pages: Sequence[int] = ()
     # Speculative decoding: the drafted tokens after input_ids[0] (the last
     # sampled token); the worker verifies them and answers 1..len + 1 tokens
     # (RequestOutput.more_tokens).
@@ -123,7 +126,7 @@ def decode_entry(req: Request, start_pos: int) -> PlanEntry:
     e.epoch = req.epoch
     e.start_pos = start_pos
     e.input_ids = None
-    e.new_pages = _NO_PAGES
+    e.new_pages = e.new_swa_pages = _NO_PAGES
     e.sample = True
     e.next_token = None
     e.drafts = None

@@ -148,6 +148,12 @@ class Request:
     tree_pages: int = 0
     dup_pages: array = field(default_factory=id_array)
     last_node: Any = None
+    # A model with a sliding pool (kv/sliding.py): the sliding table, parallel
+    # to ``pages``; each nonzero entry is a reference this request holds, 0
+    # where the page left every future query's window; entries
+    # [0, swa_freed) are all 0.
+    swa_pages: array = field(default_factory=id_array)
+    swa_freed: int = 0
     # Positions [0, kv_len) have their KV computed or in an in-flight step.
     kv_len: int = 0
     # Sampled tokens in steps whose results have not come back (overlap).
@@ -182,6 +188,7 @@ class Request:
     match_pages: array = field(default_factory=id_array)
     match_node: Any = None
     match_len: int = 0
+    match_swa: array | None = None
     # Speculative decoding state (core/spec_state.SpecState) while the
     # request may draft; None: it never drafts (off, opted out, grammar).
     spec: Any = None
@@ -228,6 +235,8 @@ class Request:
         self.dup_pages = id_array()
         self.last_node = None
         self.kv_len = 0
+        self.swa_pages = id_array()
+        self.swa_freed = 0
 
     # --------------------------------------------------------------- tokens
     @property

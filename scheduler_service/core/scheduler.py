@@ -47,6 +47,7 @@ from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
+from scheduler_service.core.kv.sliding import SlidingPages
 from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats
 from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
@@ -109,13 +110,27 @@ class Scheduler:
         stop_strings: StopStringChecker | None = None,
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
+        num_swa_pages: int = 0,
+        swa_window: int = 0,
     ) -> None:
         """``drafter``: the draft source when ``config.speculative_ngram`` is on
-        (default: the n-gram sources of spec/drafts.py; tests inject their own)."""
+        (default: the n-gram sources of spec/drafts.py; tests inject their own).
+        ``num_swa_pages``, ``swa_window``: the worker's sliding pool and its
+        layers' window (WorkerInfo; 0: one pool, kv/sliding.py)."""
         self.config = config
         self.pool = PagePool(num_pages, config.page_size)
-        self.cache = RadixCache(config.page_size, self.pool, enable_events=config.enable_kv_events)
-        self.kv = KvManager(self.pool, self.cache)
+        self.sliding: SlidingPages | None = None
+        if num_swa_pages > 0:
+            if swa_window <= 0:
+                raise ValueError("a sliding pool needs the sliding layers' window")
+            self.sliding = SlidingPages(num_swa_pages, config.page_size, swa_window)
+        self.cache = RadixCache(
+            config.page_size,
+            self.pool,
+            enable_events=config.enable_kv_events,
+            sliding=self.sliding,
+        )
+        self.kv = KvManager(self.pool, self.cache, self.sliding)
         self.policy = SchedulePolicy(config, self.cache)
         self.adapters = AdapterSlots(config.max_loaded_loras, config.max_loras_per_batch)
         self.table = RequestTable(self.adapters)
@@ -314,6 +329,12 @@ class Scheduler:
         if plan.drafted:
             self.stats.spec_steps += 1
             self.stats.spec_rows += sum(e.drafts is not None for e in plan.extends)
+        if self.sliding is not None:  # once the whole plan is built (kv/manager.py)
+            slide = self.kv.slide
+            for e in plan.extends:
+                slide(e.req)
+            for e in plan.decodes:
+                slide(e.req)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -522,6 +543,8 @@ class Scheduler:
         self._admission_stuck = False
         self.cache.reset()  # emits AllBlocksCleared for the cache-aware router
         self.pool.reset(num_pages)
+        if self.sliding is not None:
+            self.sliding.reset()
         self.stats.worker_losses += 1
         self.stats.worker_loss_requeues += len(lost)
         if self.on_requeue is not None:
@@ -535,12 +558,21 @@ class Scheduler:
         )
         return lost
 
-    def resize_pool(self, num_pages: int) -> None:
-        """Take the page count of the worker group that came back; only while
-        nothing holds KV (between reset_after_worker_loss and the next step)."""
+    def resize_pool(self, num_pages: int, num_swa_pages: int = 0) -> None:
+        """Take the page counts of the worker group that came back; only while
+        nothing holds KV (between reset_after_worker_loss and the next step).
+        ``num_swa_pages``: its sliding pool (0: none), which it must have
+        exactly when this scheduler has one."""
         if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
+        if (num_swa_pages > 0) != (self.sliding is not None):
+            raise RuntimeError(
+                f"the worker group came back with {num_swa_pages} sliding pages; "
+                f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
+            )
         self.pool.reset(num_pages)
+        if self.sliding is not None:
+            self.sliding.reset(num_swa_pages)
 
     # ========================================================== invariants
     def check_integrity(self) -> None:

@@ -58,7 +58,9 @@ class Engine:
         recovery_timeout_s: float,
         check_integrity: bool = False,
         adapters: AdapterLoader | None = None,
+        sliding: bool = False,
     ) -> None:
+        """``sliding``: the workers have a sliding pool (WorkerInfo.num_swa_pages)."""
         self.sched = sched
         self.group = group
         self.conn = conn
@@ -67,7 +69,7 @@ class Engine:
         self.lag = overlap_depth
         # Debug (--check-integrity): check pool and cache after every step and update.
         self.check_integrity = check_integrity
-        self.codec = WorkerCodec()
+        self.codec = WorkerCodec(sliding=sliding)
         self.running = True
         self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
         self.recovery = WorkerRecovery(

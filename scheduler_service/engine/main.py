@@ -97,6 +97,8 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         ),
         info.num_pages,
         stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
+        num_swa_pages=info.num_swa_pages,
+        swa_window=info.swa_window,
     )
     adapters = AdapterLoader(sched, group, config.engine.max_lora_rank)
     try:
@@ -135,6 +137,7 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         recovery_timeout_s=config.engine.worker_recovery_timeout_s,
         check_integrity=config.engine.check_integrity,
         adapters=adapters,
+        sliding=info.num_swa_pages > 0,
     )
     tune_gc()
     try:

@@ -70,7 +70,10 @@ def logprobs_to_proto(lp: LogprobOptions, m: pb.LogprobOptions) -> None:
 
 
 class WorkerCodec:
-    def __init__(self) -> None:
+    def __init__(self, *, sliding: bool = False) -> None:
+        """``sliding``: the worker has a sliding pool (WorkerInfo.num_swa_pages),
+        so plans carry sliding pages beside the full ones."""
+        self.sliding = sliding
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
         self._next_slot = 0
@@ -110,6 +113,7 @@ class WorkerCodec:
                 new_pages=e.new_pages,
                 sample=e.sample,
                 draft_len=e.draft_len,
+                new_swa_pages=e.new_swa_pages,
             )
             if e.next_token is not None:
                 ext.next_token = e.next_token
@@ -122,6 +126,10 @@ class WorkerCodec:
             msg.decode_slots.extend(decode_slots)
             msg.decode_positions.extend([e.start_pos for e in decodes])
             msg.decode_new_pages.extend([e.new_pages[0] + 1 if e.new_pages else 0 for e in decodes])
+            if self.sliding:
+                msg.decode_new_swa_pages.extend(
+                    [e.new_swa_pages[0] + 1 if e.new_swa_pages else 0 for e in decodes]
+                )
         return msg
 
     def _join(self, join: Join, m: pb.Join) -> None:

@@ -18,7 +18,13 @@ It is the oracle of the scheduler's tests:
   an empty slot or a slot reassigned while a request still uses it;
 - an embedding request gets the simulated model's vector with its last
   prompt chunk (``simulated_embedding``); a mean-pooled one must compute its
-  whole prompt here (a cached prefix has no hidden states to average).
+  whole prompt here (a cached prefix has no hidden states to average);
+- shaped like a model with sliding-window layers (``num_swa_pages``,
+  ``swa_window``: Gemma 3, GPT-OSS), it also keeps each request's sliding
+  table and a sliding pool, writes every computed position there too, and
+  checks that each query's window (positions q - window < k <= q) reads
+  non-null, in-range sliding pages holding the request's own tokens, so a
+  sliding page freed while still visible fails the step that reads it.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class _SimRequest:
     tokens: list[int]  # the whole sequence as far as the worker knows it
     state: int  # absorb(initial_state(adapter), tokens)
     pages: list[int] = field(default_factory=list)
+    swa_pages: list[int] = field(default_factory=list)
     kv_len: int = 0
     adapter: str | None = None
     adapter_slot: int = 0
@@ -92,8 +99,13 @@ class SimulatedWorker:
         check_reads: bool = True,
         step_time_s: float = 0.0,
         adapter_slots: int = 4,
+        num_swa_pages: int = 0,
+        swa_window: int = 0,
     ) -> None:
         self.num_pages = num_pages
+        self.num_swa_pages = num_swa_pages
+        self.swa_window = swa_window if num_swa_pages else 0
+        self.swa_slots: list[int] = [-1] * (num_swa_pages * page_size)
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.check_reads = check_reads
@@ -174,6 +186,13 @@ class SimulatedWorker:
             if r is None:
                 raise SimulatedWorkerError(f"step {plan.step_id} schedules unknown {e.rid}")
             r.pages.extend(e.new_pages)
+            if self.swa_window:
+                if len(e.new_swa_pages) != len(e.new_pages):
+                    raise SimulatedWorkerError(
+                        f"{e.rid}: {len(e.new_swa_pages)} sliding pages for "
+                        f"{len(e.new_pages)} pages"
+                    )
+                r.swa_pages.extend(e.new_swa_pages)
             if e.start_pos != r.kv_len:
                 raise SimulatedWorkerError(
                     f"{e.rid}: plan starts at {e.start_pos}, the worker has KV up to {r.kv_len}"
@@ -202,6 +221,8 @@ class SimulatedWorker:
                 slots[at] = tok
                 owners[at] = r.adapter
             r.kv_len = e.start_pos + len(inputs)
+            if self.swa_window:
+                self._sliding(e.rid, r, e.start_pos, inputs)
             scored, scored_from = None, 0
             if e.input_ids is not None:
                 scored, scored_from = prompt_logprobs_of(r, e.start_pos, r.kv_len)
@@ -250,6 +271,10 @@ class SimulatedWorker:
             at = self._slot(r, e.start_pos + i, e.rid)
             slots[at] = tok
             owners[at] = r.adapter
+        if self.swa_window:
+            r.tokens.extend(inputs[1:])  # the drafts' KV, for the window check
+            self._sliding(e.rid, r, e.start_pos, inputs)
+            del r.tokens[len(r.tokens) - k :]
         drafts = inputs[1:]
         state = r.state  # the context up to and with the last sampled token
         accepted: list[int] = []
@@ -263,6 +288,7 @@ class SimulatedWorker:
         r.state = state
         r.kv_len = e.start_pos + len(accepted)
         del r.pages[-(-r.kv_len // self.page_size) :]
+        del r.swa_pages[-(-r.kv_len // self.page_size) :]
         more = accepted[1:]
         return RequestOutput(
             e.rid,
@@ -271,6 +297,39 @@ class SimulatedWorker:
             more_tokens=more or None,
             more_logprobs=[TokenLogprobs(logprob=-1.0) for _ in more] or None,
         )
+
+    def _sliding_slot(self, r: _SimRequest, pos: int, rid: str) -> int:
+        page_size = self.page_size
+        idx = pos // page_size
+        if idx >= len(r.swa_pages):
+            raise SimulatedWorkerError(
+                f"{rid}: position {pos} is past its {len(r.swa_pages)} sliding pages"
+            )
+        page = r.swa_pages[idx]
+        if not 0 < page < self.num_swa_pages:
+            what = "the null page" if page == 0 else "outside the sliding pool"
+            raise SimulatedWorkerError(
+                f"{rid}: sliding page {page} of position {pos} (in a query's window) is {what}"
+            )
+        return page * page_size + pos % page_size
+
+    def _sliding(self, rid: str, r: _SimRequest, start: int, inputs: list[int]) -> None:
+        """Write the computed positions' sliding KV, then check the windows of
+        the queries at start .. start + len(inputs) - 1 read this request's
+        own tokens through non-null pages."""
+        slots = self.swa_slots
+        for i, tok in enumerate(inputs):
+            slots[self._sliding_slot(r, start + i, rid)] = tok
+        if not self.check_reads:
+            return
+        tokens = r.tokens
+        for pos in range(max(0, start - self.swa_window + 1), start + len(inputs)):
+            got = slots[self._sliding_slot(r, pos, rid)]
+            if got != tokens[pos]:
+                raise SimulatedWorkerError(
+                    f"{rid}: sliding KV at position {pos} holds token {got}, expected "
+                    f"{tokens[pos]} (sliding page freed while visible, or reused)"
+                )
 
     def _check_context(self, rid: str, r: _SimRequest, upto: int) -> None:
         """The KV read for positions [0, upto) must be the request's own tokens."""

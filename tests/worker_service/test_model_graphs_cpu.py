@@ -60,7 +60,7 @@ def runner(checkpoint, *, graphs: bool) -> ModelRunner:
     )
     if graphs:  # what build_worker does on CUDA
         attn = worker.runner.compute.attn
-        attn.enable_decode_graphs(worker.runner.num_pages, 16, sizes=(2, 4))
+        attn.enable_decode_graphs(worker.runner.compute.scratch_page, 16, sizes=(2, 4))
         attn.enable_verify_graphs(MAX_DRAFT + 1, sizes=(2,))
         worker.runner.compute.capture_decode_graphs()
     return worker.runner
@@ -143,6 +143,7 @@ def test_a_grouped_models_graph_replays_give_the_eager_tokens(monkeypatch, check
     graphed_runner = runner(checkpoint, graphs=True)
     attn = graphed_runner.compute.attn
     assert isinstance(attn, GroupedGraphAttention)
+    assert graphed_runner.num_swa_pages > 0  # two KV pools: each group pads its own
     assert {g: b.spec.sliding_window for g, b in attn.backends.items()} == {
         "full": None,
         "sliding": 4,

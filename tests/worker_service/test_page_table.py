@@ -5,8 +5,10 @@ apart and updated by ``sync`` as on CUDA; through the real ModelRunner after
 every step of the real Scheduler's plans (joins with cached prefixes, chunked
 extends, decodes taking a page every page_size steps, leaves, retractions in
 a tiny pool, drafted steps trimming rejected pages (a drafter whose drafts
-are partly right), aborts), page sizes 1 and 16; and the flat indices
-``gather`` builds on the device are the lists' concatenation."""
+are partly right), aborts), page sizes 1 and 16, also with a sliding pool
+(sliding-window layers: a second table, entries the window left behind
+freed by the scheduler and reused, cached prefixes with null entries); and
+the flat indices ``gather`` builds on the device are the lists' concatenation."""
 
 from __future__ import annotations
 
@@ -102,12 +104,14 @@ def test_integrity_catches_a_missed_delta() -> None:
         table.check_integrity({row: [3, 8]})
 
 
-def _served(page_size: int, seed: int) -> dict[str, int]:
+def _served(page_size: int, seed: int, *, window: int = 0) -> dict[str, int]:
     """The real Scheduler's plans over the wire to a ModelRunner (simulated
-    model); the runner's page table is checked after every step. Returns how
-    often each kind of page delta happened."""
+    model); the runner's page tables are checked after every step. Returns how
+    often each kind of page delta happened. ``window``: the model's layers
+    slide, with a sliding pool of their own (two tables)."""
     rng = random.Random(seed)
     pages = 16 if page_size == 16 else 200  # tight: decodes retract
+    swa_pages = (pages * 3 // 4) if window else 0
     sched = Scheduler(
         SchedulerConfig(
             vocab_size=V,
@@ -119,6 +123,8 @@ def _served(page_size: int, seed: int) -> dict[str, int]:
         ),
         pages,
         drafter=OracleDrafter(V, "mixed", seed),  # drafts partly right: rejected pages trimmed
+        num_swa_pages=swa_pages,
+        swa_window=window,
     )
     runner = ModelRunner(
         SimulatedCompute(vocab_size=V),
@@ -127,10 +133,15 @@ def _served(page_size: int, seed: int) -> dict[str, int]:
         vocab_size=V,
         # the upload path, as on CUDA; tiny, so that it grows
         page_table=PageTable("cpu", rows=1, columns=1, separate=True),
+        num_swa_pages=swa_pages,
+        swa_window=window,
+        swa_table=PageTable("cpu", rows=1, columns=1, separate=True) if window else None,
     )
-    codec = WorkerCodec()
+    codec = WorkerCodec(sliding=bool(window))
     kinds = ["joins", "rejoins", "cached", "leaves", "decode_pages", "drafted", "trims"]
+    kinds += ["null_entries", "reused_sliding"] if window else []
     seen = dict.fromkeys(kinds, 0)
+    swa_owner: dict[int, int] = {}  # sliding page -> the slot it was last given to
     joined: set[str] = set()
     shared = [rng.randrange(2, V) for _ in range(40)]
     repeat = [rng.randrange(2, V) for _ in range(6)] * 8  # n-gram drafts find matches
@@ -160,6 +171,14 @@ def _served(page_size: int, seed: int) -> dict[str, int]:
         joined.update(j.rid for j in msg.joins)
         seen["cached"] += sum(1 for j in msg.joins if j.prefix_ids)
         seen["leaves"] += len(msg.leaves)
+        if window:
+            given = [(e.slot, p) for e in msg.extends for p in e.new_swa_pages]
+            decoded = zip(msg.decode_slots, msg.decode_new_swa_pages, strict=True)
+            given += [(s, p - 1) for s, p in decoded if p]
+            seen["null_entries"] += sum(1 for _, p in given if p == 0)
+            for slot, page in given:
+                seen["reused_sliding"] += swa_owner.get(page, slot) != slot
+                swa_owner[page] = slot
         seen["decode_pages"] += sum(1 for p in msg.decode_new_pages if p)
         drafted = [e.slot for e in msg.extends if e.draft_len]
         seen["drafted"] += len(drafted)
@@ -180,4 +199,13 @@ def _served(page_size: int, seed: int) -> dict[str, int]:
 def test_the_runners_table_equals_its_page_lists_after_every_step(page_size, seed) -> None:
     seen = _served(page_size, seed)
     # The workload made every kind of delta the runner applies.
+    assert all(seen[k] > 0 for k in seen), seen
+
+
+@pytest.mark.parametrize(("page_size", "seed"), [(1, 3), (16, 10)])
+def test_the_sliding_table_equals_its_page_lists_after_every_step(page_size, seed) -> None:
+    """Window 8: the scheduler frees sliding entries behind it (pages reused by
+    other requests, null entries in cached prefixes); the runner validates and
+    applies every plan, both tables checked after each step."""
+    seen = _served(page_size, seed, window=8)
     assert all(seen[k] > 0 for k in seen), seen

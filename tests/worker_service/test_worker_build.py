@@ -24,12 +24,12 @@ def test_the_kv_pool_is_sized_after_the_attention_backend_and_the_sampler(monkey
             order.append("KvCache")
             super().__init__(*args, **kwargs)
 
-    for name in ("_attention", "Sampler", "_num_pages"):
+    for name in ("_attention", "Sampler", "size_kv_pools"):
         monkeypatch.setattr(worker_module, name, recorded(name, getattr(worker_module, name)))
     monkeypatch.setattr(worker_module, "KvCache", RecordedKv)
     worker = build_worker(WorkerConfig(model="random:smollm2-135m", kv_memory="64MiB"))
-    assert order.index("_num_pages") > max(order.index("_attention"), order.index("Sampler"))
-    assert order.index("KvCache") > order.index("_num_pages")
+    assert order.index("size_kv_pools") > max(order.index("_attention"), order.index("Sampler"))
+    assert order.index("KvCache") > order.index("size_kv_pools")
     assert worker.num_pages > 0
 
 

@@ -38,6 +38,11 @@ FULL, SLIDING = "full", "sliding"
 Batches = AttentionBatch | Mapping[str, AttentionBatch]
 
 
+def one_batch(batches: Batches) -> AttentionBatch:
+    """A batch whose sequences and positions are every group's (they share them)."""
+    return batches if isinstance(batches, AttentionBatch) else next(iter(batches.values()))
+
+
 @dataclass(frozen=True)
 class LayerGroups:
     """Which group each layer belongs to, and each group's window."""
@@ -121,10 +126,13 @@ class GroupedGraphAttention(GroupedAttention):
     verify_graphs: GroupedVerifyGraphs | None = None
 
     def enable_decode_graphs(
-        self, scratch_page: int, max_pages_per_seq: int, **kwargs: Any
+        self, scratch_page: int | Mapping[str, int], max_pages_per_seq: int, **kwargs: Any
     ) -> None:
-        for backend in self.backends.values():
-            backend.enable_decode_graphs(scratch_page, max_pages_per_seq, **kwargs)  # type: ignore[attr-defined]
+        """``scratch_page``: one for all groups (one KV pool), or each group's
+        (two pools: each pads onto its own pool's scratch page)."""
+        for group, backend in self.backends.items():
+            scratch = scratch_page if isinstance(scratch_page, int) else scratch_page[group]
+            backend.enable_decode_graphs(scratch, max_pages_per_seq, **kwargs)  # type: ignore[attr-defined]
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

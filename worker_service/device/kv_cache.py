@@ -1,9 +1,16 @@
 """The physical KV pages: per layer one tensor of shape
-``(num_pages, 2, page_size, num_kv_heads, head_dim)`` (FlashInfer's NHD
+``(pages, 2, page_size, num_kv_heads, head_dim)`` (FlashInfer's NHD
 paged layout: index 0 holds keys, 1 values).
 
 Position p of a request lives at ``[table[p // page_size], :, p % page_size]``.
 The scheduler owns which page holds what; this class only stores and reads.
+
+Two pools (a model with sliding-window layers): the layers in ``swa_layers``
+hold ``num_swa_pages`` pages, indexed by the requests' sliding page tables;
+the others ``num_pages``, indexed by the full tables. Page 0 of the sliding
+pool is the null page: the scheduler never hands it out, a freed (out of
+window) entry of a sliding table names it, and it is only ever read masked.
+``split_budget`` sizes the two within one memory budget.
 """
 
 from __future__ import annotations
@@ -37,20 +44,35 @@ class KvCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        swa_layers: frozenset[int] = frozenset(),
+        num_swa_pages: int = 0,
     ) -> None:
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page")
+        if swa_layers and num_swa_pages < 2:
+            raise ValueError("the sliding pool needs its null page and at least one more")
         self.num_layers = num_layers
         self.num_pages = num_pages
+        self.swa_layers = frozenset(swa_layers)
+        self.num_swa_pages = num_swa_pages if swa_layers else 0
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
         self.layers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros(
+                (num_swa_pages if i in self.swa_layers else num_pages, 2, page_size)
+                + (num_kv_heads, head_dim),
+                dtype=dtype,
+                device=self.device,
+            )
+            for i in range(num_layers)
         ]
+
+    @property
+    def has_full_layers(self) -> bool:
+        return len(self.swa_layers) < self.num_layers
 
     @staticmethod
     def bytes_per_page(
@@ -78,6 +100,38 @@ class KvCache:
             dtype=dtype,
         )
         return budget_bytes // per_page
+
+    @classmethod
+    def split_budget(
+        cls,
+        budget_bytes: int,
+        *,
+        num_layers: int,
+        num_swa_layers: int,
+        swa_ratio: float,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> tuple[int, int]:
+        """(full pages, sliding pages) with sliding pages = ``swa_ratio`` x full
+        pages and full x full-layer bytes + sliding x sliding-layer bytes within
+        the budget (SGLang's split). Without sliding layers: all full, sliding
+        0. Every layer sliding: the full pool costs nothing (no layer stores
+        in it) and only sizes the scheduler's bookkeeping, at 1 / ratio the
+        sliding pool's pages."""
+        layer_page = cls.bytes_per_page(
+            num_layers=1,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+        full_bytes = (num_layers - num_swa_layers) * layer_page
+        if not num_swa_layers:
+            return budget_bytes // full_bytes, 0
+        full = int(budget_bytes // (full_bytes + swa_ratio * num_swa_layers * layer_page))
+        return full, int(full * swa_ratio)
 
     def write(
         self,

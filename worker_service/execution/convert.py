@@ -96,12 +96,14 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
                 sample=e.sample,
                 next_token=e.next_token if e.HasField("next_token") else None,
                 draft_len=e.draft_len,
+                new_swa_pages=list(e.new_swa_pages),
             )
             for e in m.extends
         ],
         decode_slots=list(m.decode_slots),
         decode_positions=list(m.decode_positions),
         decode_new_pages=list(m.decode_new_pages),
+        decode_new_swa_pages=list(m.decode_new_swa_pages),
         adapter_slots=[AdapterSlot(a.slot, a.name) for a in m.adapter_slots],
     )
 

@@ -159,7 +159,9 @@ class DecodeGraphs:
         size = self.attention.graph_size_for(batch)
         if size is None or size not in self.graphs:
             return None
-        n = len(batch.seqs) * self.rows_per_seq
+        # One batch, or (layer groups) one per group, sharing their sequences.
+        seqs = batch.seqs if isinstance(batch, AttentionBatch) else next(iter(batch.values())).seqs
+        n = len(seqs) * self.rows_per_seq
         for name, value in inputs.items():
             # Rows past n keep stale values: padding whose outputs nobody reads.
             self.inputs[name][:n].copy_(value, non_blocking=True)

@@ -29,7 +29,7 @@ from worker_service.attention.base import (
     SeqColumns,
     SequenceSlice,
 )
-from worker_service.attention.layer_groups import Attention
+from worker_service.attention.layer_groups import Attention, Batches, one_batch
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.page_table import PageTable
@@ -87,6 +87,23 @@ class ModelCompute:
         # The requests' page ids on the device; ModelRunner applies each plan's
         # page deltas to it, the step reads it (O(batch) host work, no page lists).
         self.page_table = PageTable(device)
+        # Two pools: the sliding layers' page ids, same rows (None: one pool).
+        self.swa_table = PageTable(device) if kv.swa_layers else None
+        # The layer groups the attention serves: "full", "sliding" or both. One
+        # group: the backend gets that group's batch, as with one pool; both:
+        # a mapping of batches (GroupedAttention).
+        groups = ["full"] if kv.has_full_layers else []
+        self.groups = tuple(groups + (["sliding"] if kv.swa_layers else []))
+
+    @property
+    def scratch_page(self) -> int | dict[str, int]:
+        """The page CUDA-graph padding rows write and read: the last of the pool
+        the backend reads, which the scheduler is never told of; with two pools
+        and two groups, each group's (its pool's last)."""
+        full, swa = self.kv.num_pages - 1, self.kv.num_swa_pages - 1
+        if len(self.groups) == 2:
+            return {"full": full, "sliding": swa}
+        return swa if self.groups == ("sliding",) else full
 
     def capture_decode_graphs(self) -> None:
         """Capture decode forwards (the model up to its final norm) in CUDA graphs,
@@ -148,19 +165,23 @@ class ModelCompute:
         sampling on the device; the host does not wait. Decode inputs still
         PENDING are gathered on the device from ``previous``'s sampled tokens."""
         device = self.device
-        batch, input_ids = self._batch(work, num_extends, previous)
+        batches, input_ids = self._batch(work, num_extends, previous)
+        # The group batches share their sequences and positions.
+        batch = next(iter(batches.values()))
+        # What the attention takes: one group's batch, or (GroupedAttention) each group's.
+        attn_batch = batch if len(batches) == 1 else batches
         adapters = any(w.state.adapter is not None for w in work)
         if self.graphs is not None and num_extends == 0:
-            hidden = self._replay_decode(work, batch, input_ids, adapters=adapters)
+            hidden = self._replay_decode(work, attn_batch, input_ids, adapters=adapters)
             if hidden is not None:  # every row of a decode step samples
                 return self._sample(self.model.logits(hidden), work)
         lora = self._lora_batch(work, batch.seqs) if adapters else None
         drafted = any(w.draft_len for w in work[:num_extends])
         if drafted and self.verify_graphs is not None and lora is None:
-            replayed = self._replay_drafted(work, num_extends, batch, input_ids)
+            replayed = self._replay_drafted(work, num_extends, batches, input_ids)
             if replayed is not None:
                 return replayed
-        self.attn.begin_step(batch)
+        self.attn.begin_step(attn_batch)  # type: ignore[arg-type]
         hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
 
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
@@ -193,14 +214,14 @@ class ModelCompute:
     def _replay_decode(
         self,
         work: list[SeqWork],
-        batch: AttentionBatch,
+        batch: Batches,
         input_ids: torch.Tensor,
         *,
         adapters: bool,
     ) -> torch.Tensor | None:
         """A decode step's hidden states from a graph: the base model's, or with
         adapter rows the LoRA graphs' once its adapters hold slots; None: eager."""
-        inputs = {"ids": input_ids, "positions": batch.positions}
+        inputs = {"ids": input_ids, "positions": one_batch(batch).positions}
         if not adapters:
             assert self.graphs is not None
             return self.graphs.replay(batch, inputs)
@@ -223,21 +244,37 @@ class ModelCompute:
         self,
         work: list[SeqWork],
         num_extends: int,
-        batch: AttentionBatch,
+        batches: dict[str, AttentionBatch],
         input_ids: torch.Tensor,
     ) -> ModelStep | None:
         """A drafted step through a verify graph: every extend drafted (no prompt
-        chunk) and no row longer than the graphs' rows; None: run it eagerly."""
+        chunk) and no row longer than the graphs' rows; None: run it eagerly.
+        Two pools: each group's batch is padded onto its own pool's scratch page."""
         graphs = self.verify_graphs
         assert graphs is not None
         q = graphs.rows_per_seq
+        batch = next(iter(batches.values()))
         if not all(w.draft_len for w in work[:num_extends]):
             return None
         if any(s.q_len > q for s in batch.seqs):
             return None
-        scratch = graphs.attention.scratch_page
-        padded, ids, _ = pad_verify_batch(batch, input_ids, rows_per_seq=q, scratch_page=scratch)
-        hidden = graphs.replay(padded, {"ids": ids, "positions": padded.positions})
+        if len(batches) == 1:
+            scratch = graphs.attention.scratch_page
+            padded, ids, _ = pad_verify_batch(
+                batch, input_ids, rows_per_seq=q, scratch_page=scratch
+            )
+            attn_batch: Batches = padded
+        else:
+            parts = graphs.attention.parts  # type: ignore[attr-defined]  # GroupedVerifyGraphs
+            pads = {
+                g: pad_verify_batch(
+                    b, input_ids, rows_per_seq=q, scratch_page=parts[g].scratch_page
+                )
+                for g, b in batches.items()
+            }
+            attn_batch = {g: p[0] for g, p in pads.items()}
+            padded, ids, _ = next(iter(pads.values()))
+        hidden = graphs.replay(attn_batch, {"ids": ids, "positions": padded.positions})
         if hidden is None:
             return None
         # A sequence's samples: its last draft_len + 1 real rows (one for a decode).
@@ -277,13 +314,17 @@ class ModelCompute:
     # ------------------------------------------------------------- batch
     def _batch(
         self, work: list[SeqWork], num_extends: int, previous: ModelStep | None = None
-    ) -> tuple[AttentionBatch, torch.Tensor]:
+    ) -> tuple[dict[str, AttentionBatch], torch.Tensor]:
         """The step's layout from O(batch) numbers and the pages it writes
         (O(tokens)), built with numpy on the host and sent to the device in one
         non-blocking copy from pinned memory (no stream synchronisation). Page
-        lists are not read: the page table's rows are (device/page_table.py)."""
-        page_size, n, table = self.page_size, len(work), self.page_table
+        lists are not read: the page table's rows are (device/page_table.py).
+        One batch per layer group (``groups``): the sliding group's writes go
+        to its own pages and it reads its own table (the same rows)."""
+        page_size, n, table, swa = self.page_size, len(work), self.page_table, self.swa_table
         table.sync()
+        if swa is not None:
+            swa.sync()
         rows = np.fromiter((w.state.row for w in work), np.int64, n)
         starts = np.fromiter((w.start for w in work), np.int64, n)
         if num_extends:
@@ -304,7 +345,9 @@ class ModelCompute:
         else:
             seq_of = np.repeat(np.arange(n), q_lens)  # each token's sequence
             positions = np.arange(num_tokens, dtype=np.int64) - first_row[seq_of] + starts[seq_of]
-        pages = table.host[rows[seq_of], positions // page_size].astype(np.int64)
+        cells = (rows[seq_of], positions // page_size)
+        pages = table.host[cells].astype(np.int64)
+        swa_pages = swa.host[cells].astype(np.int64) if swa is not None else pages[:0]
         # Decodes whose input the previous step is still sampling: (row, index
         # among its sampled tokens); their ids are gathered on the device.
         waiting = [(first_row[i], w.pending) for i, w in enumerate(work) if w.pending is not None]
@@ -312,13 +355,13 @@ class ModelCompute:
             raise ValueError("a decode input is pending but no previous step was given")
         gather = np.array(waiting, dtype=np.int64).reshape(-1, 2).T
         ids[gather[0]] = 0
-        pos_t, pages_t, offsets_t, ids_t, gather_t = to_device(
-            [positions, pages, positions % page_size, ids, gather], self.device
+        pos_t, pages_t, offsets_t, ids_t, gather_t, swa_pages_t = to_device(
+            [positions, pages, positions % page_size, ids, gather, swa_pages], self.device
         )
         if waiting:
             ids_t.index_copy_(0, gather_t[0], previous.tokens.index_select(0, gather_t[1]))
         columns = SeqColumns(first_row, q_lens, kv_lens, rows)
-        batch = AttentionBatch(
+        full = AttentionBatch(
             seqs=ColumnSlices(columns),
             num_extends=num_extends,
             positions=pos_t,
@@ -328,7 +371,10 @@ class ModelCompute:
             pages=table,
             columns=columns,
         )
-        return batch, ids_t
+        batches = {"full": full} if "full" in self.groups else {}
+        if swa is not None:
+            batches["sliding"] = dataclasses.replace(full, write_pages=swa_pages_t, pages=swa)
+        return batches, ids_t
 
     def _lora_batch(self, work: list[SeqWork], seqs: list[SequenceSlice]) -> LoraBatch | None:
         """The step's token rows grouped by adapter; None when all are base rows."""

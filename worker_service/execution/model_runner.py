@@ -78,10 +78,15 @@ class ModelRunner:
         scores_only: bool = False,
         tp: TensorParallel | None = None,
         page_table: PageTable | None = None,
+        num_swa_pages: int = 0,
+        swa_window: int = 0,
+        swa_table: PageTable | None = None,
     ) -> None:
         """``scores_only``: the model is a sequence classifier (validate_plan);
         ``page_table``: where the page lists are mirrored, by default the
-        compute's (its attention reads the rows there)."""
+        compute's (its attention reads the rows there). ``num_swa_pages`` > 0:
+        two pools, the sliding layers' pages (window ``swa_window``) in
+        ``swa_table`` (by default the compute's), same rows as ``page_table``."""
         self.compute = compute
         self.tp = tp or TensorParallel()
         # Every page-list change below is applied to the table too; a compute
@@ -90,6 +95,14 @@ class ModelRunner:
         if page_table is None:
             page_table = getattr(compute, "page_table", None) or PageTable("cpu")
         self.page_table = page_table
+        self.swa_table: PageTable | None = None
+        if num_swa_pages:
+            if swa_window < 1:
+                raise ValueError("a sliding pool needs the sliding layers' window")
+            swa_table = swa_table or getattr(compute, "swa_table", None) or PageTable("cpu")
+            self.swa_table = swa_table
+        self.num_swa_pages = num_swa_pages
+        self.swa_window = swa_window
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
@@ -111,6 +124,8 @@ class ModelRunner:
         self._diverged = False
         self.slots.clear()
         self.page_table.clear()
+        if self.swa_table is not None:
+            self.swa_table.clear()
         self.adapters.clear_slots()
         self._running = None  # its kernels finish on their own; nobody reads them
 
@@ -137,6 +152,8 @@ class ModelRunner:
                 plan,
                 self.slots,
                 num_pages=self.num_pages,
+                num_swa_pages=self.num_swa_pages,
+                swa_window=self.swa_window,
                 page_size=self.page_size,
                 vocab_size=self.vocab_size,
                 max_context=self.max_context,
@@ -286,29 +303,52 @@ class ModelRunner:
         """Hold ``state`` (made outside a plan, with its pages) under ``slot``:
         benchmarks that set up cached contexts without computing them."""
         if slot in self.slots:
-            self.page_table.release(self.slots.pop(slot).row)
-        state.row = self.page_table.acquire()
+            self._release(self.slots.pop(slot).row)
+        state.row = self._acquire()
         self.page_table.append(state.row, state.pages)
+        if self.swa_table is not None:
+            self.swa_table.append(state.row, state.swa_pages)
         self.slots[slot] = state
 
     def check_integrity(self) -> None:
-        """The page table holds exactly every request's page list (tests)."""
+        """The page tables hold exactly every request's page lists (tests)."""
         self.page_table.check_integrity({s.row: s.pages for s in self.slots.values()})
+        if self.swa_table is not None:
+            self.swa_table.check_integrity({s.row: s.swa_pages for s in self.slots.values()})
+            for s in self.slots.values():
+                if len(s.swa_pages) != len(s.pages) or 0 in s.swa_pages[s.swa_live_from :]:
+                    raise AssertionError(f"{s.rid}: its sliding pages are not its pages' twins")
+
+    def _acquire(self) -> int:
+        """A row of the page table and the same row of the sliding one: both
+        see the same acquires and releases, smallest free first."""
+        row = self.page_table.acquire()
+        if self.swa_table is not None and self.swa_table.acquire() != row:
+            raise AssertionError("the sliding page table's rows left the full table's")
+        return row
+
+    def _release(self, row: int) -> None:
+        self.page_table.release(row)
+        if self.swa_table is not None:
+            self.swa_table.release(row)
 
     def _apply(self, plan: Plan, loaded: dict[str, LoadedAdapter]) -> list[SeqWork]:
-        slots, table = self.slots, self.page_table
+        slots, table, swa = self.slots, self.page_table, self.swa_table
         for slot in plan.leaves:
-            table.release(slots.pop(slot).row)
+            self._release(slots.pop(slot).row)
         adapters = self.adapters
         for a in plan.adapter_slots:
             adapters.assign(a.slot, loaded[a.name] if a.name else None)
         for join in plan.joins:
             adapter = adapters.slots[join.adapter_slot] if join.adapter_slot else None
             slots[join.slot] = state = SlotState.from_join(join, adapter)
-            state.row = table.acquire()
+            state.row = self._acquire()
         work: list[SeqWork] = []
         for e in plan.extends:
             state = slots[e.slot]
+            if swa is not None:
+                _append_swa(state, e.new_swa_pages)
+                swa.append(state.row, e.new_swa_pages)
             state.pages.extend(e.new_pages)
             table.append(state.row, e.new_pages)
             if not e.draft_len:  # a drafted extend's input 0 is the last token
@@ -324,13 +364,17 @@ class ModelRunner:
                     draft_len=e.draft_len,
                 )
             )
-        for slot, pos, new_page in zip(
-            plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
+        swa_new = plan.decode_new_swa_pages if swa is not None else plan.decode_new_pages
+        for slot, pos, new_page, new_swa in zip(
+            plan.decode_slots, plan.decode_positions, plan.decode_new_pages, swa_new, strict=True
         ):
             state = slots[slot]
             if new_page:
                 state.pages.append(new_page - 1)
                 table.append(state.row, (new_page - 1,))
+                if swa is not None:  # never the null page (validation)
+                    state.swa_pages.append(new_swa - 1)
+                    swa.append(state.row, (new_swa - 1,))
             work.append(
                 SeqWork(slot=slot, state=state, start=pos, inputs=[state.tokens[-1]], sample=True)
             )
@@ -394,8 +438,21 @@ class ModelRunner:
                 keep = -(-state.kv_len // self.page_size)  # pages holding its KV
                 del state.pages[keep:]
                 self.page_table.truncate(state.row, keep)
+                if self.swa_table is not None:
+                    del state.swa_pages[keep:]
+                    self.swa_table.truncate(state.row, keep)
+                    state.swa_live_from = min(state.swa_live_from, keep)
             elif state.grammar is not None:
                 state.grammar.accept(tokens[0])
                 if state.grammar.ended:
                     result.grammar_ended.append(i)
             i += count
+
+
+def _append_swa(state: SlotState, new: list[int]) -> None:
+    """A sliding table grows by the scheduler's pages, the null page (0) for a
+    cached prefix's entries it freed; ``swa_live_from`` moves past the last null
+    one, so validation checks a window against one number, not the entries."""
+    if 0 in new:
+        state.swa_live_from = len(state.swa_pages) + len(new) - new[::-1].index(0)
+    state.swa_pages.extend(new)

@@ -58,6 +58,10 @@ class Extend:
     # Speculative decoding: the last draft_len input_ids are drafts to verify
     # (see Extend in protos/worker.proto).
     draft_len: int = 0
+    # Two pools (sliding-window layers): parallel to new_pages, the pages
+    # appended to the slot's sliding table; 0 is the null page (a cached
+    # prefix's entry the scheduler freed: out of every query's window).
+    new_swa_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class Plan:
     decode_positions: list[int] = field(default_factory=list)
     # page appended to the slot's table, plus one; 0 = none
     decode_new_pages: list[int] = field(default_factory=list)
+    # Two pools: parallel to decode_new_pages, the sliding page plus one; 0 = none
+    decode_new_swa_pages: list[int] = field(default_factory=list)
     # applied after the leaves, before the joins
     adapter_slots: list[AdapterSlot] = field(default_factory=list)
 

@@ -25,8 +25,13 @@ class SlotState:
     # Positions [0, kv_len) have their KV in the pages.
     kv_len: int
     pages: list[int] = field(default_factory=list)
-    # The request's row of the worker's PageTable, which mirrors ``pages``.
+    # The request's row of the worker's PageTable, which mirrors ``pages``
+    # (and of the sliding table, which mirrors ``swa_pages``: the same row).
     row: int = -1
+    # Two pools: the sliding layers' pages, as long as ``pages``; entries
+    # before ``swa_live_from`` may be the null page 0 (freed: out of window).
+    swa_pages: list[int] = field(default_factory=list)
+    swa_live_from: int = 0
     traceparent: str = ""
     tracestate: str = ""
     # Structured generation: the request's place in its grammar (rank 0 only;

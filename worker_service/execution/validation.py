@@ -28,11 +28,15 @@ def validate_plan(
     adapter_slots: Mapping[int, object] | None = None,
     loaded: Mapping[str, object] | None = None,
     scores_only: bool = False,
+    num_swa_pages: int = 0,
+    swa_window: int = 0,
 ) -> None:
     """``adapter_slots``: adapter slot -> adapter before the plan;
     ``loaded``: the adapters the plan's slot assignments name that are loaded;
     ``scores_only``: the model is a sequence classifier (no LM head), so every
-    request must be one its score head reads (last-token pooling)."""
+    request must be one its score head reads (last-token pooling);
+    ``num_swa_pages`` > 0: two pools (``_SlidingCheck``)."""
+    swa = _SlidingCheck(num_swa_pages, swa_window, page_size) if num_swa_pages else None
     held = set(slots)
     for slot in plan.leaves:
         if slot not in held:
@@ -74,20 +78,21 @@ def validate_plan(
         joined[j.slot] = len(j.prefix_ids)
     seen: set[int] = set()
 
-    def state_of(slot: int, what: str) -> tuple[int, int, bool]:
-        """(kv_len, table length, has a sampled token) of a slot in this plan."""
+    def state_of(slot: int, what: str) -> tuple[int, int, bool, int]:
+        """(kv_len, table length, has a sampled token, sliding live from) of a
+        slot in this plan."""
         if slot not in held:
             raise PlanError(f"{what} for slot {slot}, which the worker does not hold")
         if slot in seen:
             raise PlanError(f"slot {slot} is scheduled twice in one step")
         seen.add(slot)
         if slot in joined:
-            return joined[slot], 0, False
+            return joined[slot], 0, False, 0
         s = slots[slot]
-        return s.kv_len, len(s.pages), s.has_sampled_token
+        return s.kv_len, len(s.pages), s.has_sampled_token, s.swa_live_from
 
     for e in plan.extends:
-        kv_len, n_pages, sampled = state_of(e.slot, "extend")
+        kv_len, n_pages, sampled, live_from = state_of(e.slot, "extend")
         if e.draft_len:
             _check_drafted(e, None if e.slot in joined else slots[e.slot], sampled)
         elif sampled:
@@ -104,15 +109,27 @@ def validate_plan(
         if e.next_token is not None:
             _check_tokens([e.next_token], vocab_size, f"extend of slot {e.slot}: next_token")
         _check_pages(e.new_pages, num_pages, f"extend of slot {e.slot}")
+        if swa is not None:
+            swa.extend(e, n_pages, live_from)
+        elif e.new_swa_pages:
+            raise PlanError(f"extend of slot {e.slot} has sliding pages; the worker has one pool")
         end = e.start_pos + len(e.input_ids)
         _check_context(e.slot, end, max_context)
         _check_coverage(e.slot, end, n_pages + len(e.new_pages), page_size)
     if not len(plan.decode_slots) == len(plan.decode_positions) == len(plan.decode_new_pages):
         raise PlanError("decode arrays have different lengths")
-    for slot, pos, new_page in zip(
-        plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True
+    swa_new = plan.decode_new_swa_pages
+    if len(swa_new) != (len(plan.decode_slots) if swa is not None else 0):
+        raise PlanError(
+            f"{len(swa_new)} decode sliding pages for {len(plan.decode_slots)} decodes"
+            + ("" if swa is not None else "; the worker has one pool")
+        )
+    for i, (slot, pos, new_page) in enumerate(
+        zip(plan.decode_slots, plan.decode_positions, plan.decode_new_pages, strict=True)
     ):
-        kv_len, n_pages, sampled = state_of(slot, "decode")
+        kv_len, n_pages, sampled, live_from = state_of(slot, "decode")
+        if swa is not None:
+            swa.decode(slot, pos, new_page=new_page, new_swa=swa_new[i], live_from=live_from)
         if not sampled or slot in poolers:
             raise PlanError(f"decode of slot {slot}, which has no sampled token")
         if pos != kv_len:
@@ -121,6 +138,47 @@ def validate_plan(
             _check_pages([new_page - 1], num_pages, f"decode of slot {slot}")
         _check_context(slot, pos + 1, max_context)
         _check_coverage(slot, pos + 1, n_pages + (1 if new_page else 0), page_size)
+
+
+class _SlidingCheck:
+    """Two pools: a plan's sliding pages are parallel to its full ones, inside
+    the sliding pool, and none the null page (0) inside a query's window: the
+    step reads those entries unmasked (keys at positions >= q - window + 1
+    for a query at q), and writes its own positions there. Entries the window
+    left behind may be null or stale; they are read only masked."""
+
+    def __init__(self, num_swa_pages: int, window: int, page_size: int) -> None:
+        self.num_swa_pages, self.window, self.page_size = num_swa_pages, window, page_size
+
+    def _window_start(self, slot: int, first_query: int, live_from: int, what: str) -> None:
+        first_page = max(0, first_query - self.window + 1) // self.page_size
+        if first_page < live_from:
+            raise PlanError(
+                f"{what} of slot {slot}: its sliding page {live_from - 1} is the null page "
+                f"inside the window of its query at position {first_query} (window "
+                f"{self.window}: pages from {first_page} on are read)"
+            )
+
+    def extend(self, e: Extend, n_pages: int, live_from: int) -> None:
+        new, what = e.new_swa_pages, f"extend of slot {e.slot}"
+        if len(new) != len(e.new_pages):
+            raise PlanError(
+                f"{what}: {len(new)} sliding pages for {len(e.new_pages)} pages (parallel lists)"
+            )
+        _check_pages(new, self.num_swa_pages, f"{what}: sliding")
+        if 0 in new:
+            live_from = n_pages + len(new) - new[::-1].index(0)
+        self._window_start(e.slot, e.start_pos, live_from, what)
+
+    def decode(self, slot: int, pos: int, *, new_page: int, new_swa: int, live_from: int) -> None:
+        what = f"decode of slot {slot}"
+        if bool(new_swa) != bool(new_page):
+            raise PlanError(f"{what}: a sliding page without a page, or a page without one")
+        if new_swa == 1:
+            raise PlanError(f"{what}: its new sliding page is the null page 0")
+        if new_swa:
+            _check_pages([new_swa - 1], self.num_swa_pages, f"{what}: sliding")
+        self._window_start(slot, pos, live_from, what)
 
 
 def _check_drafted(e: Extend, state: SlotState | None, sampled: bool) -> None:

@@ -107,6 +107,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model=model,
             page_size=w.config.page_size,
             num_pages=w.num_pages,
+            num_swa_pages=w.num_swa_pages,
+            swa_window=w.swa_window,
             tp_rank=w.tp.rank,
             tp_size=w.tp.size,
             attention_backend=w.attention_backend,

@@ -10,7 +10,13 @@ Budgets, in tokens (pages x page_size):
   allocatable right now);
 - input: ``max_prefill_tokens`` per step;
 - chunk: ``chunked_prefill_size`` per step; a longer prompt is cut at a page
-  boundary and continues first in line next step.
+  boundary and continues first in line next step;
+- sliding (a model with a sliding pool, kv/sliding.py): free + evictable
+  sliding pages, minus a page per running request (its next page before the
+  one behind its window is freed) and, per request admitted this step, what
+  it computes now plus a window and a page (what it keeps holding). Tokens
+  behind the window are freed, so a request's sliding need does not grow
+  with its length. The current budget counts the smaller pool already.
 
 The adder decides; the scheduler allocates pages afterwards. Locks taken
 here on matched prefixes keep them out of the evictable budget.
@@ -51,6 +57,11 @@ class PrefillAdder:
         self.cur_rem_offset = mixed_decode_tokens
         self.rem_total_offset = mixed_decode_tokens + sum(self.running_need(r) for r in running)
         self.nothing_running = not running
+        sliding = kv.sliding
+        self.swa_window = 0
+        if sliding is not None:
+            self.swa_window = self._ceil_paged(sliding.window)
+            self.swa_offset = mixed_decode_tokens + self.page_size * len(running)
         # (request, end position of the tokens it computes this step)
         self.admitted: list[tuple[Request, int]] = []
         self.new_chunked: Request | None = None
@@ -72,7 +83,10 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        return self._available_tokens() - self.rem_total_offset
+        # The full pool's: the sliding pool has its own (swa_rem_tokens).
+        kv = self.kv
+        full = kv.pool.num_free + kv.cache.evictable_pages
+        return full * self.page_size - self.rem_total_offset
 
     @property
     def cur_rem_tokens(self) -> int:
@@ -81,8 +95,25 @@ class PrefillAdder:
     def _ceil_paged(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size
 
+    @property
+    def swa_rem_tokens(self) -> int:
+        return self.kv.swa_available_pages() * self.page_size - self.swa_offset
+
+    def _swa_need(self, computes: int) -> int:
+        """Sliding tokens a request computing ``computes`` tokens now holds."""
+        return self._ceil_paged(computes) + self.swa_window + self.page_size
+
+    def _swa_computes(self, req: Request) -> int:
+        """What a waiting request would compute this step (its chunk at most)."""
+        computes = self._ceil_paged(req.num_tokens - req.match_len)
+        if self.rem_chunk_tokens is not None:
+            computes = min(computes, max(self.rem_chunk_tokens, 0))
+        return computes
+
     def budget_state(self) -> AddResult:
         if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddResult.NO_TOKEN
+        if self.swa_window and self.swa_rem_tokens <= 0:
             return AddResult.NO_TOKEN
         if self.rem_input_tokens <= 0:
             return AddResult.OTHER
@@ -91,6 +122,8 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def _charge(self, extend: int, max_new: int) -> None:
+        if self.swa_window:
+            self.swa_offset += self._swa_need(extend)
         extend = self._ceil_paged(extend)
         self.rem_total_offset += extend + max_new + self.page_size
         self.cur_rem_offset += extend + self.page_size
@@ -146,6 +179,11 @@ class PrefillAdder:
         force = self.nothing_running and not self.admitted
         if total >= self.rem_total_tokens and not force:
             return AddResult.NO_TOKEN
+        swa_short = self.swa_window and (
+            self._swa_need(self._swa_computes(req)) >= self.swa_rem_tokens
+        )
+        if swa_short and not force:
+            return AddResult.NO_TOKEN
         if (
             self.rem_chunk_tokens is None
             and self.admitted
@@ -176,7 +214,9 @@ class PrefillAdder:
                 return AddResult.OTHER if fits else AddResult.NO_TOKEN
             self.new_chunked = req
             self._charge(end - prefix, 0)
-        self.kv.attach_prefix(req, req.match_pages, req.match_len, req.match_node)
+        self.kv.attach_prefix(
+            req, req.match_pages, req.match_len, req.match_node, swa=req.match_swa
+        )
         self.admitted.append((req, end))
         return self.budget_state()
 
@@ -208,6 +248,15 @@ class PrefillAdder:
                 break
         if not chosen or to_remove >= 0:
             return False
+        sliding = self.kv.sliding
+        if sliding is not None:
+            # The sliding budget must fit too once they are gone, or the
+            # preemption is wasted (and repeats every step: a livelock).
+            gain = sliding.available_after_release([r.swa_pages for r in chosen])
+            gain = (gain + len(chosen)) * self.page_size  # their pages, their per-request page
+            if self._swa_need(self._swa_computes(req)) >= self.swa_rem_tokens + gain:
+                return False
+            self.swa_offset -= self.page_size * len(chosen)
         for r in chosen:
             self.rem_total_offset -= self.running_need(r)
             self.kv.release(r)

@@ -80,6 +80,7 @@ def match_prefix(cache: RadixCache, req: Request) -> None:
     """Record in ``req.match_*`` the longest cached prefix it may use."""
     m = cache.match(req.token_array(), req.extra_key, limit=req.max_prefix_len())
     req.match_pages, req.match_len, req.match_node = m.pages, m.length, m.node
+    req.match_swa = m.swa
 
 
 def plan_admission(

@@ -48,6 +48,7 @@ def prefill_part(admitted: list[tuple[Request, int]], kv: KvManager, now: float)
         if kv.grow(req, end) is None:
             raise RuntimeError(f"prefill of {req.rid} lacks pages the adder counted")
         new_pages = req.pages[known:]
+        new_swa = kv.new_swa(req, known)
         tokens = request_tokens(req)
         if req.place is Place.WAITING and not req.cache_hits_counted:
             req.cache_hits_counted = True
@@ -66,7 +67,13 @@ def prefill_part(admitted: list[tuple[Request, int]], kv: KvManager, now: float)
             or (scores and req.logprobs.wants_next_token_row)
         )
         entry = PlanEntry(
-            req, req.epoch, start, tokens[start:end], new_pages=new_pages, sample=sample
+            req,
+            req.epoch,
+            start,
+            tokens[start:end],
+            new_pages=new_pages,
+            sample=sample,
+            new_swa_pages=new_swa,
         )
         if req.prompt_logprobs_pending and end < len(req.prompt_ids):
             entry.next_token = tokens[end]

@@ -35,6 +35,7 @@ class RadixNode:
         "namespace",
         "pages",
         "parent",
+        "swa",
     )
 
     def __init__(
@@ -43,9 +44,14 @@ class RadixNode:
         pages: array,
         parent: RadixNode | None,
         namespace: str | None,
+        *,
+        swa: array | None = None,
     ) -> None:
         self.key = key
         self.pages = pages
+        # Sliding-window pages parallel to ``pages`` (a model with a sliding
+        # pool only, else None); 0: a tombstone (kv/sliding.py).
+        self.swa = swa
         self.children: dict[Any, RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -63,6 +69,7 @@ class MatchResult(NamedTuple):
     pages: array  # the matched prefix's page table (packed page ids)
     length: int  # tokens matched, a multiple of page_size
     node: RadixNode  # deepest node of the match (a root when nothing matched)
+    swa: array | None = None  # the prefix's sliding entries (a sliding pool only)
 
 
 @dataclass(slots=True)

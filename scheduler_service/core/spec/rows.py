@@ -137,9 +137,12 @@ def plan_drafted_rows(
         if fresh is None:
             raise RuntimeError(f"{r.rid}: drafted pages that were counted are not there")
         inputs = [r.output_ids[-1], *drafts]
-        entries.append(
-            PlanEntry(r, r.epoch, pos, inputs, new_pages=fresh.tolist(), sample=True, drafts=drafts)
+        entry = PlanEntry(
+            r, r.epoch, pos, inputs, new_pages=fresh.tolist(), sample=True, drafts=drafts
         )
+        if kv.sliding is not None:
+            entry.new_swa_pages = kv.new_swa(r, len(r.pages) - len(fresh)).tolist()
+        entries.append(entry)
         r.kv_len = pos + k + 1
         r.pending += 1
         r.spec.inflight = k

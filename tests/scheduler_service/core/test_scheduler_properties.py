@@ -4,7 +4,9 @@ Each example draws a configuration (page size 1 or 16, tiny pools, chunking,
 policies, priorities, mixed steps, overlap on or off) and a workload (shared
 prefixes, arrival times, lengths, aborts, extra keys, prompt logprobs), runs it to the end with
 ``check_integrity()`` after every step and update, and checks every output
-against the oracle and that the pool ends free or cached-unlocked. The same workloads with the
+against the oracle and that the pool ends free or cached-unlocked; the sliding-window examples run
+the same with a model shaped like Gemma 3 (a sliding pool, tiny windows),
+the simulated worker checking every query's window. The same workloads with the
 results in the token column form (StepResult.tokens, the worker codec's
 form for a plain step) must give the same deltas, outputs and finishes.
 """
@@ -28,8 +30,8 @@ EXAMPLES = int(os.environ.get("RADIXSERVE_PROPERTY_EXAMPLES", "120"))
 
 
 def run_scenario(scenario, overlap: bool, *, columns: bool = False):
-    config, num_pages, arrivals, aborts, aborted = scenario
-    sched, worker = make_pair(config, num_pages, VOCAB)
+    config, num_pages, arrivals, aborts, aborted, *sliding = scenario
+    sched, worker = make_pair(config, num_pages, VOCAB, **(sliding[0] if sliding else {}))
     log = drive(sched, worker, arrivals, aborts, overlap=overlap, columns=columns)
     check_outputs([r for _, r in arrivals], config, VOCAB, log, allow_abort=aborted)
     check_drained(sched, worker)
@@ -85,3 +87,21 @@ def test_token_columns_decide_as_outputs_do(scenario):
 @given(scenarios(pressure=True))
 def test_token_columns_decide_as_outputs_do_under_memory_pressure(scenario):
     run_both_forms(scenario)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(sliding=True))
+def test_sliding_window_workloads_without_overlap(scenario):
+    run_scenario(scenario, overlap=False)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(sliding=True))
+def test_sliding_window_workloads_with_overlap(scenario):
+    run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(pressure=True, sliding=True))
+def test_sliding_window_memory_pressure_with_overlap(scenario):
+    run_scenario(scenario, overlap=True)

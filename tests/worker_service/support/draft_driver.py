@@ -4,7 +4,10 @@ step either a plain decode or a drafted extend (the request's last sampled
 token followed by drafts), and keeps what the results carry per token. After
 a drafted step it frees the pages past ceil(kv_len / page_size) at once, to
 the front of its free list, so the next pages it hands out are those (stale
-KV of rejected drafts included), as the scheduler's pool may do."""
+KV of rejected drafts included), as the scheduler's pool may do. A runner
+with two KV pools (sliding-window layers) gets a sliding page beside every
+page, from a free list of its own handled alike (none freed by the window:
+the requests here are short)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ class Decoded:
     slot: int
     prompt: list[int]
     pages: list[int] = field(default_factory=list)
+    swa_pages: list[int] = field(default_factory=list)
     kv_len: int = 0
     outputs: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -37,6 +41,8 @@ class DraftDriver:
         self.runner = runner
         self.page_size = runner.page_size
         self.free = list(range(runner.num_pages - 1, -1, -1))  # pop() takes the end
+        self.two_pools = runner.num_swa_pages > 0
+        self.swa_free = list(range(runner.num_swa_pages - 1, 0, -1))  # 0: the null page
         self.step_id = 0
 
     def new_plan(self) -> Plan:
@@ -46,7 +52,12 @@ class DraftDriver:
     def _pages_to(self, seq: Decoded, end: int) -> list[int]:
         new = [self.free.pop() for _ in range(-(-end // self.page_size) - len(seq.pages))]
         seq.pages += new
+        seq.swa_pages += [self.swa_free.pop() for _ in new] if self.two_pools else []
         return new
+
+    def _swa(self, seq: Decoded, new: list[int]) -> list[int]:
+        """The sliding twins of the pages ``_pages_to`` just gave (two pools)."""
+        return seq.swa_pages[len(seq.swa_pages) - len(new) :] if self.two_pools else []
 
     def start(
         self,
@@ -59,7 +70,9 @@ class DraftDriver:
         seq = Decoded(slot, list(prompt))
         plan = self.new_plan()
         plan.joins.append(Join(slot, f"r{slot}", sampling, logprobs, len(prompt), []))
-        plan.extends.append(Extend(slot, 0, seq.prompt, self._pages_to(seq, len(prompt)), True))
+        new = self._pages_to(seq, len(prompt))
+        extend = Extend(slot, 0, seq.prompt, new, True, new_swa_pages=self._swa(seq, new))
+        plan.extends.append(extend)
         seq.kv_len = len(prompt)
         self.take(seq, self.run(plan))
         return seq
@@ -70,6 +83,8 @@ class DraftDriver:
         plan.decode_slots.append(seq.slot)
         plan.decode_positions.append(seq.kv_len)
         plan.decode_new_pages.append(new[0] + 1 if new else 0)
+        if self.two_pools:
+            plan.decode_new_swa_pages.append(self._swa(seq, new)[0] + 1 if new else 0)
         return plan
 
     def drafted_plan(self, seq: Decoded, drafts: list[int], last: int | None = None) -> Plan:
@@ -78,9 +93,9 @@ class DraftDriver:
         end = seq.kv_len + 1 + len(drafts)
         new = self._pages_to(seq, end)
         last = seq.last if last is None else last
-        plan.extends.append(
-            Extend(seq.slot, seq.kv_len, [last, *drafts], new, True, draft_len=len(drafts))
-        )
+        drafted = Extend(seq.slot, seq.kv_len, [last, *drafts], new, True, draft_len=len(drafts))
+        drafted.new_swa_pages = self._swa(seq, new)
+        plan.extends.append(drafted)
         return plan
 
     def run(self, plan: Plan) -> Result:
@@ -113,4 +128,6 @@ class DraftDriver:
             keep = -(-seq.kv_len // self.page_size)
             self.free += reversed(seq.pages[keep:])  # handed out again first
             del seq.pages[keep:]
+            self.swa_free += reversed(seq.swa_pages[keep:])
+            del seq.swa_pages[keep:]
         return tokens

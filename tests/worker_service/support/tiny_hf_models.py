@@ -53,6 +53,25 @@ ARCHITECTURES = {
     "smollm2-tied": (LlamaConfig, {"tie_word_embeddings": True}),
 }
 
+# Sliding-window models, served from two KV pools (apart: a plan for them
+# carries sliding pages, which plan_driver.py does not make).
+SLIDING_WINDOW = 8
+SLIDING_ARCHITECTURES = {
+    "mistral-sliding": (MistralConfig, {"sliding_window": SLIDING_WINDOW, "num_hidden_layers": 3}),
+    # Layers alternating sliding and full attention (GPT-OSS's pattern), which
+    # Qwen2 reads from layer_types (transformers and the worker alike).
+    "qwen2-alternating": (
+        Qwen2Config,
+        {
+            "use_sliding_window": True,
+            "sliding_window": SLIDING_WINDOW,
+            "max_window_layers": 0,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+}
+
 
 # The families beside Llama's (models/gemma.py, models/phi3.py): windows of
 # 12-16 tokens, shorter than the prompts, so the sliding layers see less than
@@ -126,8 +145,8 @@ def tiny_model(name: str, path) -> PreTrainedModel:
         cls, arch, kwargs = FAMILY_ARCHITECTURES[name]
         cfg = cls(**kwargs)
     else:
-        cls, extra = ARCHITECTURES[name]
-        cfg = cls(**COMMON, **extra)
+        cls, extra = {**ARCHITECTURES, **SLIDING_ARCHITECTURES}[name]
+        cfg = cls(**(COMMON | extra))
         arch = cls.__name__.replace("Config", "ForCausalLM")
     cfg.architectures = [arch]
     model = HFAuto.from_config(cfg, dtype=torch.float32).eval()

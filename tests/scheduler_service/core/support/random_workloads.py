@@ -16,9 +16,12 @@ EOS = 0
 
 
 @st.composite
-def scenarios(draw, pressure: bool = False):
+def scenarios(draw, pressure: bool = False, sliding: bool = False):
     """A config and workload; with ``pressure`` many long requests arrive at
-    once into a pool that fits only a few, and admission over-commits."""
+    once into a pool that fits only a few, and admission over-commits. With
+    ``sliding`` the model has sliding-window layers: a sixth item gives the
+    sliding pool and window (``make_pair``'s keywords), the pool sometimes
+    as small as one request's chunk plus its window."""
     page_size = draw(st.sampled_from([1, 16]))
     chunk_opts = [None, 16, 32, 64] if page_size == 16 else [None, 3, 8, 32]
     n_prefixes = draw(st.integers(1, 4))
@@ -92,4 +95,22 @@ def scenarios(draw, pressure: bool = False):
         new_token_ratio_decay_steps=draw(st.sampled_from([600, 10])),
         enable_kv_events=draw(st.booleans()),
     )
-    return config, num_pages, arrivals, aborts, aborted
+    if not sliding:
+        return config, num_pages, arrivals, aborts, aborted
+    window = draw(st.sampled_from([2, 5, 17, 40] if page_size == 1 else [16, 20, 33, 64]))
+    # What one request holds at most at once: its step's tokens plus a window
+    # behind them (a whole prompt when nothing chunks), and a page of slack.
+    step = need * page_size if chunk is None else max(chunk, config.max_prefill_tokens)
+    alone = min(need, -(-(step + window) // page_size) + 2)
+    num_swa = 1 + alone + draw(st.integers(0, alone if pressure else 3 * alone))
+    return (
+        config,
+        num_pages,
+        arrivals,
+        aborts,
+        aborted,
+        {
+            "num_swa_pages": num_swa,
+            "swa_window": window,
+        },
+    )

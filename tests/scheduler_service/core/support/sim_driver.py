@@ -34,12 +34,27 @@ class DriveLog:
 
 
 def make_pair(
-    config: SchedulerConfig, num_pages: int, vocab_size: int, **sched_kwargs
+    config: SchedulerConfig,
+    num_pages: int,
+    vocab_size: int,
+    *,
+    num_swa_pages: int = 0,
+    swa_window: int = 0,
+    **sched_kwargs,
 ) -> tuple[Scheduler, SimulatedWorker]:
+    """A scheduler and its simulated worker; ``num_swa_pages``/``swa_window``:
+    both shaped like a model with sliding-window layers."""
     sched_kwargs.setdefault("stop_strings", toy_stop_strings)
-    sched = Scheduler(config, num_pages, **sched_kwargs)
+    sched = Scheduler(
+        config, num_pages, num_swa_pages=num_swa_pages, swa_window=swa_window, **sched_kwargs
+    )
     worker = SimulatedWorker(
-        num_pages, config.page_size, vocab_size, adapter_slots=config.max_loras_per_batch
+        num_pages,
+        config.page_size,
+        vocab_size,
+        adapter_slots=config.max_loras_per_batch,
+        num_swa_pages=num_swa_pages,
+        swa_window=swa_window,
     )
     return sched, worker
 
@@ -190,6 +205,10 @@ def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
     sched.check_integrity()
     assert sched.cache.protected_pages == 0
     assert sched.pool.num_free + sched.cache.evictable_pages == sched.pool.num_pages
+    sliding = sched.sliding
+    if sliding is not None:  # every sliding page free or cached alone (page 0 is the null page)
+        assert sliding.num_free + sliding.tree_only == sliding.num_pages - 1
+        assert sliding.tree_only == sliding.tree_held
     assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
     assert not any(sched.adapters.users), f"adapter slots still used: {sched.adapters.users}"
     assert not sched.in_flight()

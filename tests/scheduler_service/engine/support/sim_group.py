@@ -36,6 +36,7 @@ class _Info:
     page_size: int
     num_pages: int
     model: pb.ModelInfo
+    num_swa_pages: int = 0  # one pool
 
 
 @dataclass
