@@ -30,7 +30,12 @@ def test_two_gloo_ranks_match_hf(name, tmp_path):
     g = torch.Generator().manual_seed(3)
     # Longer than every window, and short.
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (50, 4, 41)]
-    common = ("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1")
+    # One KV pool: greedy_over_grpc's plans carry no sliding pages (two pools
+    # on two ranks: test_swa_grpc.py).
+    common = (
+        *("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1"),
+        "--no-swa-memory",
+    )
     tp = ("--tp-size", "2", "--dist-addr", f"127.0.0.1:{free_port()}")
     ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]
     with worker_processes(tmp_path, *ranks) as addresses:

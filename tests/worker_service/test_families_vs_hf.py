@@ -114,7 +114,7 @@ def test_speculative_verify_gives_hf_tokens(name, tmp_path):
 def test_lora_on_attention_projections_matches_peft(tmp_path):
     hf = tiny_model("gemma3", tmp_path / "model")
     adapter = make_adapter(tmp_path, "attn", 4, ATTENTION, seed=3, base=hf)
-    worker = worker_for(tmp_path / "model", page_size=16, num_pages=256)
+    worker = worker_for(tmp_path / "model", page_size=16, num_pages=256, swa_memory=False)
     worker.runner.adapters.put(worker.adapter_loader.load("attn", adapter, 0))
     prompt = rand(torch.Generator().manual_seed(5), 45)
     reqs = [
@@ -134,7 +134,7 @@ def test_phi3_lora_on_its_fused_projections_matches_peft(tmp_path):
     hf = tiny_model("phi3-longrope", tmp_path / "model")
     modules = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     adapter = make_adapter(tmp_path, "fused", 4, modules, seed=4, base=hf)
-    worker = worker_for(tmp_path / "model", page_size=16, num_pages=256)
+    worker = worker_for(tmp_path / "model", page_size=16, num_pages=256, swa_memory=False)
     loaded = worker.adapter_loader.load("fused", adapter, 0)
     assert loaded.target_modules == (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"

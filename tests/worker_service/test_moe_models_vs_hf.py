@@ -107,7 +107,9 @@ def test_drafted_extends_give_plain_decodings_tokens(tmp_path):
 def test_lora_on_the_attention_projections_matches_peft_and_experts_are_refused(tmp_path):
     hf = tiny_moe_model("qwen3-moe", tmp_path / "model")
     adapter = make_adapter(tmp_path / "adapters", "attn", 4, ATTENTION, seed=5, base=hf)
-    worker = worker_for(tmp_path / "model", page_size=4, num_pages=256, **ONE_THREAD)
+    worker = worker_for(
+        tmp_path / "model", page_size=4, num_pages=256, swa_memory=False, **ONE_THREAD
+    )
     worker.runner.adapters.put(worker.adapter_loader.load("attn", adapter, 0))
     prompt = list(range(60, 75))
     reqs = [DriverRequest(prompt, 12, adapter_slot=1), DriverRequest(prompt, 12)]
@@ -150,7 +152,7 @@ def test_a_grammar_constrains_a_moe_model_to_transformers_masked_argmax(checkpoi
     import xgrammar as xgr
 
     path, hf, _ = checkpoint("gpt-oss")
-    worker = worker_for(path, page_size=4, num_pages=64, **ONE_THREAD)
+    worker = worker_for(path, page_size=4, num_pages=64, swa_memory=False, **ONE_THREAD)
     info = xgr.TokenizerInfo(
         [bytes([i]) for i in range(VOCAB)], xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[0]
     )

@@ -27,7 +27,12 @@ STEPS = 32
 def test_two_gloo_ranks_match_hf(arch, tmp_path):
     hf = tiny_moe_model(arch, tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12], [250, 3], list(range(40, 90))]
-    common = ("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1")
+    # One KV pool: greedy_over_grpc's plans carry no sliding pages (two pools
+    # on two ranks: test_swa_grpc.py).
+    common = (
+        *("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1"),
+        "--no-swa-memory",
+    )
     tp = ("--tp-size", "2", "--dist-addr", f"127.0.0.1:{free_port()}")
     ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]
     with worker_processes(tmp_path, *ranks) as addresses:

@@ -15,4 +15,7 @@ def worker_for(model: str | Path, **overrides) -> Worker:
 
 
 def runner_for(model: str | Path, **overrides) -> ModelRunner:
-    return worker_for(model, **overrides).runner
+    """One KV pool unless told otherwise: plan_driver.py's plans carry no
+    sliding pages (two pools are driven by swa_plan_driver.py and the real
+    Scheduler)."""
+    return worker_for(model, **{"swa_memory": False, **overrides}).runner
