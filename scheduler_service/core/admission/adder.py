@@ -198,7 +198,16 @@ class PrefillAdder:
             return AddResult.NO_TOKEN
         chunk = self.rem_chunk_tokens
         # The matched prefix is page aligned, so the table holds prefix / page_size pages.
-        physical_end = prefix + (max(self.cur_rem_tokens, 0) // self.page_size) * self.page_size
+        cur_rem = self.cur_rem_tokens
+        if self.swa_window:
+            # Attaching takes references on cached sliding pages: those no
+            # request held were counted as evictable (the lock above did the
+            # same for the full pages).
+            taken = self.kv.swa_attach_cost(req)
+            if taken:
+                swa_pages = self.kv.swa_available_pages() - taken
+                cur_rem = min(cur_rem, swa_pages * self.page_size - self.cur_rem_offset)
+        physical_end = prefix + (max(cur_rem, 0) // self.page_size) * self.page_size
         fits = req.num_tokens <= physical_end
         if fits and (chunk is None or paged_extend <= chunk):
             end = req.num_tokens

@@ -147,6 +147,17 @@ class KvManager:
         sliding pool."""
         return req.swa_pages[known:] if self.sliding is not None else ()
 
+    def swa_attach_cost(self, req: Request) -> int:
+        """Evictable sliding pages that attaching ``req``'s match would take
+        (cached pages of its window no request holds yet)."""
+        swa = req.match_swa
+        if not swa:
+            return 0
+        sliding = self.sliding
+        lo = freeable_below(req.match_len, sliding.window, self.page_size)
+        is_tree_only = sliding.is_tree_only
+        return sum(1 for p in swa[lo:] if p and is_tree_only(p))
+
     def slide(self, req: Request) -> None:
         """Free ``req``'s sliding pages that no query at or after its KV end
         can see (their entries become 0). Drafts in flight may be rejected,

@@ -275,3 +275,36 @@ def test_no_preemption_for_a_request_the_sliding_pool_cannot_take():
     assert low.finished and high.finished and log.steps < 2000
     assert sched.stats.preemptions <= 1
     check_drained(sched, worker)
+
+
+def test_attaching_a_cached_prefix_counts_the_sliding_pages_it_takes_from_the_evictable():
+    """A cached sliding page no request holds counts as available; the
+    request that attaches it takes it, so admission must not count it again
+    for the request's new pages (it planned a page that was not there)."""
+    sched, worker = make_pair(
+        config(16, chunked_prefill_size=None), 10, V, num_swa_pages=4, swa_window=16
+    )
+    shared = prompt(16, seed=5)
+    scoring = SamplingParams(max_new_tokens=0)
+    first = Request("c", [*shared, 3, 4], scoring)
+    sched.add_request(first)
+    while not first.finished:
+        one_step(sched, worker)
+    drive(sched, worker, [])
+    sliding = sched.sliding
+    assert (sliding.num_free, sliding.tree_only) == (2, 1)  # its first page stays cached
+    other = Request("a", prompt(18, seed=6), scoring)
+    sched.add_request(other)
+    in_flight = sched.step()  # takes the 2 free sliding pages; not answered yet
+    assert sliding.num_free == 0
+    again = Request("b", [*shared, 7, 8], scoring)
+    sched.add_request(again)
+    plan = sched.step()  # nothing runs: would take the cached page and then find none
+    assert plan is None or again.rid not in {e.rid for e in plan.entries}
+    sched.check_integrity()
+    sched.update(worker.execute(in_flight))
+    if plan is not None:
+        sched.update(worker.execute(plan))
+    drive(sched, worker, [])
+    assert again.finished and again.cached_tokens == 16
+    check_drained(sched, worker)
