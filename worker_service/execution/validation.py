@@ -154,7 +154,7 @@ class _SlidingCheck:
         first_page = max(0, first_query - self.window + 1) // self.page_size
         if first_page < live_from:
             raise PlanError(
-                f"{what} of slot {slot}: its sliding page {live_from - 1} is the null page "
+                f"{what}: its sliding page {live_from - 1} is the null page "
                 f"inside the window of its query at position {first_query} (window "
                 f"{self.window}: pages from {first_page} on are read)"
             )
