@@ -52,6 +52,15 @@ from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projection, query/key norms, RoPE, attention, output projection.
+    A family changes it through its hooks: ``o_proj_bias``, ``qk_norm_class``
+    (the per-head norm a ``cfg.qk_norm`` model gets) or ``qk_norms`` (another
+    kind), ``qk`` (where the norms apply); ``cfg.attention_sinks`` adds a
+    learned sink logit per head (GPT-OSS)."""
+
+    o_proj_bias = False
+    qk_norm_class: type[nn.Module] = RMSNorm
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -77,13 +86,45 @@ class LlamaAttention(nn.Module):
             **on,
         )
         self.o_proj = RowLinear(
-            cfg.q_size, cfg.hidden_size, bias=False, lora=LoraSite(lora, layer, "o_proj"), **on
+            cfg.q_size,
+            cfg.hidden_size,
+            bias=self.o_proj_bias,
+            lora=LoraSite(lora, layer, "o_proj"),
+            **on,
         )
-        self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
-            eps = cfg.rms_norm_eps
-            self.q_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
+        self.q_norm, self.k_norm = self.qk_norms(cfg, kernels=kernels, **on)
+        self.sinks: nn.Parameter | None = None
+        if cfg.attention_sinks:
+            self.heads_lo, _ = tp.shard(cfg.num_heads, "attention heads")
+            # float32, as the backends take them (a sink is one logit per head).
+            sinks = torch.empty(self.num_heads, dtype=torch.float32, device=device)
+            self.sinks = nn.Parameter(sinks, requires_grad=False)
+
+    def qk_norms(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+    ) -> tuple[nn.Module | None, nn.Module | None]:
+        """The query and key norms (None: none); a family's hook. Llama's
+        (Qwen3's): ``qk_norm_class`` over each head."""
+        if not cfg.qk_norm:
+            return None, None
+        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        norm, eps = self.qk_norm_class, cfg.rms_norm_eps
+        return norm(cfg.head_dim, eps, **on), norm(cfg.head_dim, eps, **on)
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's q and k projections, (T, width) -> (T, heads, head_dim),
+        normed; a family's hook (where the norms apply)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def forward(
         self,
@@ -96,14 +137,15 @@ class LlamaAttention(nn.Module):
         kv: KvCache,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk(q, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = attn.forward(layer, q, k, v, kv=kv)
+        out = attn.forward(layer, q, k, v, kv=kv, sinks=self.sinks)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def load_sinks(self, tensor: torch.Tensor) -> None:
+        assert self.sinks is not None
+        self.sinks.data.copy_(tensor[self.heads_lo : self.heads_lo + self.num_heads])
 
 
 class LlamaMLP(nn.Module):
@@ -143,24 +185,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A layer's norms around the attention and MLP its model built."""
+
     def __init__(
         self,
         cfg: ModelConfig,
+        attention: nn.Module,
+        mlp: nn.Module,
         *,
-        tp: TensorParallel,
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         on = {"dtype": dtype, "device": device, "kernels": kernels}
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.self_attn = LlamaAttention(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.mlp = LlamaMLP(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.mlp = mlp
 
 
 class LlamaForCausalLM(nn.Module):
@@ -210,6 +253,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         self.rope = RotaryEmbedding(cfg, device, kernels)
 
+    # A family's hooks for its layers (section 5 of docs/design.md): the
+    # classes below, or ``make_mlp`` for an MLP built otherwise (MoE).
+    attention_class: type[LlamaAttention] = LlamaAttention
+    mlp_class: type[LlamaMLP] = LlamaMLP
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def decoder_layer(
         self,
         cfg: ModelConfig,
@@ -221,10 +270,26 @@ class LlamaForCausalLM(nn.Module):
         lora: LoraContext,
         layer: int,
     ) -> nn.Module:
-        """Layer ``layer`` of the stack: a family's hook (its own layer class)."""
-        return LlamaDecoderLayer(
-            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
-        )
+        """Layer ``layer`` of the stack: ``layer_class`` around its attention and MLP."""
+        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        attention = self.attention_class(cfg, lora=lora, layer=layer, **on)
+        mlp = self.make_mlp(cfg, lora=lora, layer=layer, **on)
+        return self.layer_class(cfg, attention, mlp, dtype=dtype, device=device, kernels=kernels)
+
+    def make_mlp(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels,
+        lora: LoraContext,
+        layer: int,
+    ) -> nn.Module:
+        """Layer ``layer``'s MLP: ``mlp_class``; a family's hook."""
+        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
+        return self.mlp_class(cfg, lora=lora, layer=layer, **on)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -358,6 +423,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.o_proj.load(kind, tensor)
             elif sub in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:
                 getattr(layer.self_attn, sub).load(kind, tensor)
+            elif parts[2:] == ["self_attn", "sinks"] and layer.self_attn.sinks is not None:
+                layer.self_attn.load_sinks(tensor)
             elif sub in ("gate_proj", "up_proj"):
                 layer.mlp.gate_up_proj.load(sub, kind, tensor)
             elif sub == "down_proj":
