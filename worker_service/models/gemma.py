@@ -39,7 +39,6 @@ from torch import nn
 
 from worker_service.attention.base import AttentionBackend
 from worker_service.device.kv_cache import KvCache
-from worker_service.kernels import Kernels
 from worker_service.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -48,7 +47,7 @@ from worker_service.models.config import (
 )
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import FamilySupport, ModelFamily
-from worker_service.models.layers import RMSNorm
+from worker_service.models.layers import LayerBuild, RMSNorm
 from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker_service.models.rope import RotaryEmbedding
 from worker_service.models.rope_fields import rope_of
@@ -99,17 +98,10 @@ class GemmaDecoderLayer(nn.Module):
     """Gemma's four norms around the attention and MLP its model built."""
 
     def __init__(
-        self,
-        cfg: ModelConfig,
-        attention: nn.Module,
-        mlp: nn.Module,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
+        self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module, build: LayerBuild
     ) -> None:
         super().__init__()
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        on = build.norm
         for name in NORMS:
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **on))
         self.self_attn = attention

@@ -37,11 +37,12 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.device.distributed import TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
-from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
+from worker_service.lora.batch import LoraBatch, LoraContext
 from worker_service.models.config import ModelConfig
 from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.layers import (
     FusedColumnLinear,
+    LayerBuild,
     RMSNorm,
     RowLinear,
     ScoreHead,
@@ -61,61 +62,44 @@ class LlamaAttention(nn.Module):
     o_proj_bias = False
     qk_norm_class: type[nn.Module] = RMSNorm
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, build: LayerBuild) -> None:
         super().__init__()
+        tp = build.tp
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         parts = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
-        on = {"tp": tp, "dtype": dtype, "device": device}
         self.qkv_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
             bias=cfg.qkv_bias,
-            lora=LoraSite(lora, layer, "qkv_proj"),
-            **on,
+            lora=build.site("qkv_proj"),
+            **build.linear,
         )
         self.o_proj = RowLinear(
             cfg.q_size,
             cfg.hidden_size,
             bias=self.o_proj_bias,
-            lora=LoraSite(lora, layer, "o_proj"),
-            **on,
+            lora=build.site("o_proj"),
+            **build.linear,
         )
-        self.q_norm, self.k_norm = self.qk_norms(cfg, kernels=kernels, **on)
+        self.q_norm, self.k_norm = self.qk_norms(cfg, build)
         self.sinks: nn.Parameter | None = None
         if cfg.attention_sinks:
             self.heads_lo, _ = tp.shard(cfg.num_heads, "attention heads")
             # float32, as the backends take them (a sink is one logit per head).
-            sinks = torch.empty(self.num_heads, dtype=torch.float32, device=device)
+            sinks = torch.empty(self.num_heads, dtype=torch.float32, device=build.device)
             self.sinks = nn.Parameter(sinks, requires_grad=False)
 
     def qk_norms(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
+        self, cfg: ModelConfig, build: LayerBuild
     ) -> tuple[nn.Module | None, nn.Module | None]:
         """The query and key norms (None: none); a family's hook. Llama's
         (Qwen3's): ``qk_norm_class`` over each head."""
         if not cfg.qk_norm:
             return None, None
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
         norm, eps = self.qk_norm_class, cfg.rms_norm_eps
-        return norm(cfg.head_dim, eps, **on), norm(cfg.head_dim, eps, **on)
+        return norm(cfg.head_dim, eps, **build.norm), norm(cfg.head_dim, eps, **build.norm)
 
     def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's q and k projections, (T, width) -> (T, heads, head_dim),
@@ -149,34 +133,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, build: LayerBuild) -> None:
         super().__init__()
-        self.kernels = kernels
+        self.kernels = build.kernels
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
-        on = {"tp": tp, "dtype": dtype, "device": device}
         self.gate_up_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
             bias=cfg.mlp_bias,
-            lora=LoraSite(lora, layer, "gate_up_proj"),
-            **on,
+            lora=build.site("gate_up_proj"),
+            **build.linear,
         )
         self.down_proj = RowLinear(
             cfg.intermediate_size,
             cfg.hidden_size,
             bias=cfg.mlp_bias,
-            lora=LoraSite(lora, layer, "down_proj"),
-            **on,
+            lora=build.site("down_proj"),
+            **build.linear,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,18 +161,10 @@ class LlamaDecoderLayer(nn.Module):
     """A layer's norms around the attention and MLP its model built."""
 
     def __init__(
-        self,
-        cfg: ModelConfig,
-        attention: nn.Module,
-        mlp: nn.Module,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
+        self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module, build: LayerBuild
     ) -> None:
         super().__init__()
-        eps = cfg.rms_norm_eps
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        eps, on = cfg.rms_norm_eps, build.norm
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
@@ -232,7 +197,12 @@ class LlamaForCausalLM(nn.Module):
         # The running step's LoRA work, shared by every projection.
         self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            self.decoder_layer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
+            self.decoder_layer(
+                cfg,
+                LayerBuild(
+                    tp=tp, dtype=dtype, device=device, kernels=kernels, lora=self.lora, layer=i
+                ),
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
@@ -259,37 +229,14 @@ class LlamaForCausalLM(nn.Module):
     mlp_class: type[LlamaMLP] = LlamaMLP
     layer_class: type[nn.Module] = LlamaDecoderLayer
 
-    def decoder_layer(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        """Layer ``layer`` of the stack: ``layer_class`` around its attention and MLP."""
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        attention = self.attention_class(cfg, lora=lora, layer=layer, **on)
-        mlp = self.make_mlp(cfg, lora=lora, layer=layer, **on)
-        return self.layer_class(cfg, attention, mlp, dtype=dtype, device=device, kernels=kernels)
+    def decoder_layer(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
+        """Layer ``build.layer`` of the stack: ``layer_class`` around its attention and MLP."""
+        attention = self.attention_class(cfg, build)
+        return self.layer_class(cfg, attention, self.make_mlp(cfg, build), build)
 
-    def make_mlp(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        """Layer ``layer``'s MLP: ``mlp_class``; a family's hook."""
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return self.mlp_class(cfg, lora=lora, layer=layer, **on)
+    def make_mlp(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
+        """Layer ``build.layer``'s MLP: ``mlp_class``; a family's hook."""
+        return self.mlp_class(cfg, build)
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -25,11 +25,9 @@ import structlog
 import torch
 from torch import nn
 
-from worker_service.device.distributed import TensorParallel
-from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraContext
 from worker_service.models import moe_kernel
 from worker_service.models.config import ModelConfig
+from worker_service.models.layers import LayerBuild
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.moe import MoeBlock
 
@@ -54,22 +52,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     # Decode steps run eagerly (models/moe_kernel.py says why).
     decode_graphs_supported = False
 
-    def make_mlp(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
+    def make_mlp(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
         if cfg.moe is None:
             raise ValueError(f"{cfg.architecture}: a MoE layer needs config.moe")
-        fused = self._moe_kernel(device, dtype)
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return MoeBlock(cfg.hidden_size, cfg.moe, fused=fused, **on)
+        fused = self._moe_kernel(build.device, build.dtype)
+        return MoeBlock(cfg.hidden_size, cfg.moe, tp=build.tp, fused=fused, **build.norm)
 
     def _moe_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether FlashInfer's fused MoE runs the experts: chosen (and said)

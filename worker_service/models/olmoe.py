@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from worker_service.device.distributed import TensorParallel
-from worker_service.kernels import Kernels
 from worker_service.models.config import ModelConfig, MoeConfig
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import ModelFamily
+from worker_service.models.layers import LayerBuild
 from worker_service.models.llama import LlamaAttention
 from worker_service.models.moe_config_read import (
     MOE_SUPPORT,
@@ -70,18 +70,12 @@ class OlmoeAttention(LlamaAttention):
     """Llama's attention with q and k normed over the whole projection,
     before the split into heads."""
 
-    def qk_norms(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-    ) -> tuple[nn.Module, nn.Module]:
-        on = {"tp": tp, "dtype": dtype, "device": device}
+    def qk_norms(self, cfg: ModelConfig, build: LayerBuild) -> tuple[nn.Module, nn.Module]:
         eps = cfg.rms_norm_eps
-        return ProjectionRMSNorm(cfg.q_size, eps, **on), ProjectionRMSNorm(cfg.kv_size, eps, **on)
+        return (
+            ProjectionRMSNorm(cfg.q_size, eps, **build.linear),
+            ProjectionRMSNorm(cfg.kv_size, eps, **build.linear),
+        )
 
     def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
