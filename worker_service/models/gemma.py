@@ -45,7 +45,7 @@ from worker_service.models.config import (
     ModelConfig,
     UnsupportedModelError,
 )
-from worker_service.models.config_fields import check_fields
+from worker_service.models.config_fields import SHAPE_FIELDS, check_fields
 from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.layers import LayerBuild, RMSNorm
 from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -112,17 +112,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
     attention_class = GemmaAttention
     mlp_class = GemmaMLP
     layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
 
     def __init__(self, cfg: ModelConfig, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         kernels = self.kernels
-        self.norm = GemmaRMSNorm(
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            dtype=self.dtype,
-            device=self.embed_tokens.weight.device,
-            kernels=kernels,
-        )
         # One RoPE table per layer: the sliding layers' own where it differs.
         self.rope_local = self.rope
         if cfg.rope_local is not None and cfg.rope_local != cfg.rope:
@@ -179,17 +173,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 # ------------------------------------------------------------------ config.json
 
-_SHAPE = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-)
 _IMPLEMENTED = (
-    *_SHAPE,
+    *SHAPE_FIELDS,
     "hidden_activation",
     "hidden_act",
     "rope_parameters",

@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(
+        self.norm = self.norm_class(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device, kernels=kernels
         )
         # A sequence classifier has a score head instead of an LM head: it
@@ -226,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
     # A family's hooks for its layers (section 5 of docs/design.md): the
     # classes below, or ``make_mlp`` for an MLP built otherwise (MoE).
     attention_class: type[LlamaAttention] = LlamaAttention
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's
     mlp_class: type[LlamaMLP] = LlamaMLP
     layer_class: type[nn.Module] = LlamaDecoderLayer
 
