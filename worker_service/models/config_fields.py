@@ -54,6 +54,20 @@ COMMON_INERT = frozenset(
 )
 
 
+# The model's shape: every family reads these.
+SHAPE_FIELDS = frozenset(
+    {
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+    }
+)
+
+
 def _harmless(value: Any) -> bool:
     return value is None or (isinstance(value, (list, dict, str)) and not value)
 

@@ -38,19 +38,16 @@ import torch
 from torch import nn
 
 from worker_service.attention.base import AttentionBackend
-from worker_service.device.distributed import TensorParallel
 from worker_service.device.kv_cache import KvCache
-from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraContext
 from worker_service.models.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ModelConfig,
     UnsupportedModelError,
 )
-from worker_service.models.config_fields import check_fields
+from worker_service.models.config_fields import SHAPE_FIELDS, check_fields
 from worker_service.models.family import FamilySupport, ModelFamily
-from worker_service.models.layers import _param
+from worker_service.models.layers import LayerBuild, RMSNorm
 from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker_service.models.rope import RotaryEmbedding
 from worker_service.models.rope_fields import rope_of
@@ -62,16 +59,8 @@ GEMMA3 = "Gemma3ForCausalLM"
 GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm through the model's kernels (``x / RMS(x) * (1 + w)``)."""
-
-    def __init__(
-        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device, kernels: Kernels
-    ) -> None:
-        super().__init__()
-        self.weight = _param((dim,), dtype, device)
-        self.eps = eps
-        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.gemma_rmsnorm(x, self.weight, self.eps)
@@ -82,21 +71,12 @@ class GemmaRMSNorm(nn.Module):
         """(this norm of residual + x, residual + x); may overwrite x and residual."""
         return self.kernels.gemma_add_rmsnorm(x, residual, self.weight, self.eps)
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        self.weight.data.copy_(tensor)
-
 
 class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's query/key norms (Gemma 3); the scale,
     soft-cap and window are the attention backend's (its spec per layer group)."""
 
-    def __init__(self, cfg: ModelConfig, **kwargs: Any) -> None:
-        super().__init__(cfg, **kwargs)
-        if cfg.qk_norm:
-            on = {"dtype": kwargs["dtype"], "device": kwargs["device"]}
-            eps, kernels = cfg.rms_norm_eps, kwargs["kernels"]
-            self.q_norm = GemmaRMSNorm(cfg.head_dim, eps, kernels=kernels, **on)
-            self.k_norm = GemmaRMSNorm(cfg.head_dim, eps, kernels=kernels, **on)
+    qk_norm_class = GemmaRMSNorm
 
 
 class GemmaMLP(LlamaMLP):
@@ -115,36 +95,28 @@ NORMS = (
 
 
 class GemmaDecoderLayer(nn.Module):
+    """Gemma's four norms around the attention and MLP its model built."""
+
     def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
+        self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module, build: LayerBuild
     ) -> None:
         super().__init__()
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        on = build.norm
         for name in NORMS:
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **on))
-        self.self_attn = GemmaAttention(cfg, tp=tp, lora=lora, layer=layer, **on)
-        self.mlp = GemmaMLP(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.self_attn = attention
+        self.mlp = mlp
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    attention_class = GemmaAttention
+    mlp_class = GemmaMLP
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+
     def __init__(self, cfg: ModelConfig, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         kernels = self.kernels
-        self.norm = GemmaRMSNorm(
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            dtype=self.dtype,
-            device=self.embed_tokens.weight.device,
-            kernels=kernels,
-        )
         # One RoPE table per layer: the sliding layers' own where it differs.
         self.rope_local = self.rope
         if cfg.rope_local is not None and cfg.rope_local != cfg.rope:
@@ -160,9 +132,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_scale = torch.tensor(
             cfg.embed_scale or 1.0, dtype=self.dtype, device=self.embed_tokens.weight.device
         )
-
-    def decoder_layer(self, cfg: ModelConfig, **kwargs: Any) -> nn.Module:
-        return GemmaDecoderLayer(cfg, **kwargs)
 
     def _forward(
         self,
@@ -204,17 +173,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 # ------------------------------------------------------------------ config.json
 
-_SHAPE = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-)
 _IMPLEMENTED = (
-    *_SHAPE,
+    *SHAPE_FIELDS,
     "hidden_activation",
     "hidden_act",
     "rope_parameters",

@@ -24,17 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from worker_service.attention.base import AttentionBackend
-from worker_service.device.distributed import TensorParallel
-from worker_service.device.kv_cache import KvCache
-from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraContext, LoraSite
 from worker_service.models.config import ModelConfig, MoeConfig
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import ModelFamily
-from worker_service.models.layers import RowLinear
 from worker_service.models.llama import LlamaAttention
 from worker_service.models.moe import MoeBlock
 from worker_service.models.moe_config_read import (
@@ -45,76 +38,17 @@ from worker_service.models.moe_config_read import (
 )
 from worker_service.models.moe_model import MoeForCausalLM
 from worker_service.models.moe_routing import TOPK_SOFTMAX
-from worker_service.models.rope import RotaryEmbedding
 
 
 class GptOssAttention(LlamaAttention):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
-        super().__init__(
-            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
-        )
-        on = {"tp": tp, "dtype": dtype, "device": device}
-        self.o_proj = RowLinear(
-            cfg.q_size, cfg.hidden_size, bias=True, lora=LoraSite(lora, layer, "o_proj"), **on
-        )
-        self.heads_lo, _ = tp.shard(cfg.num_heads, "attention heads")
-        # float32, as the backends take them (a sink is one logit per head).
-        sinks = torch.empty(self.num_heads, dtype=torch.float32, device=device)
-        self.sinks = nn.Parameter(sinks, requires_grad=False)
+    """Llama's attention with a biased output projection; the sinks come
+    with ``cfg.attention_sinks``."""
 
-    def forward(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        *,
-        rope: RotaryEmbedding,
-        attn: AttentionBackend,
-        kv: KvCache,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = attn.forward(layer, q, k, v, kv=kv, sinks=self.sinks)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
-
-    def load_sinks(self, tensor: torch.Tensor) -> None:
-        self.sinks.data.copy_(tensor[self.heads_lo : self.heads_lo + self.num_heads])
+    o_proj_bias = True
 
 
 class GptOssForCausalLM(MoeForCausalLM):
-    def attention(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return GptOssAttention(cfg, lora=lora, layer=layer, **on)
-
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        parts = name.removeprefix("model.").split(".")
-        if len(parts) == 4 and parts[0] == "layers" and parts[2:] == ["self_attn", "sinks"]:
-            self.layers[int(parts[1])].self_attn.load_sinks(tensor)
-            return
-        super()._load_one(name, tensor)
+    attention_class = GptOssAttention
 
     def _load_moe(self, block: MoeBlock, parts: list[str], tensor: torch.Tensor, name: str) -> None:
         experts = block.experts

@@ -13,9 +13,16 @@ A linear built with a ``LoraSite`` adds the running step's LoRA deltas
 (worker_service/lora/batch.py) when the step has adapter rows: a column
 linear to its output shard, a row linear to its partial sums before the
 all-reduce (which sums the ranks' partial deltas as it does the base's).
+
+``LayerBuild`` carries what every module of one decoder layer is built with
+(placement, kernels, LoRA context and layer index), so a family's hooks take
+one argument for all of it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +30,37 @@ from torch import nn
 
 from worker_service.device.distributed import TensorParallel
 from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraSite
+from worker_service.lora.batch import LoraContext, LoraSite
 from worker_service.models import cpu_linear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class LayerBuild:
+    """What every module of decoder layer ``layer`` is built with."""
+
+    tp: TensorParallel
+    dtype: torch.dtype
+    device: torch.device
+    kernels: Kernels
+    lora: LoraContext
+    layer: int
+
+    def site(self, module: str) -> LoraSite:
+        return LoraSite(self.lora, self.layer, module)
+
+    @property
+    def linear(self) -> dict[str, Any]:
+        """A projection's placement keywords."""
+        return {"tp": self.tp, "dtype": self.dtype, "device": self.device}
+
+    @property
+    def norm(self) -> dict[str, Any]:
+        """A norm's keywords."""
+        return {"dtype": self.dtype, "device": self.device, "kernels": self.kernels}
 
 
 class RMSNorm(nn.Module):

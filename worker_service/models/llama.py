@@ -37,11 +37,12 @@ from worker_service.attention.base import AttentionBackend
 from worker_service.device.distributed import TensorParallel
 from worker_service.device.kv_cache import KvCache
 from worker_service.kernels import Kernels, select_kernels
-from worker_service.lora.batch import LoraBatch, LoraContext, LoraSite
+from worker_service.lora.batch import LoraBatch, LoraContext
 from worker_service.models.config import ModelConfig
 from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.layers import (
     FusedColumnLinear,
+    LayerBuild,
     RMSNorm,
     RowLinear,
     ScoreHead,
@@ -52,38 +53,62 @@ from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
+    """q/k/v projection, query/key norms, RoPE, attention, output projection.
+    A family changes it through its hooks: ``o_proj_bias``, ``qk_norm_class``
+    (the per-head norm a ``cfg.qk_norm`` model gets) or ``qk_norms`` (another
+    kind), ``qk`` (where the norms apply); ``cfg.attention_sinks`` adds a
+    learned sink logit per head (GPT-OSS)."""
+
+    o_proj_bias = False
+    qk_norm_class: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, build: LayerBuild) -> None:
         super().__init__()
+        tp = build.tp
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         parts = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
-        on = {"tp": tp, "dtype": dtype, "device": device}
         self.qkv_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
             bias=cfg.qkv_bias,
-            lora=LoraSite(lora, layer, "qkv_proj"),
-            **on,
+            lora=build.site("qkv_proj"),
+            **build.linear,
         )
         self.o_proj = RowLinear(
-            cfg.q_size, cfg.hidden_size, bias=False, lora=LoraSite(lora, layer, "o_proj"), **on
+            cfg.q_size,
+            cfg.hidden_size,
+            bias=self.o_proj_bias,
+            lora=build.site("o_proj"),
+            **build.linear,
         )
-        self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
-            eps = cfg.rms_norm_eps
-            self.q_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, eps, dtype=dtype, device=device, kernels=kernels)
+        self.q_norm, self.k_norm = self.qk_norms(cfg, build)
+        self.sinks: nn.Parameter | None = None
+        if cfg.attention_sinks:
+            self.heads_lo, _ = tp.shard(cfg.num_heads, "attention heads")
+            # float32, as the backends take them (a sink is one logit per head).
+            sinks = torch.empty(self.num_heads, dtype=torch.float32, device=build.device)
+            self.sinks = nn.Parameter(sinks, requires_grad=False)
+
+    def qk_norms(
+        self, cfg: ModelConfig, build: LayerBuild
+    ) -> tuple[nn.Module | None, nn.Module | None]:
+        """The query and key norms (None: none); a family's hook. Llama's
+        (Qwen3's): ``qk_norm_class`` over each head."""
+        if not cfg.qk_norm:
+            return None, None
+        norm, eps = self.qk_norm_class, cfg.rms_norm_eps
+        return norm(cfg.head_dim, eps, **build.norm), norm(cfg.head_dim, eps, **build.norm)
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's q and k projections, (T, width) -> (T, heads, head_dim),
+        normed; a family's hook (where the norms apply)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def forward(
         self,
@@ -96,45 +121,35 @@ class LlamaAttention(nn.Module):
         kv: KvCache,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk(q, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        out = attn.forward(layer, q, k, v, kv=kv)
+        out = attn.forward(layer, q, k, v, kv=kv, sinks=self.sinks)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def load_sinks(self, tensor: torch.Tensor) -> None:
+        assert self.sinks is not None
+        self.sinks.data.copy_(tensor[self.heads_lo : self.heads_lo + self.num_heads])
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, build: LayerBuild) -> None:
         super().__init__()
-        self.kernels = kernels
+        self.kernels = build.kernels
         parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
-        on = {"tp": tp, "dtype": dtype, "device": device}
         self.gate_up_proj = FusedColumnLinear(
             cfg.hidden_size,
             parts,
             bias=cfg.mlp_bias,
-            lora=LoraSite(lora, layer, "gate_up_proj"),
-            **on,
+            lora=build.site("gate_up_proj"),
+            **build.linear,
         )
         self.down_proj = RowLinear(
             cfg.intermediate_size,
             cfg.hidden_size,
             bias=cfg.mlp_bias,
-            lora=LoraSite(lora, layer, "down_proj"),
-            **on,
+            lora=build.site("down_proj"),
+            **build.linear,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,24 +158,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A layer's norms around the attention and MLP its model built."""
+
     def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
+        self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module, build: LayerBuild
     ) -> None:
         super().__init__()
-        eps = cfg.rms_norm_eps
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
+        eps, on = cfg.rms_norm_eps, build.norm
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.self_attn = LlamaAttention(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.mlp = LlamaMLP(cfg, tp=tp, lora=lora, layer=layer, **on)
+        self.mlp = mlp
 
 
 class LlamaForCausalLM(nn.Module):
@@ -189,10 +197,15 @@ class LlamaForCausalLM(nn.Module):
         # The running step's LoRA work, shared by every projection.
         self.lora = LoraContext()
         self.layers = nn.ModuleList(
-            self.decoder_layer(cfg, lora=self.lora, layer=i, kernels=kernels, **on)
+            self.decoder_layer(
+                cfg,
+                LayerBuild(
+                    tp=tp, dtype=dtype, device=device, kernels=kernels, lora=self.lora, layer=i
+                ),
+            )
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(
+        self.norm = self.norm_class(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device, kernels=kernels
         )
         # A sequence classifier has a score head instead of an LM head: it
@@ -210,21 +223,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **on)
         self.rope = RotaryEmbedding(cfg, device, kernels)
 
-    def decoder_layer(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        """Layer ``layer`` of the stack: a family's hook (its own layer class)."""
-        return LlamaDecoderLayer(
-            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
-        )
+    # A family's hooks for its layers (section 5 of docs/design.md): the
+    # classes below, or ``make_mlp`` for an MLP built otherwise (MoE).
+    attention_class: type[LlamaAttention] = LlamaAttention
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's
+    mlp_class: type[LlamaMLP] = LlamaMLP
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
+    def decoder_layer(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
+        """Layer ``build.layer`` of the stack: ``layer_class`` around its attention and MLP."""
+        attention = self.attention_class(cfg, build)
+        return self.layer_class(cfg, attention, self.make_mlp(cfg, build), build)
+
+    def make_mlp(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
+        """Layer ``build.layer``'s MLP: ``mlp_class``; a family's hook."""
+        return self.mlp_class(cfg, build)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -358,6 +371,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.o_proj.load(kind, tensor)
             elif sub in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:
                 getattr(layer.self_attn, sub).load(kind, tensor)
+            elif parts[2:] == ["self_attn", "sinks"] and layer.self_attn.sinks is not None:
+                layer.self_attn.load_sinks(tensor)
             elif sub in ("gate_proj", "up_proj"):
                 layer.mlp.gate_up_proj.load(sub, kind, tensor)
             elif sub == "down_proj":

@@ -11,18 +11,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
+from worker_service.models.config_fields import SHAPE_FIELDS
 from worker_service.models.family import FamilySupport
 
 # Read by ModelConfig.from_hf for every family here.
 SHARED_FIELDS = frozenset(
     {
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
+        *SHAPE_FIELDS,
         "rope_theta",
         "rope_scaling",
         "rope_parameters",

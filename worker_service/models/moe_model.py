@@ -1,5 +1,5 @@
-"""What the mixture-of-experts families share: a decoder layer whose MLP is
-a MoE block (models/moe.py), and the loading of router and expert weights
+"""What the mixture-of-experts families share: Llama's decoder layer with a
+MoE block (models/moe.py) for its MLP, and the loading of router and expert weights
 in their checkpoint spellings.
 
 Checkpoint names handled here (layer prefix ``model.layers.{i}.``):
@@ -25,13 +25,10 @@ import structlog
 import torch
 from torch import nn
 
-from worker_service.device.distributed import TensorParallel
-from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraContext
 from worker_service.models import moe_kernel
 from worker_service.models.config import ModelConfig
-from worker_service.models.layers import RMSNorm
-from worker_service.models.llama import LlamaAttention, LlamaForCausalLM
+from worker_service.models.layers import LayerBuild
+from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.moe import MoeBlock
 
 logger = structlog.get_logger(__name__)
@@ -49,63 +46,17 @@ EXPERT_PARTS = {
 MOE_MODULES = ("mlp", "block_sparse_moe")
 
 
-class MoeDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        attention: nn.Module,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        fused: bool = False,
-    ) -> None:
-        super().__init__()
-        if cfg.moe is None:
-            raise ValueError(f"{cfg.architecture}: a MoE layer needs config.moe")
-        eps = cfg.rms_norm_eps
-        on = {"dtype": dtype, "device": device, "kernels": kernels}
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, **on)
-        self.mlp = MoeBlock(cfg.hidden_size, cfg.moe, tp=tp, fused=fused, **on)
-
-
 class MoeForCausalLM(LlamaForCausalLM):
-    """The Llama decoder loop with MoE MLPs; families override ``attention``."""
+    """The Llama decoder loop with MoE MLPs; families set ``attention_class``."""
 
     # Decode steps run eagerly (models/moe_kernel.py says why).
     decode_graphs_supported = False
 
-    def attention(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return LlamaAttention(cfg, lora=lora, layer=layer, **on)
-
-    def decoder_layer(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        attention = self.attention(cfg, lora=lora, layer=layer, **on)
-        return MoeDecoderLayer(cfg, attention, fused=self._moe_kernel(device, dtype), **on)
+    def make_mlp(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture}: a MoE layer needs config.moe")
+        fused = self._moe_kernel(build.device, build.dtype)
+        return MoeBlock(cfg.hidden_size, cfg.moe, tp=build.tp, fused=fused, **build.norm)
 
     def _moe_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether FlashInfer's fused MoE runs the experts: chosen (and said)

@@ -16,14 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker_service.attention.base import AttentionBackend
 from worker_service.device.distributed import TensorParallel
-from worker_service.device.kv_cache import KvCache
-from worker_service.kernels import Kernels
-from worker_service.lora.batch import LoraContext
 from worker_service.models.config import ModelConfig, MoeConfig
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import ModelFamily
+from worker_service.models.layers import LayerBuild
 from worker_service.models.llama import LlamaAttention
 from worker_service.models.moe_config_read import (
     MOE_SUPPORT,
@@ -32,7 +29,6 @@ from worker_service.models.moe_config_read import (
     llama_part,
 )
 from worker_service.models.moe_model import MoeForCausalLM
-from worker_service.models.rope import RotaryEmbedding
 
 
 class ProjectionRMSNorm(nn.Module):
@@ -71,57 +67,24 @@ class ProjectionRMSNorm(nn.Module):
 
 
 class OlmoeAttention(LlamaAttention):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> None:
-        super().__init__(
-            cfg, tp=tp, dtype=dtype, device=device, kernels=kernels, lora=lora, layer=layer
-        )
-        on = {"tp": tp, "dtype": dtype, "device": device}
-        self.q_norm = ProjectionRMSNorm(cfg.q_size, cfg.rms_norm_eps, **on)
-        self.k_norm = ProjectionRMSNorm(cfg.kv_size, cfg.rms_norm_eps, **on)
+    """Llama's attention with q and k normed over the whole projection,
+    before the split into heads."""
 
-    def forward(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        *,
-        rope: RotaryEmbedding,
-        attn: AttentionBackend,
-        kv: KvCache,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+    def qk_norms(self, cfg: ModelConfig, build: LayerBuild) -> tuple[nn.Module, nn.Module]:
+        eps = cfg.rms_norm_eps
+        return (
+            ProjectionRMSNorm(cfg.q_size, eps, **build.linear),
+            ProjectionRMSNorm(cfg.kv_size, eps, **build.linear),
+        )
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = attn.forward(layer, q, k, v, kv=kv)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return q, k
 
 
 class OlmoeForCausalLM(MoeForCausalLM):
-    def attention(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Kernels,
-        lora: LoraContext,
-        layer: int,
-    ) -> nn.Module:
-        on = {"tp": tp, "dtype": dtype, "device": device, "kernels": kernels}
-        return OlmoeAttention(cfg, lora=lora, layer=layer, **on)
+    attention_class = OlmoeAttention
 
 
 def read_config(architecture: str, cfg: dict[str, Any]) -> ModelConfig:

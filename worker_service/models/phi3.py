@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
-from worker_service.models.config_fields import check_fields
+from worker_service.models.config_fields import SHAPE_FIELDS, check_fields
 from worker_service.models.family import FamilySupport, ModelFamily
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.rope_fields import rope_of
@@ -45,14 +45,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 
 _IMPLEMENTED = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
+    *SHAPE_FIELDS,
     "hidden_act",
-    "rms_norm_eps",
     "rope_parameters",
     "rope_theta",
     "rope_scaling",
