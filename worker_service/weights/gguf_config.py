@@ -32,11 +32,15 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Read through their family's config reader (models/gemma.py, models/phi3.py).
-FAMILY_GGUF_ARCHITECTURES = frozenset({"gemma2", "gemma3", "phi3"})
+FAMILY_GGUF_ARCHITECTURES = frozenset({"gemma2", "gemma3", "phi3", "qwen3moe"})
 # llama.cpp's names of the MoE architectures served from HF directories only.
-GGUF_MOE_ARCHITECTURES = ("qwen3moe", "olmoe", "gpt-oss")
+GGUF_MOE_ARCHITECTURES = ("olmoe", "gpt-oss")
+# The MoE files we read: Qwen3-MoE, and Mixtral (written as "llama" with
+# expert_count and ffn_*_exps tensors).
+GGUF_MOE_READ = {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}
 
 
 class GgufMetadata:
@@ -77,11 +81,13 @@ def gguf_model_config(
     resort for the vocabulary size; ``rope_tensors``: Phi-3's longrope factors
     by tensor name."""
     arch = meta.require("general.architecture")
-    if arch in GGUF_MOE_ARCHITECTURES or int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:
-        # Mixtral is written as "llama" with expert_count and ffn_*_exps tensors.
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    shared = int(meta.get(f"{arch}.expert_shared_count", 0) or 0)
+    if arch in GGUF_MOE_ARCHITECTURES or (experts > 0 and (arch not in GGUF_MOE_READ or shared)):
         raise UnsupportedModelError(
             f"GGUF mixture-of-experts models ({arch!r}, "
-            f"{arch}.expert_count={meta.get(f'{arch}.expert_count')}) are not supported; "
+            f"{arch}.expert_count={meta.get(f'{arch}.expert_count')}, shared experts {shared}) "
+            "are not supported (GGUF MoE: qwen3moe, and Mixtral as llama); "
             "serve the Hugging Face directory (safetensors) instead"
         )
     if arch not in GGUF_ARCHITECTURES:
@@ -89,7 +95,7 @@ def gguf_model_config(
             f"GGUF architecture {arch!r} is not supported; "
             f"radixserve reads {sorted(GGUF_ARCHITECTURES)}"
         )
-    architecture = GGUF_ARCHITECTURES[arch]
+    architecture = GGUF_MOE_READ[arch] if experts > 0 else GGUF_ARCHITECTURES[arch]
     traits = ARCHITECTURE_TRAITS.get(architecture, {})
 
     def key(name: str) -> Any:
@@ -125,7 +131,7 @@ def gguf_model_config(
         pad_token_id=None if pad is None else int(pad),
         sampling_defaults=gguf_sampling_defaults(meta.get),
     )
-    if arch in FAMILY_GGUF_ARCHITECTURES:
+    if arch in FAMILY_GGUF_ARCHITECTURES or experts > 0:
         if freq_factors is not None:
             raise UnsupportedModelError(f"GGUF {arch!r} with rope_freqs.weight is not supported")
         from worker_service.models.registry import family_of  # the models import torch

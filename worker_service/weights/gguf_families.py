@@ -16,6 +16,11 @@ What the GGUF lacks is filled in the way llama.cpp does when it loads one
   with ``rope.freq_base`` and the file's linear scaling.
 
 Phi-3's longrope factors are tensors (``rope_factors_long/short.weight``).
+
+Mixture-of-experts files: ``qwen3moe`` (llama.cpp renormalises its top-k
+weights, as every published Qwen3-MoE config asks: ``norm_topk_prob``) and
+Mixtral, written as ``llama`` with ``expert_count`` (its expert width is
+``feed_forward_length``, as in config.json).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def family_hf_config(
         return {**shape, **_gemma(get, arch, shape)}
     if arch == "phi3":
         return {**shape, **_phi3(get, shape, rope_tensors)}
+    if get(f"{arch}.expert_count"):
+        return {**shape, **_moe(get, arch)}
     raise UnsupportedModelError(f"GGUF architecture {arch!r} has no family reader")
 
 
@@ -125,4 +132,27 @@ def _phi3(get: Any, shape: dict[str, Any], rope_tensors: dict[str, np.ndarray]) 
         if attn is not None and not math.isclose(float(attn), default, rel_tol=1e-6):
             params["attention_factor"] = float(attn)
     cfg["rope_parameters"] = params
+    return cfg
+
+
+def _moe(get: Any, arch: str) -> dict[str, Any]:
+    kind = get(f"{arch}.rope.scaling.type", "none")
+    if kind != "none" and not (kind == "linear" and get(f"{arch}.rope.scaling.factor") == 1.0):
+        raise UnsupportedModelError(f"GGUF {arch!r} mixture of experts with RoPE scaling {kind!r}")
+    cfg: dict[str, Any] = {
+        "num_experts_per_tok": int(get(f"{arch}.expert_used_count")),
+        "hidden_act": "silu",
+        "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
+    }
+    count = int(get(f"{arch}.expert_count"))
+    if arch == "qwen3moe":
+        if get("qwen3moe.expert_weights_norm", True) is not True:
+            raise UnsupportedModelError("GGUF qwen3moe with expert_weights_norm false")
+        cfg.update(
+            num_experts=count,
+            moe_intermediate_size=int(get("qwen3moe.expert_feed_forward_length")),
+            norm_topk_prob=True,
+        )
+    else:
+        cfg["num_local_experts"] = count
     return cfg

@@ -97,6 +97,16 @@ class GgufWeights:
             heads = gguf_names.rotary_heads(tensor.name, cfg.num_heads, cfg.num_kv_heads)
             if permuted and heads is not None:
                 array = gguf_names.unpermute_rotary_rows(array, heads)
+            experts = cfg.moe.num_experts if cfg.moe is not None else 0
+            if split := gguf_names.per_expert_names(tensor.name, experts):
+                if array.shape[0] != len(split):
+                    raise UnsupportedModelError(
+                        f"{tensor.name} stacks {array.shape[0]} experts, the metadata says "
+                        f"{len(split)}"
+                    )
+                for expert_name, rows in zip(split, array, strict=True):
+                    yield expert_name, _to_torch(rows).to(dtype)
+                continue
             yield name, _to_torch(array).to(dtype)
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -34,6 +34,15 @@ BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+}
+
+# A MoE layer's experts, stacked (dim 0: experts, each in HF's [out, in]):
+# read as the checkpoint's per-expert tensors ``mlp.experts.{e}.<part>``.
+EXPERT_NAMES: dict[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 
 # Where an architecture's blocks differ from BLOCK_NAMES. llama.cpp reuses
@@ -75,6 +84,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     ``arch``, or None when it has no counterpart."""
     if match := _BLOCK_RE.fullmatch(gguf_name):
         layer, key, kind = match.groups()
+        if key in EXPERT_NAMES:
+            return f"model.layers.{layer}.mlp.experts.{EXPERT_NAMES[key]}.{kind}"
         target = {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}.get(key)
         return None if target is None else f"model.layers.{layer}.{target}.{kind}"
     if match := _GLOBAL_RE.fullmatch(gguf_name):
@@ -82,6 +93,17 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         target = GLOBAL_NAMES.get(key)
         return None if target is None else f"{target}.{kind}"
     return None
+
+
+def per_expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The per-expert HF names a stacked expert tensor splits into (dim 0),
+    or None when it is no stacked expert tensor."""
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in EXPERT_NAMES:
+        return None
+    layer, key, kind = match.groups()
+    part = EXPERT_NAMES[key]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{part}.{kind}" for e in range(num_experts)]
 
 
 def is_shifted_norm(gguf_name: str, arch: str) -> bool:

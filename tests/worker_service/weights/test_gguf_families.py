@@ -1,5 +1,5 @@
-"""Gemma 2, Gemma 3 and Phi-3 from GGUF files written as llama.cpp's converter
-writes them (support/gguf_build.py: write_family_gguf): the worker loads the
+"""Gemma 2, Gemma 3, Phi-3, Qwen3-MoE and Mixtral from GGUF files written as llama.cpp's converter
+writes them (support/gguf_build.py: write_family_gguf, write_moe_gguf): the worker loads the
 file and gives transformers' greedy tokens and logprobs (within 1e-4, fp32,
 F32 tensors) on the Hugging Face checkpoint the file was made from, in a
 mixed batch with chunked prefill and a cached prefix."""
@@ -14,8 +14,9 @@ import torch
 from tests.support.hf_reference import hf_greedy_check
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
+from tests.worker_service.support.tiny_moe_models import tiny_moe_model
 from tests.worker_service.support.worker_factory import runner_for
-from tests.worker_service.weights.support.gguf_build import write_family_gguf
+from tests.worker_service.weights.support.gguf_build import write_family_gguf, write_moe_gguf
 from worker_service.weights import open_model
 
 # Out of make test-fast: transformers references.
@@ -66,6 +67,26 @@ def test_gguf_gives_the_hf_checkpoints_tokens(name, tmp_path):
     )
 
     runner = runner_for(path, page_size=16, num_pages=256)
+    reqs = PlanDriver(runner, 16, chunk=20).run(workload())
+    for r in reqs:
+        choices, logprobs = hf_greedy_check(hf, r.prompt, r.outputs)
+        assert r.outputs == choices
+        assert max(abs(a - b) for a, b in zip(r.logprob_values, logprobs, strict=True)) < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-normalised", "mixtral"])
+def test_moe_gguf_gives_the_hf_checkpoints_tokens(name, tmp_path):
+    hf = tiny_moe_model(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_moe_gguf(path, hf.config, hf.state_dict())
+
+    cfg = open_model(path).config
+    want = open_model(tmp_path / "hf").config
+    assert cfg.architecture == want.architecture
+    assert cfg.moe == want.moe and cfg.moe is not None
+    assert (cfg.rope, cfg.qk_norm, cfg.head_dim) == (want.rope, want.qk_norm, want.head_dim)
+
+    runner = runner_for(path, page_size=16, num_pages=256, threads=1)
     reqs = PlanDriver(runner, 16, chunk=20).run(workload())
     for r in reqs:
         choices, logprobs = hf_greedy_check(hf, r.prompt, r.outputs)

@@ -223,3 +223,64 @@ def write_family_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_moe_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]) -> None:
+    """A Qwen3-MoE or Mixtral checkpoint written as convert_hf_to_gguf.py
+    writes it: Qwen3-MoE as ``qwen3moe``, Mixtral as ``llama`` (Q/K rows
+    permuted) with ``expert_count``; the router as ``ffn_gate_inp`` and each
+    layer's experts stacked per part (``ffn_{gate,up,down}_exps``, dim 0 the
+    experts, each expert in HF's [out, in])."""
+    qwen = hf_config.architectures[0] == "Qwen3MoeForCausalLM"
+    arch = gguf.MODEL_ARCH.QWEN3MOE if qwen else gguf.MODEL_ARCH.LLAMA
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    cfg = hf_config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_expert_count(cfg.num_experts if qwen else cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if qwen:
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+
+    def block(tensor: gguf.MODEL_TENSOR, layer: str) -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
+
+    for hf_name, tensor in state_dict.items():
+        array = tensor.float().numpy()
+        parts = hf_name.split(".")
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if parts[-2:] == ["experts", "gate_up_proj"]:
+            gate, up = np.split(array, 2, axis=1)
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_GATE_EXP, parts[2]), gate.copy())
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_UP_EXP, parts[2]), up.copy())
+            continue
+        if parts[-2:] == ["experts", "down_proj"]:
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_DOWN_EXP, parts[2]), array)
+            continue
+        if parts[-3:] == ["mlp", "gate", "weight"]:
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_GATE_INP, parts[2]), array)
+            continue
+        if not qwen and "q_proj" in hf_name:
+            array = llama_cpp_permute(array, heads)
+        elif not qwen and "k_proj" in hf_name:
+            array = llama_cpp_permute(array, kv_heads)
+        base, suffix = hf_name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
