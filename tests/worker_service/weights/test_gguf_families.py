@@ -17,6 +17,7 @@ from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
 from tests.worker_service.support.tiny_moe_models import tiny_moe_model
 from tests.worker_service.support.worker_factory import runner_for
 from tests.worker_service.weights.support.gguf_build import write_family_gguf, write_moe_gguf
+from worker_service.models.config import UnsupportedModelError
 from worker_service.weights import open_model
 
 # Out of make test-fast: transformers references.
@@ -92,3 +93,22 @@ def test_moe_gguf_gives_the_hf_checkpoints_tokens(name, tmp_path):
         choices, logprobs = hf_greedy_check(hf, r.prompt, r.outputs)
         assert r.outputs == choices
         assert max(abs(a - b) for a, b in zip(r.logprob_values, logprobs, strict=True)) < TOL
+
+
+def test_what_the_families_do_not_implement_is_refused_by_name(tmp_path):
+    """A Gemma 3 file with an attention soft-cap (transformers' Gemma 3 has
+    none) and a Qwen3-MoE file whose top-k weights are not renormalised (not
+    how llama.cpp runs qwen3moe) are refused, naming what."""
+    gemma = tiny_model("gemma3-gguf", tmp_path / "gemma")
+    path = tmp_path / "capped.gguf"
+    extra = {"gemma3.attn_logit_softcapping": 50.0}
+    write_family_gguf(path, gemma.config, gemma.state_dict(), extra=extra)
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        open_model(path)
+
+    qwen = tiny_moe_model("qwen3-moe-normalised", tmp_path / "qwen")
+    path = tmp_path / "unnormalised.gguf"
+    extra = {"qwen3moe.expert_weights_norm": False}
+    write_moe_gguf(path, qwen.config, qwen.state_dict(), extra=extra)
+    with pytest.raises(UnsupportedModelError, match="expert_weights_norm"):
+        open_model(path)

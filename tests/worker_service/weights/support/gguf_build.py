@@ -156,12 +156,19 @@ FAMILY_GGUF_ARCH = {
 }
 
 
-def write_family_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]) -> None:
+def write_family_gguf(
+    path: Path,
+    hf_config,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    extra: dict[str, float | bool] | None = None,
+) -> None:
     """A Gemma 2, Gemma 3 or Phi-3 checkpoint written as convert_hf_to_gguf.py
     writes it (Gemma2Model, Gemma3Model, Phi3MiniModel): their metadata keys,
     Gemma's norms stored as 1 + w and its LM head dropped (tied), Phi-3's
     fused tensors under gguf-py's names and its longrope factors as tensors.
-    No Q/K permutation: llama.cpp runs these with the neox RoPE kernel."""
+    No Q/K permutation: llama.cpp runs these with the neox RoPE kernel.
+    ``extra``: more metadata keys (float32 or bool)."""
     arch = FAMILY_GGUF_ARCH[hf_config.architectures[0]]
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     cfg = hf_config
@@ -210,6 +217,7 @@ def write_family_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]
             writer.add_tensor(
                 "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
             )
+    add_extra(writer, extra)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     gemma = arch_name.startswith("gemma")
     for hf_name, array in tensors.items():
@@ -225,12 +233,19 @@ def write_family_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]
     writer.close()
 
 
-def write_moe_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]) -> None:
+def write_moe_gguf(
+    path: Path,
+    hf_config,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    extra: dict[str, float | bool] | None = None,
+) -> None:
     """A Qwen3-MoE or Mixtral checkpoint written as convert_hf_to_gguf.py
     writes it: Qwen3-MoE as ``qwen3moe``, Mixtral as ``llama`` (Q/K rows
     permuted) with ``expert_count``; the router as ``ffn_gate_inp`` and each
     layer's experts stacked per part (``ffn_{gate,up,down}_exps``, dim 0 the
-    experts, each expert in HF's [out, in])."""
+    experts, each expert in HF's [out, in]). ``extra``: more metadata keys
+    (float32 or bool)."""
     qwen = hf_config.architectures[0] == "Qwen3MoeForCausalLM"
     arch = gguf.MODEL_ARCH.QWEN3MOE if qwen else gguf.MODEL_ARCH.LLAMA
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
@@ -253,6 +268,7 @@ def write_moe_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]) -
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if qwen:
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_extra(writer, extra)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
 
     def block(tensor: gguf.MODEL_TENSOR, layer: str) -> str:
@@ -284,3 +300,11 @@ def write_moe_gguf(path: Path, hf_config, state_dict: dict[str, torch.Tensor]) -
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_extra(writer: gguf.GGUFWriter, extra: dict[str, float | bool] | None) -> None:
+    for key, value in (extra or {}).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_float32(key, value)
