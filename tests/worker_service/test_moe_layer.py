@@ -217,10 +217,12 @@ def test_mixtral_router_jitter_noise_is_training_only_and_accepted():
 
 @pytest.mark.parametrize(
     ("arch", "experts", "named"),
-    [("llama", 8, "llama.expert_count=8"), ("qwen3moe", 128, "'qwen3moe'")],
-    ids=["mixtral-as-llama", "qwen3moe"],
+    [("olmoe", 64, "'olmoe'"), ("gpt-oss", 32, "'gpt-oss'"), ("qwen2moe", 60, "'qwen2moe'")],
+    ids=["olmoe", "gpt-oss", "qwen2moe"],
 )
-def test_gguf_mixture_of_experts_files_are_refused_by_name(tmp_path, arch, experts, named):
+def test_gguf_mixture_of_experts_files_we_do_not_read_are_refused_by_name(
+    tmp_path, arch, experts, named
+):
     path = tmp_path / "moe.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)

@@ -293,5 +293,5 @@ FAMILY = ModelFamily(
     architectures=(GEMMA2, GEMMA3),
     model_class=GemmaForCausalLM,
     read_config=read_config,
-    support=FamilySupport(gguf=False),
+    support=FamilySupport(gguf=True),
 )

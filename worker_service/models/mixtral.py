@@ -15,7 +15,7 @@ from worker_service.models.config import ModelConfig, MoeConfig
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import ModelFamily
 from worker_service.models.moe_config_read import (
-    MOE_SUPPORT,
+    MOE_GGUF_SUPPORT,
     SHARED_FIELDS,
     expert_count,
     llama_part,
@@ -49,5 +49,5 @@ FAMILY = ModelFamily(
     architectures=("MixtralForCausalLM",),
     model_class=MixtralForCausalLM,
     read_config=read_config,
-    support=MOE_SUPPORT,
+    support=MOE_GGUF_SUPPORT,
 )

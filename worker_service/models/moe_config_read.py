@@ -33,6 +33,8 @@ MOE_SUPPORT = FamilySupport(
     gguf=False,
     lora_note="attention projections (q, k, v, o) only: the experts are no LoRA target",
 )
+# Qwen3-MoE and Mixtral: also from llama.cpp's GGUF files (weights/gguf_families.py).
+MOE_GGUF_SUPPORT = dataclasses.replace(MOE_SUPPORT, gguf=True)
 
 
 def llama_part(arch: str, cfg: Mapping[str, Any], **changes: Any) -> ModelConfig:

@@ -119,5 +119,5 @@ FAMILY = ModelFamily(
     architectures=(PHI3,),
     model_class=Phi3ForCausalLM,
     read_config=read_config,
-    support=FamilySupport(gguf=False),
+    support=FamilySupport(gguf=True),
 )

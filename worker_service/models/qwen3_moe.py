@@ -17,7 +17,7 @@ from worker_service.models.config import ModelConfig, MoeConfig
 from worker_service.models.config_fields import check_fields
 from worker_service.models.family import ModelFamily
 from worker_service.models.moe_config_read import (
-    MOE_SUPPORT,
+    MOE_GGUF_SUPPORT,
     SHARED_FIELDS,
     expert_count,
     llama_part,
@@ -68,5 +68,5 @@ FAMILY = ModelFamily(
     architectures=("Qwen3MoeForCausalLM",),
     model_class=Qwen3MoeForCausalLM,
     read_config=read_config,
-    support=MOE_SUPPORT,
+    support=MOE_GGUF_SUPPORT,
 )

@@ -1,12 +1,14 @@
 """A ModelConfig from a GGUF file's metadata (llama.cpp's key names).
 
 A GGUF file has no config.json: the ``{arch}.*`` keys are the config. The
-three llama.cpp architectures we serve map to HF architectures like this
-(Mistral and SmolLM2 files are written as ``llama``).
+llama.cpp architectures we serve map to HF architectures like this (Mistral
+and SmolLM2 files are written as ``llama``); the Gemma and Phi-3 files are
+read by their family's config reader (weights/gguf_families.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from typing import Any
@@ -21,14 +23,24 @@ from worker_service.models.config import (
     UnsupportedModelError,
 )
 from worker_service.weights.declarations import gguf_sampling_defaults
+from worker_service.weights.gguf_families import family_hf_config
 
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Read through their family's config reader (models/gemma.py, models/phi3.py).
+FAMILY_GGUF_ARCHITECTURES = frozenset({"gemma2", "gemma3", "phi3", "qwen3moe"})
 # llama.cpp's names of the MoE architectures served from HF directories only.
-GGUF_MOE_ARCHITECTURES = ("qwen3moe", "olmoe", "gpt-oss")
+GGUF_MOE_ARCHITECTURES = ("olmoe", "gpt-oss")
+# The MoE files we read: Qwen3-MoE, and Mixtral (written as "llama" with
+# expert_count and ffn_*_exps tensors).
+GGUF_MOE_READ = {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}
 
 
 class GgufMetadata:
@@ -62,15 +74,20 @@ def gguf_model_config(
     tensor_names: Collection[str],
     vocab_rows: int,
     freq_factors: np.ndarray | None,
+    *,
+    rope_tensors: dict[str, np.ndarray] | None = None,
 ) -> ModelConfig:
     """Build the config; ``vocab_rows`` is the embedding's row count, the last
-    resort for the vocabulary size."""
+    resort for the vocabulary size; ``rope_tensors``: Phi-3's longrope factors
+    by tensor name."""
     arch = meta.require("general.architecture")
-    if arch in GGUF_MOE_ARCHITECTURES or int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:
-        # Mixtral is written as "llama" with expert_count and ffn_*_exps tensors.
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    shared = int(meta.get(f"{arch}.expert_shared_count", 0) or 0)
+    if arch in GGUF_MOE_ARCHITECTURES or (experts > 0 and (arch not in GGUF_MOE_READ or shared)):
         raise UnsupportedModelError(
             f"GGUF mixture-of-experts models ({arch!r}, "
-            f"{arch}.expert_count={meta.get(f'{arch}.expert_count')}) are not supported; "
+            f"{arch}.expert_count={meta.get(f'{arch}.expert_count')}, shared experts {shared}) "
+            "are not supported (GGUF MoE: qwen3moe, and Mixtral as llama); "
             "serve the Hugging Face directory (safetensors) instead"
         )
     if arch not in GGUF_ARCHITECTURES:
@@ -78,8 +95,8 @@ def gguf_model_config(
             f"GGUF architecture {arch!r} is not supported; "
             f"radixserve reads {sorted(GGUF_ARCHITECTURES)}"
         )
-    architecture = GGUF_ARCHITECTURES[arch]
-    traits = ARCHITECTURE_TRAITS[architecture]
+    architecture = GGUF_MOE_READ[arch] if experts > 0 else GGUF_ARCHITECTURES[arch]
+    traits = ARCHITECTURE_TRAITS.get(architecture, {})
 
     def key(name: str) -> Any:
         return meta.require(f"{arch}.{name}")
@@ -88,11 +105,12 @@ def gguf_model_config(
     num_heads = int(key("attention.head_count"))
     # head_count_kv is absent when it equals head_count (no GQA).
     num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
-    # key_length is written when config.json had head_dim; all three
-    # architectures rotate the whole head, so the rotary width is one too.
+    # key_length is written when config.json had head_dim; the Llama-family
+    # architectures rotate the whole head, so the rotary width is one too
+    # (Phi-3's rotary width can be part of the head).
     head_dim = (
         meta.get(f"{arch}.attention.key_length")
-        or meta.get(f"{arch}.rope.dimension_count")
+        or (None if arch == "phi3" else meta.get(f"{arch}.rope.dimension_count"))
         or hidden // num_heads
     )
     vocab = meta.get(f"{arch}.vocab_size") or meta.count("tokenizer.ggml.tokens") or vocab_rows
@@ -107,6 +125,33 @@ def gguf_model_config(
     pad = meta.get("tokenizer.ggml.padding_token_id")
 
     names = set(tensor_names)
+    declared = dict(
+        eos_token_ids=tuple(eos_ids),
+        bos_token_id=None if bos is None else int(bos),
+        pad_token_id=None if pad is None else int(pad),
+        sampling_defaults=gguf_sampling_defaults(meta.get),
+    )
+    if arch in FAMILY_GGUF_ARCHITECTURES or experts > 0:
+        if freq_factors is not None:
+            raise UnsupportedModelError(f"GGUF {arch!r} with rope_freqs.weight is not supported")
+        from worker_service.models.registry import family_of  # the models import torch
+
+        shape = {
+            "hidden_size": hidden,
+            "intermediate_size": int(key("feed_forward_length")),
+            "num_hidden_layers": int(key("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": int(head_dim),
+            "vocab_size": int(vocab),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+            # llama.cpp writes output.weight only when it differs from the embedding.
+            "tie_word_embeddings": "output.weight" not in names,
+        }
+        hf = family_hf_config(meta.get, arch, shape, rope_tensors or {})
+        config = family_of(architecture).read_config(architecture, hf)
+        return dataclasses.replace(config, **declared)
     return ModelConfig(
         architecture=architecture,
         hidden_size=hidden,
@@ -125,10 +170,7 @@ def gguf_model_config(
         qkv_bias="blk.0.attn_q.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names or "blk.0.ffn_up.bias" in names,
         qk_norm=traits.get("qk_norm", False) or "blk.0.attn_q_norm.weight" in names,
-        eos_token_ids=tuple(eos_ids),
-        bos_token_id=None if bos is None else int(bos),
-        pad_token_id=None if pad is None else int(pad),
-        sampling_defaults=gguf_sampling_defaults(meta.get),
+        **declared,
     )
 
 

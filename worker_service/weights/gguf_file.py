@@ -51,9 +51,14 @@ class GgufWeights:
         tensors = {t.name: t for t in self._reader.tensors}
         freqs = tensors.get(gguf_names.ROPE_FREQS)
         freq_factors = None if freqs is None else _dequantize(freqs)
+        rope_tensors = {
+            name: _dequantize(tensors[name]) for name in gguf_names.ROPE_TENSORS if name in tensors
+        }
         embedding = tensors.get("token_embd.weight")
         vocab_rows = 0 if embedding is None else int(embedding.shape[-1])
-        self.config: ModelConfig = gguf_model_config(self.meta, tensors, vocab_rows, freq_factors)
+        self.config: ModelConfig = gguf_model_config(
+            self.meta, tensors, vocab_rows, freq_factors, rope_tensors=rope_tensors
+        )
 
     def _check_tensors(self) -> None:
         """Refuse a file we cannot load fully before anything is dequantized."""
@@ -69,26 +74,39 @@ class GgufWeights:
         unknown = [
             t.name
             for t in tensors
-            if t.name != gguf_names.ROPE_FREQS and gguf_names.hf_name(t.name) is None
+            if t.name not in gguf_names.ROPE_TENSORS
+            and gguf_names.hf_name(t.name, self._arch) is None
         ]
         if unknown:
             raise UnsupportedModelError(
                 f"{self.path.name}: {len(unknown)} tensors have no Hugging Face counterpart "
-                f"in radixserve's Llama-family model, e.g. {unknown[:3]}"
+                f"in radixserve's {self._arch!r} model, e.g. {unknown[:3]}"
             )
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         permuted = self._arch in gguf_names.PERMUTED_ARCHITECTURES
         cfg = self.config
         for tensor in self._reader.tensors:
-            if tensor.name == gguf_names.ROPE_FREQS:
-                continue  # folded into config.rope.freq_factors
-            name = gguf_names.hf_name(tensor.name)
+            if tensor.name in gguf_names.ROPE_TENSORS:
+                continue  # folded into config.rope
+            name = gguf_names.hf_name(tensor.name, self._arch)
             assert name is not None  # _check_tensors refused the others
             array = _dequantize(tensor)
+            if gguf_names.is_shifted_norm(tensor.name, self._arch):
+                array = array - np.float32(1.0)
             heads = gguf_names.rotary_heads(tensor.name, cfg.num_heads, cfg.num_kv_heads)
             if permuted and heads is not None:
                 array = gguf_names.unpermute_rotary_rows(array, heads)
+            experts = cfg.moe.num_experts if cfg.moe is not None else 0
+            if split := gguf_names.per_expert_names(tensor.name, experts):
+                if array.shape[0] != len(split):
+                    raise UnsupportedModelError(
+                        f"{tensor.name} stacks {array.shape[0]} experts, the metadata says "
+                        f"{len(split)}"
+                    )
+                for expert_name, rows in zip(split, array, strict=True):
+                    yield expert_name, _to_torch(rows).to(dtype)
+                continue
             yield name, _to_torch(array).to(dtype)
 
     def tokenizer_files(self) -> dict[str, bytes]:

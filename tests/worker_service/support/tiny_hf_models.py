@@ -136,6 +136,34 @@ FAMILY_ARCHITECTURES = {
         "Phi3ForCausalLM",
         dict(COMMON, partial_rotary_factor=0.5, tie_word_embeddings=True),
     ),
+    # Gemma as a GGUF file can say it (weights/gguf_families.py): the query
+    # scale head_dim's (the file has no query_pre_attn_scalar; llama.cpp takes
+    # head_dim below 27B), and Gemma 3's layout llama.cpp's: every 6th layer
+    # global, the sliding layers' RoPE base 10000.
+    "gemma2-gguf": (
+        Gemma2Config,
+        "Gemma2ForCausalLM",
+        dict(
+            GEMMA,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "gemma3-gguf": (
+        Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        dict(
+            GEMMA,
+            num_hidden_layers=6,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+            },
+        ),
+    ),
 }
 
 

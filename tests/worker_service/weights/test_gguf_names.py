@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.worker_service.weights.support.gguf_build import llama_cpp_permute
-from worker_service.weights.gguf_names import hf_name, unpermute_rotary_rows
+from worker_service.weights.gguf_names import hf_name, per_expert_names, unpermute_rotary_rows
 
 HEADS, HEAD_DIM, HIDDEN, POSITIONS = 3, 8, 16, 5
 
@@ -79,9 +79,36 @@ def test_rows_must_split_into_heads() -> None:
         ("blk.3.ffn_norm.weight", "model.layers.3.post_attention_layernorm.weight"),
         ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
         ("rope_freqs.weight", None),
-        ("blk.0.ffn_gate_exps.weight", None),
+        ("blk.0.ffn_gate_shexp.weight", None),  # shared experts: not read
         ("blk.x.attn_q.weight", None),
     ],
 )
 def test_names(gguf: str, hf: str | None) -> None:
     assert hf_name(gguf) == hf
+
+
+@pytest.mark.parametrize(
+    ("arch", "gguf", "hf"),
+    [
+        ("gemma2", "blk.3.ffn_norm.weight", "model.layers.3.pre_feedforward_layernorm.weight"),
+        (
+            "gemma3",
+            "blk.3.post_ffw_norm.weight",
+            "model.layers.3.post_feedforward_layernorm.weight",
+        ),
+        ("phi3", "blk.1.attn_qkv.weight", "model.layers.1.self_attn.qkv_proj.weight"),
+        ("phi3", "blk.1.ffn_up.weight", "model.layers.1.mlp.gate_up_proj.weight"),
+        ("llama", "blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight"),
+        ("qwen3moe", "blk.2.ffn_gate_inp.weight", "model.layers.2.mlp.gate.weight"),
+    ],
+)
+def test_names_per_architecture(arch: str, gguf: str, hf: str) -> None:
+    assert hf_name(gguf, arch) == hf
+
+
+def test_stacked_experts_split_into_the_checkpoints_per_expert_names() -> None:
+    assert per_expert_names("blk.2.ffn_down_exps.weight", 2) == [
+        "model.layers.2.mlp.experts.0.down_proj.weight",
+        "model.layers.2.mlp.experts.1.down_proj.weight",
+    ]
+    assert per_expert_names("blk.2.ffn_down.weight", 2) is None

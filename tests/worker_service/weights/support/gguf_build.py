@@ -7,6 +7,7 @@ against llama.cpp's conventions rather than against our own inverse.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -146,3 +147,164 @@ def write_tensors_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, QType | 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+FAMILY_GGUF_ARCH = {
+    "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+}
+
+
+def write_family_gguf(
+    path: Path,
+    hf_config,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    extra: dict[str, float | bool] | None = None,
+) -> None:
+    """A Gemma 2, Gemma 3 or Phi-3 checkpoint written as convert_hf_to_gguf.py
+    writes it (Gemma2Model, Gemma3Model, Phi3MiniModel): their metadata keys,
+    Gemma's norms stored as 1 + w and its LM head dropped (tied), Phi-3's
+    fused tensors under gguf-py's names and its longrope factors as tensors.
+    No Q/K permutation: llama.cpp runs these with the neox RoPE kernel.
+    ``extra``: more metadata keys (float32 or bool)."""
+    arch = FAMILY_GGUF_ARCH[hf_config.architectures[0]]
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    cfg = hf_config
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tensors = {name: t.float().numpy() for name, t in state_dict.items()}
+    rope = cfg.rope_parameters
+    if arch_name == "gemma2":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    elif arch_name == "gemma3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        full = rope.get("full_attention", rope)
+        writer.add_rope_freq_base(full["rope_theta"])
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    else:
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = cfg.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / original
+            attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(attn)
+            writer.add_tensor(
+                "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
+            )
+            writer.add_tensor(
+                "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
+            )
+    add_extra(writer, extra)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    gemma = arch_name.startswith("gemma")
+    for hf_name, array in tensors.items():
+        if hf_name == "lm_head.weight" and (gemma or cfg.tie_word_embeddings):
+            continue
+        if gemma and hf_name.endswith("norm.weight"):
+            array = array + 1
+        base, suffix = hf_name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_moe_gguf(
+    path: Path,
+    hf_config,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    extra: dict[str, float | bool] | None = None,
+) -> None:
+    """A Qwen3-MoE or Mixtral checkpoint written as convert_hf_to_gguf.py
+    writes it: Qwen3-MoE as ``qwen3moe``, Mixtral as ``llama`` (Q/K rows
+    permuted) with ``expert_count``; the router as ``ffn_gate_inp`` and each
+    layer's experts stacked per part (``ffn_{gate,up,down}_exps``, dim 0 the
+    experts, each expert in HF's [out, in]). ``extra``: more metadata keys
+    (float32 or bool)."""
+    qwen = hf_config.architectures[0] == "Qwen3MoeForCausalLM"
+    arch = gguf.MODEL_ARCH.QWEN3MOE if qwen else gguf.MODEL_ARCH.LLAMA
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    cfg = hf_config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_expert_count(cfg.num_experts if qwen else cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if qwen:
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_extra(writer, extra)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+
+    def block(tensor: gguf.MODEL_TENSOR, layer: str) -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
+
+    for hf_name, tensor in state_dict.items():
+        array = tensor.float().numpy()
+        parts = hf_name.split(".")
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if parts[-2:] == ["experts", "gate_up_proj"]:
+            gate, up = np.split(array, 2, axis=1)
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_GATE_EXP, parts[2]), gate.copy())
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_UP_EXP, parts[2]), up.copy())
+            continue
+        if parts[-2:] == ["experts", "down_proj"]:
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_DOWN_EXP, parts[2]), array)
+            continue
+        if parts[-3:] == ["mlp", "gate", "weight"]:
+            writer.add_tensor(block(gguf.MODEL_TENSOR.FFN_GATE_INP, parts[2]), array)
+            continue
+        if not qwen and "q_proj" in hf_name:
+            array = llama_cpp_permute(array, heads)
+        elif not qwen and "k_proj" in hf_name:
+            array = llama_cpp_permute(array, kv_heads)
+        base, suffix = hf_name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_extra(writer: gguf.GGUFWriter, extra: dict[str, float | bool] | None) -> None:
+    for key, value in (extra or {}).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_float32(key, value)
