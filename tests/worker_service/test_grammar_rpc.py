@@ -164,7 +164,9 @@ def test_the_compile_processes_die_with_the_worker(tmp_path):
         proc.proc.kill()  # SIGKILL: no cleanup runs in the worker
         proc.proc.wait()
         # Dead is gone or a zombie: reparented away from the worker, nobody may reap them.
-        deadline = time.monotonic() + 2.0
+        # Lifelines poll every 0.5 s (common/lifeline.py); a loaded machine
+        # can delay a poll by seconds.
+        deadline = time.monotonic() + 10.0
         while any(state(p) not in (None, "Z") for p in processes) and time.monotonic() < deadline:
             time.sleep(0.05)
         left = {p: state(p) for p in processes if state(p) not in (None, "Z")}
