@@ -6,8 +6,8 @@ holds exactly this. ``python scripts/families_table.py`` prints it,
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from scripts.readme_block import README, write_block
 from worker_service.models.family import ModelFamily
 from worker_service.models.registry import FAMILIES
 
@@ -46,14 +46,8 @@ START = "<!-- families table:"
 END = "<!-- end of the families table -->"
 
 
-def write(readme: Path) -> None:
-    text = readme.read_text()
-    start = text.index("\n", text.index(START)) + 1
-    readme.write_text(text[:start] + table() + text[text.index(END) :])
-
-
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        write(Path(__file__).resolve().parent.parent / "README.md")
+        write_block(README, start=START, end=END, body=table())
     else:
         print(table(), end="")

@@ -5,11 +5,11 @@ README holds exactly this): ``python scripts/settings_table.py`` prints it,
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from common.settings import markdown_rows
 from scheduler_service.config import ENV_PREFIX as SCHEDULER_ENV
 from scheduler_service.config import ServiceConfig
+from scripts.readme_block import README, write_block
 from worker_service.config import ENV_PREFIX as WORKER_ENV
 from worker_service.config import WorkerConfig
 
@@ -32,14 +32,8 @@ START = "<!-- settings table:"
 END = "<!-- end of the settings table -->"
 
 
-def write(readme: Path) -> None:
-    text = readme.read_text()
-    start = text.index("\n", text.index(START)) + 1
-    readme.write_text(text[:start] + table() + text[text.index(END) :])
-
-
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        write(Path(__file__).resolve().parent.parent / "README.md")
+        write_block(README, start=START, end=END, body=table())
     else:
         print(table(), end="")
