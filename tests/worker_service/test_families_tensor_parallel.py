@@ -11,12 +11,7 @@ import torch
 
 from tests.support.hf_reference import hf_greedy_check
 from tests.worker_service.support.tiny_hf_models import VOCAB, tiny_model
-from tests.worker_service.support.worker_process import (
-    PlanStream,
-    free_port,
-    greedy_over_grpc,
-    worker_processes,
-)
+from tests.worker_service.support.worker_process import greedy_on_two_gloo_ranks
 
 # Starts worker processes (tests/support/process_guard.py); transformers reference.
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -30,18 +25,6 @@ def test_two_gloo_ranks_match_hf(name, tmp_path):
     g = torch.Generator().manual_seed(3)
     # Longer than every window, and short.
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (50, 4, 41)]
-    # One KV pool: greedy_over_grpc's plans carry no sliding pages (two pools
-    # on two ranks: test_swa_grpc.py).
-    common = (
-        *("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1"),
-        "--no-swa-memory",
-    )
-    tp = ("--tp-size", "2", "--dist-addr", f"127.0.0.1:{free_port()}")
-    ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]
-    with worker_processes(tmp_path, *ranks) as addresses:
-        streams = [PlanStream(a) for a in addresses]
-        outputs = greedy_over_grpc(streams, prompts, STEPS, 16)
-        for s in streams:
-            s.close()
+    outputs = greedy_on_two_gloo_ranks(tmp_path, prompts, STEPS)
     for prompt, tokens in zip(prompts, outputs, strict=True):
         assert tokens == hf_greedy_check(hf, prompt, tokens)[0]

@@ -10,12 +10,7 @@ import pytest
 
 from tests.support.hf_reference import hf_greedy
 from tests.worker_service.support.tiny_moe_models import tiny_moe_model
-from tests.worker_service.support.worker_process import (
-    PlanStream,
-    free_port,
-    greedy_over_grpc,
-    worker_processes,
-)
+from tests.worker_service.support.worker_process import greedy_on_two_gloo_ranks
 
 # Starts worker processes (tests/support/process_guard.py); transformers references.
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -27,18 +22,6 @@ STEPS = 32
 def test_two_gloo_ranks_match_hf(arch, tmp_path):
     hf = tiny_moe_model(arch, tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12], [250, 3], list(range(40, 90))]
-    # One KV pool: greedy_over_grpc's plans carry no sliding pages (two pools
-    # on two ranks: test_swa_grpc.py).
-    common = (
-        *("--model", str(tmp_path), "--page-size", "16", "--num-pages", "64", "--threads", "1"),
-        "--no-swa-memory",
-    )
-    tp = ("--tp-size", "2", "--dist-addr", f"127.0.0.1:{free_port()}")
-    ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]
-    with worker_processes(tmp_path, *ranks) as addresses:
-        streams = [PlanStream(a) for a in addresses]
-        two_ranks = greedy_over_grpc(streams, prompts, STEPS, 16)
-        for s in streams:
-            s.close()
+    two_ranks = greedy_on_two_gloo_ranks(tmp_path, prompts, STEPS)
     for prompt, out in zip(prompts, two_ranks, strict=True):
         assert out == hf_greedy(hf, prompt, STEPS)[0]

@@ -169,3 +169,24 @@ def greedy_over_grpc(
                 plan.decode_new_pages.append(0)
             kv[slot] += 1
     return outputs
+
+
+def greedy_on_two_gloo_ranks(
+    tmp_path: Path, prompts: list[list[int]], steps: int, *, page_size: int = 16
+) -> list[list[int]]:
+    """The model in ``tmp_path`` on two tensor-parallel worker processes
+    (gloo), one KV pool (greedy_over_grpc's plans carry no sliding pages; two
+    pools on two ranks: test_swa_grpc.py): each prompt's greedy tokens."""
+    common = (
+        *("--model", str(tmp_path), "--page-size", str(page_size), "--num-pages", "64"),
+        *("--threads", "1", "--no-swa-memory"),
+    )
+    tp = ("--tp-size", "2", "--dist-addr", f"127.0.0.1:{free_port()}")
+    ranks = [(*common, *tp, "--tp-rank", str(r)) for r in (0, 1)]
+    with worker_processes(tmp_path, *ranks) as addresses:
+        streams = [PlanStream(a) for a in addresses]
+        try:
+            return greedy_over_grpc(streams, prompts, steps, page_size)
+        finally:
+            for s in streams:
+                s.close()
