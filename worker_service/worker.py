@@ -48,7 +48,7 @@ from worker_service.sampling.grammar import (
     simulated_tokenizer_info,
 )
 from worker_service.sampling.sampler import Sampler
-from worker_service.weights import ModelSource, open_model
+from worker_service.weights import ModelSource, fp8_checkpoint, open_model
 from worker_service.weights.pooling_config import (
     PoolingConfig,
     classifier_pooling,
@@ -174,7 +174,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
-        model.load_weights(source.tensors(dtype))
+        model.load_weights(fp8_checkpoint.placed(source.tensors(dtype), device=device, dtype=dtype))
     # Counted before oneDNN packing, which re-lays the same weights out.
     weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
     if device.type == "cpu" and cfg.onednn_linears:
