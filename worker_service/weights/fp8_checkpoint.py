@@ -68,19 +68,19 @@ def _with_scales(name: str, weight: torch.Tensor, scheme: Fp8Scheme, where: dict
     scale = where[scale_name].get_tensor(scale_name).float()
     out, inp = weight.shape
     if scheme.weights == "tensor":
-        ok, expected = scale.numel() == 1, "one value"
-        scale = scale.reshape(())
+        ok, expected, shape = scale.numel() == 1, "one value", ()
     elif scheme.weights == "channel":
-        ok, expected = scale.numel() == out and scale.dim() <= 2, f"({out}, 1)"
-        scale = scale.reshape(out, 1)
+        ok = scale.numel() == out and scale.dim() <= 2
+        expected, shape = f"({out}, 1)", (out, 1)
     else:
         blocks = (-(-out // BLOCK), -(-inp // BLOCK))
-        ok, expected = tuple(scale.shape) == blocks, str(blocks)
+        ok, expected, shape = tuple(scale.shape) == blocks, str(blocks), blocks
     if not ok:
         raise UnsupportedModelError(
             f"{scale_name} has shape {tuple(scale.shape)}; {scheme.method} "
             f"{scheme.weights}-scaled weights of shape {tuple(weight.shape)} need {expected}"
         )
+    scale = scale.reshape(shape)
     input_scale = None
     if scheme.activations == "static":
         input_name = base + ".input_scale"

@@ -137,5 +137,3 @@ def _float8(method: str, part: str, args: dict[str, Any]) -> None:
         )
     if args.get("symmetric") is False:
         raise refuse(f"{method} asymmetric {part} are not supported")
-    if args.get("group_size") or args.get("block_structure"):
-        raise refuse(f"{method} {part} groups or blocks are not supported")

@@ -53,7 +53,11 @@ class Fp8Form:
 
 def compressed_tensors(strategy: str, *, static: bool) -> dict[str, Any]:
     acts = {"num_bits": 8, "type": "float", "symmetric": True}
-    acts |= {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
+    acts |= (
+        {"strategy": "tensor", "dynamic": False}
+        if static
+        else {"strategy": "token", "dynamic": True}
+    )
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -97,9 +101,7 @@ FORMS = {
         {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
         "weight_scale",
     ),
-    "ct-channel": Fp8Form(
-        "channel", compressed_tensors("channel", static=False), "weight_scale"
-    ),
+    "ct-channel": Fp8Form("channel", compressed_tensors("channel", static=False), "weight_scale"),
     "ct-tensor-static": Fp8Form(
         "tensor", compressed_tensors("tensor", static=True), "weight_scale", True
     ),
