@@ -266,5 +266,5 @@ def test_static_parts_fuse_under_their_largest_input_scale():
 
 
 def test_block_parts_that_are_not_whole_blocks_of_rows_are_refused_when_fused():
-    with pytest.raises(UnsupportedModelError, match="64 rows .* not a multiple of 128"):
+    with pytest.raises(UnsupportedModelError, match=r"64 rows .* not a multiple of 128"):
         fp8("block", 64).concat_rows([fp8("block", 128)])
