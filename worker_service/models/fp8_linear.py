@@ -127,13 +127,22 @@ class Fp8Tensor:
         dequantized float32 matrix."""
         if self.device is None or not gemm_supported(self.device):
             return DenseMatrix(self.dequantize())
-        dev = self.device
+        out, inp = self.shape
+        # cuBLAS's scaled matmul takes K and N in multiples of 16, blockwise K in 128s.
+        if out % 16 or inp % (BLOCK if self.granularity == "block" else 16):
+            logger.warning("FP8 weight dequantized: no FP8 GEMM for its shape", name=self.name)
+            return DenseMatrix(self.dequantize())
+        return self.fp8_matrix(self.device)
+
+    def fp8_matrix(self, device: torch.device) -> Fp8Matrix:
+        """This weight as an FP8 GEMM's operand on ``device`` (the CPU's
+        ``_scaled_mm`` runs the per-tensor and rowwise forms too: tests)."""
         return Fp8Matrix(
-            weight=self.weight.to(dev).contiguous(),
-            scale=self.scale.to(dev).contiguous(),
+            weight=self.weight.to(device).contiguous(),
+            scale=self.scale.float().to(device).contiguous(),
             granularity=self.granularity,
             activations=self.activations,
-            input_scale=None if self.input_scale is None else self.input_scale.to(dev),
+            input_scale=None if self.input_scale is None else self.input_scale.to(device),
             activation_ub=self.activation_ub,
         )
 
@@ -241,10 +250,12 @@ class Fp8Matrix:
             xq, xs = quantize_per_token(x, ub=self.activation_ub)
         if self.granularity == "tensor" and xs.dim() == 0:
             return torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
-        # Rowwise: (rows, 1) activation scales x (1, out) weight scales; bf16 out.
+        # Rowwise: (rows, 1) activation scales x (1, out) weight scales; cuBLAS
+        # writes it in bf16 only (the CPU's takes any).
         scale_a = xs.reshape(-1, 1).expand(rows, 1).contiguous()
         scale_b = self.scale.reshape(1, -1).expand(1, self.out_features).contiguous()
-        out = torch._scaled_mm(xq, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        out = torch._scaled_mm(xq, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         return out.to(x.dtype)
 
 
