@@ -3,9 +3,8 @@ transformers model (float32), each decoder projection quantized to E4M3 with
 its scales (per tensor, per output channel, or per 128x128 block), saved as
 safetensors beside a config.json carrying the scheme's quantization_config.
 
-The quantization here is written from the formats' definitions, apart from
-worker_service's code: scale = amax / 448 over the scale's group, weight =
-fp8 * scale. ``dequantized_reference`` is transformers' float model holding
+The quantization is support/fp8_quant.py's (the formats' definitions,
+apart from worker_service's code). ``dequantized_reference`` is transformers' float model holding
 exactly those dequantized weights.
 """
 
@@ -21,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
 
-FP8 = torch.float8_e4m3fn
+from tests.worker_service.support.fp8_quant import dequantize, quantize
+
 VOCAB = 256
 # Dims over several 128-blocks, with non-square block grids (gate/up 3x2,
 # down 2x3), so a transposed block scale is a wrong shape or wrong values.
@@ -106,33 +106,6 @@ FORMS = {
         "tensor", compressed_tensors("tensor", static=True), "weight_scale", True
     ),
 }
-
-
-def quantize(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, float32 scale) with weight ~= fp8 * scale."""
-    w = w.float()
-    out, inp = w.shape
-    if granularity == "tensor":
-        scale = w.abs().max() / 448.0
-        return (w / scale).to(FP8), scale.reshape(())
-    if granularity == "channel":
-        scale = w.abs().amax(dim=1, keepdim=True) / 448.0
-        return (w / scale).to(FP8), scale
-    rows, cols = -(-out // 128), -(-inp // 128)
-    padded = torch.zeros(rows * 128, cols * 128)
-    padded[:out, :inp] = w
-    blocks = padded.view(rows, 128, cols, 128)
-    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
-    q = (blocks / scale[:, None, :, None]).view(rows * 128, cols * 128)[:out, :inp]
-    return q.to(FP8), scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
-    if granularity != "block":
-        return q.float() * scale
-    out, inp = q.shape
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :inp]
-    return q.float() * full
 
 
 def hf_model(arch: str, seed_name: str, **overrides: Any) -> PreTrainedModel:

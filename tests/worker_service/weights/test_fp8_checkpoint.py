@@ -14,10 +14,10 @@ import torch
 from tests.worker_service.support.fp8_checkpoints import (
     FORMS,
     compressed_tensors,
-    quantize,
     rewrite,
     write_fp8_checkpoint,
 )
+from tests.worker_service.support.fp8_quant import quantize
 from worker_service.models.config import UnsupportedModelError
 from worker_service.models.fp8_linear import Fp8Tensor
 from worker_service.models.quantized import QuantizedTensor, fuse_rows
