@@ -70,7 +70,7 @@ class Fp8Tensor:
         if self.granularity == "channel":
             scale = scale[lo:hi]
         elif self.granularity == "block":
-            _aligned(self.name, "output rows", lo, hi, self.weight.shape[0])
+            _aligned(self.name, "output rows", lo, hi, full=self.weight.shape[0])
             scale = scale[lo // BLOCK : -(-hi // BLOCK)]
         return replace(self, weight=self.weight[lo:hi], scale=scale)
 
@@ -78,7 +78,7 @@ class Fp8Tensor:
         """Input features [lo, hi)."""
         scale = self.scale
         if self.granularity == "block":
-            _aligned(self.name, "input columns", lo, hi, self.weight.shape[1])
+            _aligned(self.name, "input columns", lo, hi, full=self.weight.shape[1])
             scale = scale[:, lo // BLOCK : -(-hi // BLOCK)]
         return replace(self, weight=self.weight[:, lo:hi], scale=scale)
 
@@ -157,7 +157,7 @@ def _input_scale(t: Fp8Tensor) -> torch.Tensor:
     return t.input_scale.float().reshape(())
 
 
-def _aligned(name: str, what: str, lo: int, hi: int, full: int) -> None:
+def _aligned(name: str, what: str, lo: int, hi: int, *, full: int) -> None:
     if lo % BLOCK or (hi % BLOCK and hi != full):
         raise _refuse(
             f"{name}: tensor parallelism cuts its {what} at [{lo}, {hi}), which splits a "
