@@ -6,6 +6,7 @@ their scales (each cut dequantizes to the same cut of the whole)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,11 @@ from tests.worker_service.support.fp8_checkpoints import (
     write_fp8_checkpoint,
 )
 from tests.worker_service.support.fp8_quant import quantize
+from worker_service.device.distributed import TensorParallel
+from worker_service.models import fp8_linear
 from worker_service.models.config import UnsupportedModelError
-from worker_service.models.fp8_linear import Fp8Tensor
+from worker_service.models.fp8_linear import Fp8Matrix, Fp8Tensor
+from worker_service.models.layers import FusedColumnLinear, RowLinear
 from worker_service.models.quantized import QuantizedTensor, fuse_rows
 from worker_service.weights import open_model
 from worker_service.weights.fp8_checkpoint import placed
@@ -268,3 +272,51 @@ def test_static_parts_fuse_under_their_largest_input_scale():
 def test_block_parts_that_are_not_whole_blocks_of_rows_are_refused_when_fused():
     with pytest.raises(UnsupportedModelError, match=r"64 rows .* not a multiple of 128"):
         fp8("block", 64).concat_rows([fp8("block", 128)])
+
+
+def column_and_row_layers(rank: int) -> tuple[FusedColumnLinear, RowLinear]:
+    tp = TensorParallel(rank=rank, size=2)
+    on = {"bias": False, "tp": tp, "dtype": torch.float32, "device": torch.device("cpu")}
+    parts = {"q_proj": 256, "k_proj": 256, "v_proj": 512}
+    return FusedColumnLinear(256, parts, **on), RowLinear(512, 256, **on)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_holds_its_cut_of_the_weights_and_scales(granularity, rank, monkeypatch):
+    """The layers' load (models/layers.py) with FP8 parts where FP8 GEMMs
+    run (the device gate opened on the CPU): each rank's matrix is its rows
+    (q, k, v parts each cut) or columns of the dequantized whole."""
+    monkeypatch.setattr(fp8_linear, "gemm_supported", lambda device: True)
+    column, row = column_and_row_layers(rank)
+    whole = {
+        name: fp8(granularity, n, 256)
+        for name, n in {"q_proj": 256, "k_proj": 256, "v_proj": 512}.items()
+    }
+    for name, t in whole.items():
+        column.load(name, "weight", replace(t, device=torch.device("cpu")))
+    down = fp8(granularity, 256, 512)
+    row.load("weight", replace(down, device=torch.device("cpu")))
+    assert isinstance(column.quantized, Fp8Matrix) and isinstance(row.quantized, Fp8Matrix)
+    want = torch.cat(
+        [
+            t.dequantize()[rank * n // 2 : (rank + 1) * n // 2]
+            for t, n in ((t, t.shape[0]) for t in whole.values())
+        ]
+    )
+    assert torch.equal(column.quantized.dequantize(), want)
+    assert torch.equal(
+        row.quantized.dequantize(), down.dequantize()[:, rank * 256 : (rank + 1) * 256]
+    )
+
+
+def test_a_tensor_parallel_cut_inside_a_block_is_refused_by_the_layer(monkeypatch):
+    monkeypatch.setattr(fp8_linear, "gemm_supported", lambda device: True)
+    tp = TensorParallel(rank=1, size=2)
+    layer = FusedColumnLinear(
+        256, {"k_proj": 128}, bias=False, tp=tp, dtype=torch.float32, device=torch.device("cpu")
+    )
+    with pytest.raises(
+        UnsupportedModelError, match=r"w: tensor parallelism cuts its output rows at \[64, 128\)"
+    ):
+        layer.load("k_proj", "weight", fp8("block", 128, 256))
