@@ -1,8 +1,10 @@
-"""FP8 checkpoints on 2 gloo ranks (dequantized on the CPU after each rank's
-cut) give transformers' greedy tokens on the dequantized float model: the
-per-channel scales cut with their rows (column-parallel q/k/v, gate/up) and
-kept whole for the row-parallel o/down; the 128x128 block scales cut at block
-boundaries on both sides (a shape whose shards are whole blocks)."""
+"""FP8 checkpoints (per channel; 128x128 blocks in a shape whose shards
+are whole blocks) served on 2 gloo ranks give transformers' greedy tokens on
+the dequantized float model. On the CPU each rank dequantizes the whole
+tensor at load and then takes its float shard (fp8_checkpoint.placed), so
+this checks FP8 checkpoints under tensor parallelism end to end, not the
+scale cuts: each rank's cut of FP8 weights and scales, as on CUDA, is
+weights/test_fp8_checkpoint.py's."""
 
 from __future__ import annotations
 
