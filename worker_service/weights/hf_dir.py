@@ -42,8 +42,10 @@ class HfDirectory:
                 "and *.safetensors (for a GGUF model, pass the .gguf file itself)"
             )
         raw = _read_json(config_file)
-        # The FP8 formats are read here (weights/fp8_scheme.py); any other
-        # quantization_config stays in the config for its family to refuse.
+        # Read for every family here (weights/fp8_scheme.py): the FP8 forms
+        # pass, any other quantization_config is refused by name. Families
+        # do not all check their fields (the Llama family's reader reads what
+        # it needs), and one that did not would load the weights unscaled.
         self.fp8 = read_scheme(raw.get("quantization_config"))
         if self.fp8 is not None:
             raw = {k: v for k, v in raw.items() if k != "quantization_config"}
