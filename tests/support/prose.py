@@ -37,7 +37,7 @@ def prose_text(max_chars: int | None = None) -> str:
     return text if max_chars is None else text[:max_chars]
 
 
-def _chunk_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def sequence_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Float32 logits (len(ids), vocab) of one sequence prefilled whole."""
     cfg = model.config
     n = len(ids)
@@ -95,7 +95,7 @@ def mean_nll(
         part = list(ids[start : start + chunk])
         if bos is not None:
             part[0] = bos
-        logits = _chunk_logits(model, part)
+        logits = sequence_logits(model, part)
         # llama-perplexity: logits at j in [first, chunk - 1) score token j + 1.
         logprobs = torch.log_softmax(logits[first : chunk - 1], dim=-1)
         targets = torch.tensor(part[first + 1 : chunk], dtype=torch.int64, device=logprobs.device)
