@@ -5,7 +5,9 @@ generation through a real worker."""
 
 from __future__ import annotations
 
-import gc
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -13,13 +15,11 @@ from tests.support.hf_reference import chat_ids
 from tests.support.prose import mean_nll, prose_text, sequence_logits
 from tests.worker_service.support.plan_driver import DriverRequest, PlanDriver
 from tests.worker_service.support.quantized_models import (
-    default_source,
     default_tokenizer,
     load_default,
     needs_kernel,
 )
 from worker_service.config import WorkerConfig
-from worker_service.models.quantized import quantized_bytes
 from worker_service.worker import build_worker
 
 # Out of make test-fast: the default model.
@@ -39,36 +39,30 @@ def test_nll_of_prose_within_half_a_percent_of_the_float_path() -> None:
     assert 1.0 < floats < 4.0  # English prose to a 135M model: ~2.6 nats
 
 
-def _rss_anon() -> int:
-    """This process's resident anonymous memory (the file's mapped pages are
-    page cache the kernel can drop, not the model's memory)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
+def _load_rss(kind: str) -> dict[str, int]:
+    """A fresh process's memory growth loading the default model (load_rss.py):
+    in this one, memory freed by earlier tests would be reused."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.worker_service.support.load_rss", kind],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.server
 def test_resident_memory_is_the_quantized_size() -> None:
-    default_source()  # the metadata (~160 MiB, its token list) is no weight
-    gc.collect()
-    before = _rss_anon()
-    model = load_default(quantized=True)
-    grown = _rss_anon() - before
-    blocks = quantized_bytes(model)
+    quantized = _load_rss("quantized")
+    grown, blocks = quantized["grown"], quantized["blocks"]
+    floats = _load_rss("float")["grown"]
     print(f"RSS growth quantized {grown / MiB:.0f} MiB (blocks {blocks / MiB:.0f} MiB)")
+    print(f"RSS growth float {floats / MiB:.0f} MiB")
     # The blocks (92 MiB), the norms (~0.1 MiB) and allocator slack (measured:
-    # 94 MiB in all); the float path grows by ~620 MiB. The file's pages the
-    # load read are page cache (RssFile), not counted.
+    # 96 MiB in all); the float path grows by ~620 MiB.
     assert 80 * MiB < blocks < 100 * MiB
     assert grown < blocks + 24 * MiB
-    del model
-    gc.collect()
-    before = _rss_anon()
-    model = load_default(quantized=False)
-    floats = _rss_anon() - before
-    del model
-    print(f"RSS growth float {floats / MiB:.0f} MiB")
     assert floats > 4 * grown
 
 
