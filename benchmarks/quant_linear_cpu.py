@@ -78,7 +78,10 @@ def per_shape(rows_list: list[int], repeats: int) -> list[dict]:
             x = torch.randn(rows, k)
             reps = max(5, repeats // max(1, rows // 16)) if n < 10000 else max(5, repeats // 10)
             quant, flt = interleaved(
-                [lambda: quant_linear.matmul(x, w), lambda: cpu_linear.linear(x, packed, None)],
+                [
+                    lambda x=x, w=w: quant_linear.matmul(x, w),
+                    lambda x=x, packed=packed: cpu_linear.linear(x, packed, None),
+                ],
                 reps,
             )
             results.append(
@@ -102,7 +105,7 @@ def per_shape(rows_list: list[int], repeats: int) -> list[dict]:
 def model_pass(repeats: int) -> dict:
     weights = []
     for layer in range(LAYERS):
-        for name, (qtype, n, k, count) in SHAPES.items():
+        for qtype, n, k, count in SHAPES.values():
             for c in range(count):
                 weights.append(quantized_matrix(qtype, n, k, seed=1000 * layer + 10 * c + n))
     qtype, n, k, _ = SHAPES["lm_head 576->49152"]

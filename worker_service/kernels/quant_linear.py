@@ -4,9 +4,10 @@ Q8_0, Q4_K, Q5_K and Q6_K.
 
 A ``QuantWeight`` holds the matrix in GGUF's blocks, the same bytes, with
 the 32-weight types' rows interleaved by groups of 8 (``pack`` rearranges
-them once: one vector load then feeds 8 output features). ``matmul`` quantizes the activations to int8 per block and
-multiplies in integers; ``dequantize`` and ``dequantize_rows`` are
-gguf.quants' dequantization bit for bit (the float path and embedding
+them once: one vector load then feeds 8 output features). ``matmul``
+quantizes the activations to int8 per block and multiplies in integers;
+``dequantize`` and ``dequantize_rows`` are gguf.quants' dequantization bit
+for bit (the float path and embedding
 lookups). The library is built on first use (kernels/c_build.py); where it
 cannot be, ``available()`` is False and the caller dequantizes at load.
 """
