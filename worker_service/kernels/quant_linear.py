@@ -7,9 +7,9 @@ the 32-weight types' rows interleaved by groups of 8 (``pack`` rearranges
 them once: one vector load then feeds 8 output features). ``matmul``
 quantizes the activations to int8 per block and multiplies in integers;
 ``dequantize`` and ``dequantize_rows`` are gguf.quants' dequantization bit
-for bit (the float path and embedding
-lookups). The library is built on first use (kernels/c_build.py); where it
-cannot be, ``available()`` is False and the caller dequantizes at load.
+for bit (the float path and embedding lookups). The library is built on
+first use (kernels/c_build.py); where it cannot be, ``available()`` is False
+and the caller dequantizes at load.
 """
 
 from __future__ import annotations
