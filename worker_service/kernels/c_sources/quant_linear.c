@@ -14,13 +14,14 @@
  * for Q4_1, - dmin * d_x * sum_j(m_j * sum_j(x)) for Q4_K/Q5_K, -32 * sum(x)
  * per 16 for Q6_K.
  *
- * Weights stay in GGUF's byte layout (rows of blocks, one row per output
- * feature), read unaligned. Tasks are chunks of CHUNK output features over
- * all rows; OpenMP threads (torch's pool, see c_build.py) take them
- * dynamically, so a core lost to another process slows the call instead of
- * stalling it. Within a task, rows go ROW_TILE at a time: each weight block is
- * unpacked once per tile and met by every row of the tile, and the chunk's
- * blocks stay in L1 across tiles.
+ * Weights are GGUF's bytes, the 32-weight types' rows interleaved by groups of
+ * 8 (ql_pack, once; "layout" below says how and why), the K-quants as in GGUF,
+ * read unaligned. Tasks are runs of whole groups of output features over all
+ * rows, about 16 a thread; OpenMP threads (torch's pool, see c_build.py) take
+ * them dynamically, so a core lost to another process slows the call instead
+ * of stalling it. Within a task, rows go ROW_TILE at a time: each weight chunk
+ * is unpacked once per tile and met by every row of the tile, and the task's
+ * blocks stay in L1/L2 across tiles.
  *
  * Built with -ffp-contract=off: ql_dequantize_rows is gguf.quants'
  * dequantizers' float32 arithmetic bit for bit (no fused multiply-adds). */
@@ -368,52 +369,48 @@ AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, 
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *g = g0 + b * GROUP * bytes;
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        /* chunk by chunk, each unpacked chunk meeting every row: few live
+         * registers (two accumulators a row), no spills */
+        __m256i s0[ROW_TILE], s1[ROW_TILE];
+        const int8_t *x[ROW_TILE];
+        for (int r = 0; r < R; r++) {
+            s0[r] = s1[r] = _mm256_setzero_si256();
+            x[r] = a->q + (r0 + r) * a->k + b * 32;
+        }
         if (type == Q8_0) {
             const uint8_t *codes = g + 16;
-            __m256i wq[8], u[8];
-            for (int c = 0; c < 8; c++) {
-                wq[c] = LOAD(codes + 32 * c);
-                u[c] = _mm256_sign_epi8(wq[c], wq[c]);
-            }
-            for (int r = 0; r < R; r++) {
-                const int64_t row = r0 + r;
-                const int8_t *x = a->q + row * a->k + b * 32;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c += 2) {
-                    s0 = dot_us(s0, u[c], _mm256_sign_epi8(bcast4(x + 4 * c), wq[c]));
-                    s1 = dot_us(s1, u[c + 1], _mm256_sign_epi8(bcast4(x + 4 * c + 4), wq[c + 1]));
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+                const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
+                    s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
                 }
-                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
-                acc[r] = fmadd(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), dd, acc[r]);
             }
         } else {
             const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
-            __m256i lo[4], hi[4];
             for (int c = 0; c < 4; c++) {
                 const __m256i q = LOAD(codes + 32 * c);
-                lo[c] = _mm256_and_si256(q, low);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-            }
-            const __m256 mw = type == Q4_1
-                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
-                : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const int64_t row = r0 + r;
-                const int8_t *x = a->q + row * a->k + b * 32;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    s0 = dot_us(s0, lo[c], bcast4(x + 4 * c));
-                    s1 = dot_us(s1, hi[c], bcast4(x + 16 + 4 * c));
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
+                    s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
                 }
-                __m256i isum = _mm256_add_epi32(s0, s1);
-                if (type == Q4_0) { /* codes - 8, in integers */
-                    const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
-                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
-                }
-                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
-                acc[r] = fmadd(_mm256_cvtepi32_ps(isum), dd, acc[r]);
-                if (type == Q4_1) accm[r] = fmadd(mw, _mm256_set1_ps(a->xs[row * a->nb + b]), accm[r]);
             }
+        }
+        const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                       : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int64_t row = r0 + r;
+            __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+            if (type == Q4_0) { /* codes - 8, in integers */
+                const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
+            }
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
+            acc[r] = fmadd(_mm256_cvtepi32_ps(isum), dd, acc[r]);
+            if (type == Q4_1) accm[r] = fmadd(mw, _mm256_set1_ps(a->xs[row * a->nb + b]), accm[r]);
         }
     }
     for (int r = 0; r < R; r++) res[r] = _mm256_add_ps(acc[r], accm[r]);
