@@ -6,7 +6,8 @@
  * (blocks of 32 for the 32-weight types, of 256 for the K-quants, with int
  * sums per 16 for the weight types' offsets and mins). A weight block then
  * meets an activation block as integer dot products (unsigned weight codes
- * times signed activations: vpdpbusd with AVX-512 VNNI, maddubs + madd with
+ * times signed activations; signed codes as |w| times x with w's sign:
+ * vpdpbusd with AVX-512 VNNI, maddubs + madd with
  * AVX2, plain loops otherwise; the compiler's macros pick, so one source
  * builds on any x86 or other CPU), times the sub-block scales in integers,
  * and one float multiply by the two block scales. Offsets and mins go through
