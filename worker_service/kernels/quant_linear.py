@@ -2,13 +2,14 @@
 (c_sources/quant_linear.c, whose header says how it computes): Q4_0, Q4_1,
 Q8_0, Q4_K, Q5_K and Q6_K.
 
-A ``QuantWeight`` holds the matrix in GGUF's own byte layout, one row of
-blocks per output feature (the kernel reads it as it is: ``pack`` only checks
-and keeps it). ``matmul`` quantizes the activations to int8 per block and
-multiplies in integers; ``dequantize`` and ``dequantize_rows`` are
-gguf.quants' dequantization bit for bit (the float path and embedding
-lookups). The library is built on first use (kernels/c_build.py); where it
-cannot be, ``available()`` is False and the caller dequantizes at load.
+A ``QuantWeight`` holds the matrix in GGUF's blocks, the same bytes, with
+the 32-weight types' rows interleaved by groups of 8 (``pack`` rearranges
+them once: one vector load then feeds 8 output features). ``matmul``
+quantizes the activations to int8 per block and multiplies in integers;
+``dequantize`` and ``dequantize_rows`` are gguf.quants' dequantization bit
+for bit (the float path and embedding lookups). The library is built on
+first use (kernels/c_build.py); where it cannot be, ``available()`` is False
+and the caller dequantizes at load.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class QuantWeight:
     qtype: str
     out_features: int
     in_features: int
-    data: torch.Tensor  # uint8 (out_features, row_bytes): GGUF's blocks
+    data: torch.Tensor  # uint8 (out_features, row_bytes): GGUF's blocks, rows interleaved
 
     @property
     def nbytes(self) -> int:
@@ -82,22 +83,20 @@ def row_bytes(qtype: str, in_features: int) -> int:
 def pack(
     qtype: str, blocks: torch.Tensor | np.ndarray, out_features: int, in_features: int
 ) -> QuantWeight:
-    """The kernel's copy of a matrix given as GGUF blocks, uint8 (out_features,
-    row_bytes) (any shape of that many bytes)."""
+    """The kernel's copy (same size, rows interleaved by groups: see the C
+    source) of a matrix given as GGUF blocks, uint8 (out_features, row_bytes)
+    (any shape of that many bytes; a read-only memory map is fine: it is read
+    once)."""
     size = row_bytes(qtype, in_features)
     if isinstance(blocks, np.ndarray):
-        array = np.ascontiguousarray(blocks)
-        if not array.flags.writeable:  # a read-only memory map: own the bytes
-            array = array.copy()
-        blocks = torch.from_numpy(array)
+        blocks = torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).copy())
     if blocks.dtype != torch.uint8:
         raise ValueError(f"{qtype} blocks must be uint8, not {blocks.dtype}")
     if blocks.numel() != out_features * size:
         raise ValueError(
             f"{blocks.numel()} bytes are not {out_features} rows of {size} ({qtype}, {in_features})"
         )
-    data = blocks.detach().to("cpu").contiguous().reshape(out_features, size)
-    return QuantWeight(qtype, out_features, in_features, data)
+    return _require().pack(qtype, blocks, out_features, in_features)
 
 
 class QuantLinearLibrary:
@@ -110,12 +109,26 @@ class QuantLinearLibrary:
         lib.ql_isa.argtypes = []
         lib.ql_matmul.restype = _INT
         lib.ql_matmul.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT]
+        lib.ql_pack.restype = _INT
+        lib.ql_pack.argtypes = [_INT, _P, _P, _I64, _I64]
         lib.ql_dequantize_rows.restype = _INT
         lib.ql_dequantize_rows.argtypes = [_INT, _P, _I64, _I64, _P, _I64, _P, _INT]
         self._lib = lib
         self.library = library
         # 2: AVX-512 VNNI (or AVX-VNNI), 1: AVX2, 0: portable C
         self.isa: int = lib.ql_isa()
+
+    def pack(
+        self, qtype: str, blocks: torch.Tensor, out_features: int, in_features: int
+    ) -> QuantWeight:
+        src = blocks.detach().to("cpu").contiguous()
+        data = torch.empty((out_features, row_bytes(qtype, in_features)), dtype=torch.uint8)
+        code = self._lib.ql_pack(
+            _TYPES[qtype][0], src.data_ptr(), data.data_ptr(), out_features, in_features
+        )
+        if code:
+            raise ValueError(f"ql_pack: {_ERRORS.get(code, code)}")
+        return QuantWeight(qtype, out_features, in_features, data)
 
     def matmul(
         self,

@@ -6,7 +6,8 @@
  * (blocks of 32 for the 32-weight types, of 256 for the K-quants, with int
  * sums per 16 for the weight types' offsets and mins). A weight block then
  * meets an activation block as integer dot products (unsigned weight codes
- * times signed activations: vpdpbusd with AVX-512 VNNI, maddubs + madd with
+ * times signed activations; signed codes as |w| times x with w's sign:
+ * vpdpbusd with AVX-512 VNNI, maddubs + madd with
  * AVX2, plain loops otherwise; the compiler's macros pick, so one source
  * builds on any x86 or other CPU), times the sub-block scales in integers,
  * and one float multiply by the two block scales. Offsets and mins go through
@@ -14,13 +15,14 @@
  * for Q4_1, - dmin * d_x * sum_j(m_j * sum_j(x)) for Q4_K/Q5_K, -32 * sum(x)
  * per 16 for Q6_K.
  *
- * Weights stay in GGUF's byte layout (rows of blocks, one row per output
- * feature), read unaligned. Tasks are chunks of CHUNK output features over
- * all rows; OpenMP threads (torch's pool, see c_build.py) take them
- * dynamically, so a core lost to another process slows the call instead of
- * stalling it. Within a task, rows go ROW_TILE at a time: each weight block is
- * unpacked once per tile and met by every row of the tile, and the chunk's
- * blocks stay in L1 across tiles.
+ * Weights are GGUF's bytes, the 32-weight types' rows interleaved by groups of
+ * 8 (ql_pack, once; "layout" below says how and why), the K-quants as in GGUF,
+ * read unaligned. Tasks are runs of whole groups of output features over all
+ * rows, about 16 a thread; OpenMP threads (torch's pool, see c_build.py) take
+ * them dynamically, so a core lost to another process slows the call instead
+ * of stalling it. Within a task, rows go ROW_TILE at a time: each weight chunk
+ * is unpacked once per tile and met by every row of the tile, and the task's
+ * blocks stay in L1/L2 across tiles.
  *
  * Built with -ffp-contract=off: ql_dequantize_rows is gguf.quants'
  * dequantizers' float32 arithmetic bit for bit (no fused multiply-adds). */
@@ -41,7 +43,7 @@
 #endif
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
-enum { CHUNK = 8, ROW_TILE = 4 };
+enum { ROW_TILE = 4 };
 #define AI static inline __attribute__((always_inline))
 
 static const int BLOCK[6] = {32, 32, 32, 256, 256, 256};
@@ -95,6 +97,56 @@ AI void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
         *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
         *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+/* ---- layout --------------------------------------------------------------
+ * The 32-weight types keep GGUF's bytes but interleave them by groups of GROUP
+ * output features (pack, once): block b of a group is the GROUP rows' float16
+ * scales (d[GROUP], then Q4_1's m[GROUP]), then their codes in chunks of 4
+ * bytes: chunk c holds bytes 4c..4c+3 of each row's codes, rows in order. One
+ * 32-byte load is then 4 codes (Q8_0) or 4 + 4 (low and high nibbles: weights
+ * 4c.. and 16 + 4c..) of each of 8 rows, and one broadcast of 4 activation
+ * bytes meets all 8 rows (a row's sum lands in its own lane: no horizontal
+ * sums, no cancellation across lanes). Rows past the last whole group, and
+ * the K-quants, stay as in GGUF. Same size as GGUF's blocks. */
+
+enum { GROUP = 8 };
+
+AI int64_t grouped_rows(int type, int64_t n) { return BLOCK[type] == 32 ? n - n % GROUP : 0; }
+
+/* GGUF's bytes of block b of row o (in place, or gathered into tmp). */
+static const uint8_t *block_of(int type, const uint8_t *w, int64_t n, int64_t nb, int64_t o,
+                               int64_t b, uint8_t *tmp) {
+    const int bytes = BYTES[type];
+    const int64_t row_bytes = nb * bytes;
+    if (o >= grouped_rows(type, n)) return w + o * row_bytes + b * bytes;
+    const uint8_t *g = w + (o / GROUP) * GROUP * row_bytes + b * GROUP * bytes;
+    const int lane = (int)(o % GROUP), scales = type == Q4_1 ? 2 : 1;
+    const int chunks = (bytes - 2 * scales) / 4;
+    for (int s = 0; s < scales; s++) memcpy(tmp + 2 * s, g + 2 * GROUP * s + 2 * lane, 2);
+    const uint8_t *codes = g + 2 * GROUP * scales;
+    for (int c = 0; c < chunks; c++) memcpy(tmp + 2 * scales + 4 * c, codes + 4 * GROUP * c + 4 * lane, 4);
+    return tmp;
+}
+
+/* dst = src (n, k) in GGUF's blocks, rearranged as block_of reads it. */
+int ql_pack(int type, const uint8_t *src, uint8_t *dst, int64_t n, int64_t k) {
+    if (type < 0 || type > Q6_K || k % BLOCK[type] != 0) return -1;
+    const int bytes = BYTES[type];
+    const int64_t nb = k / BLOCK[type], row_bytes = nb * bytes, grouped = grouped_rows(type, n);
+    memcpy(dst + grouped * row_bytes, src + grouped * row_bytes, (size_t)((n - grouped) * row_bytes));
+    const int scales = type == Q4_1 ? 2 : 1, chunks = (bytes - 2 * scales) / 4;
+    for (int64_t o = 0; o < grouped; o++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + o * row_bytes + b * bytes;
+            uint8_t *g = dst + (o / GROUP) * GROUP * row_bytes + b * GROUP * bytes;
+            const int lane = (int)(o % GROUP);
+            for (int s = 0; s < scales; s++) memcpy(g + 2 * GROUP * s + 2 * lane, blk + 2 * s, 2);
+            uint8_t *codes = g + 2 * GROUP * scales;
+            for (int c = 0; c < chunks; c++)
+                memcpy(codes + 4 * GROUP * c + 4 * lane, blk + 2 * scales + 4 * c, 4);
+        }
+    return 0;
 }
 
 /* ---- activations ---------------------------------------------------------- */
@@ -301,6 +353,70 @@ AI void dot_k(const int type, const int R, const uint8_t *w, const acts *a, int6
     for (int r = 0; r < R; r++) res[r] = accm[r];
 }
 
+AI __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One group of GROUP output features (interleaved, see "layout") against R
+ * activation rows: res[r][0..7]. */
+AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, int64_t r0,
+                 __m256 *res) {
+    const int bytes = BYTES[type];
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_TILE], accm[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *g = g0 + b * GROUP * bytes;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        /* chunk by chunk, each unpacked chunk meeting every row: few live
+         * registers (two accumulators a row), no spills */
+        __m256i s0[ROW_TILE], s1[ROW_TILE];
+        const int8_t *x[ROW_TILE];
+        for (int r = 0; r < R; r++) {
+            s0[r] = s1[r] = _mm256_setzero_si256();
+            x[r] = a->q + (r0 + r) * a->k + b * 32;
+        }
+        if (type == Q8_0) {
+            const uint8_t *codes = g + 16;
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+                const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
+                    s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
+                }
+            }
+        } else {
+            const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
+            for (int c = 0; c < 4; c++) {
+                const __m256i q = LOAD(codes + 32 * c);
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
+                    s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
+                }
+            }
+        }
+        const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                       : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int64_t row = r0 + r;
+            __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+            if (type == Q4_0) { /* codes - 8, in integers */
+                const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
+            }
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
+            acc[r] = fmadd(_mm256_cvtepi32_ps(isum), dd, acc[r]);
+            if (type == Q4_1) accm[r] = fmadd(mw, _mm256_set1_ps(a->xs[row * a->nb + b]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = _mm256_add_ps(acc[r], accm[r]);
+}
+
 #else /* portable */
 
 /* The block's signed weight codes (offsets applied) and per-16 integer
@@ -367,15 +483,16 @@ static void unpack_block(int type, const uint8_t *blk, int16_t *q, int *sc16, in
     }
 }
 
-AI void dot_any(const int type, const int R, const uint8_t *w, const acts *a, int64_t r0,
-                float *res) {
-    const int block = BLOCK[type], bytes = BYTES[type];
+AI void dot_any(const int type, const int R, const uint8_t *w, int64_t n, int64_t o,
+                const acts *a, int64_t r0, float *res) {
+    const int block = BLOCK[type];
+    uint8_t tmp[34];
     int16_t q[256];
     int sc16[16], mins[8];
     float acc[ROW_TILE] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
         float dw, dm;
-        unpack_block(type, w + b * bytes, q, sc16, mins, &dw, &dm);
+        unpack_block(type, block_of(type, w, n, a->nb, o, b, tmp), q, sc16, mins, &dw, &dm);
         for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
             const int8_t *x = a->q + row * a->k + b * block;
@@ -401,9 +518,20 @@ AI void dot_any(const int type, const int R, const uint8_t *w, const acts *a, in
 #endif
 
 /* Rows [r0, r0 + R) against output features [o0, o1). */
-AI void tile(const int type, const int R, const uint8_t *w, int64_t row_bytes, const acts *a,
-             int64_t r0, int64_t o0, int64_t o1, const float *bias, float *y, int64_t ys) {
-    for (int64_t o = o0; o < o1; o++) {
+AI void tile(const int type, const int R, const uint8_t *w, int64_t n, const acts *a, int64_t r0,
+             int64_t o0, int64_t o1, const float *bias, float *y, int64_t ys) {
+    int64_t o = o0;
+#if defined(QL_AVX2)
+    const int64_t row_bytes = a->nb * BYTES[type];
+    const int64_t grouped = grouped_rows(type, n);
+    for (; o + GROUP <= o1 && o + GROUP <= grouped; o += GROUP) {
+        __m256 res[ROW_TILE];
+        group_32(type, R, w + o * row_bytes, a, r0, res);
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + o) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * ys + o, _mm256_add_ps(res[r], bv));
+    }
+#endif
+    for (; o < o1; o++) {
         float res[ROW_TILE];
 #if defined(QL_AVX2)
         if (BLOCK[type] == 32)
@@ -411,7 +539,7 @@ AI void tile(const int type, const int R, const uint8_t *w, int64_t row_bytes, c
         else
             dot_k(type, R, w + o * row_bytes, a, r0, res);
 #else
-        dot_any(type, R, w + o * row_bytes, a, r0, res);
+        dot_any(type, R, w, n, o, a, r0, res);
 #endif
         const float bo = bias ? bias[o] : 0.0f;
         for (int r = 0; r < R; r++) y[(r0 + r) * ys + o] = res[r] + bo;
@@ -420,16 +548,20 @@ AI void tile(const int type, const int R, const uint8_t *w, int64_t row_bytes, c
 
 AI void run_type(const int type, const uint8_t *w, int64_t n, const acts *a, int64_t rows,
                  const float *bias, float *y, int64_t ys, int threads) {
-    const int64_t row_bytes = a->nb * BYTES[type], tasks = (n + CHUNK - 1) / CHUNK;
+    /* about 16 tasks a thread (whole groups), so that a thread slowed by another
+     * process leaves its share to the others without a scheduling cost per group */
+    const int64_t groups = (n + GROUP - 1) / GROUP, per_thread = 16 * (threads > 1 ? threads : 1);
+    const int64_t chunk = GROUP * (groups > per_thread ? groups / per_thread : 1);
+    const int64_t tasks = (n + chunk - 1) / chunk;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t o0 = t * CHUNK, o1 = o0 + CHUNK < n ? o0 + CHUNK : n;
+        const int64_t o0 = t * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
         for (int64_t r = 0; r < rows; r += ROW_TILE) {
             switch (rows - r < ROW_TILE ? rows - r : ROW_TILE) {
-                case 1: tile(type, 1, w, row_bytes, a, r, o0, o1, bias, y, ys); break;
-                case 2: tile(type, 2, w, row_bytes, a, r, o0, o1, bias, y, ys); break;
-                case 3: tile(type, 3, w, row_bytes, a, r, o0, o1, bias, y, ys); break;
-                default: tile(type, 4, w, row_bytes, a, r, o0, o1, bias, y, ys);
+                case 1: tile(type, 1, w, n, a, r, o0, o1, bias, y, ys); break;
+                case 2: tile(type, 2, w, n, a, r, o0, o1, bias, y, ys); break;
+                case 3: tile(type, 3, w, n, a, r, o0, o1, bias, y, ys); break;
+                default: tile(type, 4, w, n, a, r, o0, o1, bias, y, ys);
             }
         }
     }
@@ -544,12 +676,13 @@ int ql_dequantize_rows(int type, const uint8_t *w, int64_t n, int64_t k, const i
     if (ids)
         for (int64_t i = 0; i < count; i++)
             if (ids[i] < 0 || ids[i] >= n) return -3;
-    const int64_t nb = k / BLOCK[type], row_bytes = nb * BYTES[type];
+    const int64_t nb = k / BLOCK[type];
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count * k >= 65536)
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;
+        uint8_t tmp[34];
         for (int64_t b = 0; b < nb; b++)
-            dequantize_block(type, row + b * BYTES[type], out + i * k + b * BLOCK[type]);
+            dequantize_block(type, block_of(type, w, n, nb, ids ? ids[i] : i, b, tmp),
+                             out + i * k + b * BLOCK[type]);
     }
     return 0;
 }
