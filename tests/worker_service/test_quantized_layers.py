@@ -20,6 +20,8 @@ import torch
 from tests.worker_service.support.quant_reference import random_blocks
 from tests.worker_service.support.quantized_models import needs_kernel
 from worker_service.device.distributed import TensorParallel
+from worker_service.lora.adapter import ColumnLora, LoraAdapter
+from worker_service.lora.batch import LoraBatch, LoraContext, LoraGroup, LoraSite
 from worker_service.models.config import UnsupportedModelError
 from worker_service.models.layers import FusedColumnLinear, RowLinear, VocabEmbedding
 from worker_service.models.quantized import StackedMatrix, is_placeholder, quantized_bytes
@@ -156,3 +158,40 @@ def test_blocks_cut_and_permuted_as_rows() -> None:
     assert torch.equal(a.concat_rows([b]).dequantize(), dense)
     assert torch.equal(whole.columns(32, 64).dequantize(), dense[:, 32:])
     assert np.shares_memory(whole.rows(2, 5).blocks, whole.blocks)  # a view until matrix()
+
+
+def test_lora_deltas_add_to_a_quantized_base() -> None:
+    """The step's adapter rows get the same delta on the quantized base as on
+    the float one (rows 1..2 only: the base rows stay the base's)."""
+    context = LoraContext()
+    tp = TensorParallel()
+    quantized, floats = (
+        FusedColumnLinear(
+            256,
+            {"gate_proj": 64, "up_proj": 64},
+            bias=False,
+            tp=tp,
+            dtype=torch.float32,
+            device=CPU,
+            lora=LoraSite(context, 0, "gate_up_proj"),
+        )
+        for _ in range(2)
+    )
+    for part, seed in (("gate_proj", 9), ("up_proj", 10)):
+        tensor = blocks(part, "Q4_K", 64, 256, seed)
+        quantized.load(part, "weight", tensor)
+        floats.load(part, "weight", tensor.dequantize())
+    gen = torch.Generator().manual_seed(11)
+    delta = ColumnLora(
+        a=torch.randn(4, 256, generator=gen), b=torch.randn(64, 4, generator=gen), lo=64, hi=128
+    )
+    adapter = LoraAdapter("a", 4, 1.0, ("up_proj",), layers=[{"gate_up_proj": delta}])
+    x = torch.randn(4, 256)
+    base = quantized(x)
+    context.batch = LoraBatch([LoraGroup(adapter, slice(1, 3))])
+    got, want = quantized(x), floats(x)
+    context.batch = None
+    torch.testing.assert_close(got - base, want - floats(x), rtol=1e-4, atol=1e-3)
+    added = (got - base).abs()
+    assert float(added[1:3, 64:].min()) > 0 and float(added[[0, 3]].max()) == 0
+    assert float(added[:, :64].max()) == 0
