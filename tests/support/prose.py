@@ -109,3 +109,29 @@ def mean_nll(
 
 def perplexity(nll: float) -> float:
     return math.exp(nll)
+
+
+def main() -> None:
+    """``python -m tests.support.prose FILE [--chunks N]``: write the text to
+    FILE (for ``llama-perplexity -f FILE -c 512 --chunks N``) and print the
+    default model's mean NLL over the same N chunks, quantized and float."""
+    import argparse
+
+    from tests.worker_service.support.quantized_models import default_tokenizer, load_default
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("file")
+    parser.add_argument("--chunks", type=int, default=6)
+    args = parser.parse_args()
+    text = prose_text()
+    with open(args.file, "w") as out:
+        out.write(text)
+    ids = default_tokenizer()(text)["input_ids"][: args.chunks * CHUNK]
+    for quantized in (True, False):
+        nll = mean_nll(load_default(quantized=quantized), ids)
+        kind = "quantized" if quantized else "float"
+        print(f"{kind}: mean NLL {nll:.5f} perplexity {perplexity(nll):.4f} ({len(ids)} tokens)")
+
+
+if __name__ == "__main__":
+    main()
