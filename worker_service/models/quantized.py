@@ -167,3 +167,18 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A tensor of ``shape`` that holds one element (zero strides): the float
     parameter of a quantized layer, kept for the code that reads its shape."""
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    return tensor.dim() > 0 and all(stride == 0 for stride in tensor.stride())
+
+
+def quantized_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every quantized matrix a model's layers hold (a tied
+    embedding and LM head once)."""
+    matrices = {
+        id(m): m
+        for module in model.modules()
+        if (m := getattr(module, "quantized", None)) is not None
+    }
+    return sum(m.nbytes for m in matrices.values())
