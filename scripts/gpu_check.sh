@@ -13,7 +13,7 @@
 #      per dtype x head dim x decode kernel against torch, CUDA-graph capture and
 #      replay, NCCL (all_reduce, all_gather_into_tensor), pinned non-blocking copies,
 #      set_sync_debug_mode;
-#   2. `pytest -m gpu` (at most 150 s);
+#   2. `pytest -m gpu` (at most 150 s; test_fp8_gemm.py's share expected ~20-30 s, unmeasured);
 #   3. scripts/gpu_decode_bench.py (at most 170 s: the Llama-3.1-8B shape in bf16,
 #      random weights, batches 1/64/256, 1k context, flashinfer then torch, timed with
 #      overlap; measured copy bandwidth, fraction of roofline, busy fraction).
@@ -81,7 +81,7 @@ echo "== pytest -m gpu"
 set +e
 # The files that hold gpu-marked tests (a GPU image may lack what the others import).
 GPU_TESTS=(tests/worker_service/test_flashinfer_backend.py tests/worker_service/test_gpu_worker.py
-  tests/worker_service/test_fused_kernels_gpu.py)
+  tests/worker_service/test_fused_kernels_gpu.py tests/worker_service/test_fp8_gemm.py)
 timeout "${GPU_TESTS_TIMEOUT:-150}" "$PY" -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" \
   --junitxml="$LOGS/pytest_gpu.xml" 2>&1 | tee "$LOGS/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}

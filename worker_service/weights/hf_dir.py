@@ -18,8 +18,11 @@ import torch
 from safetensors import safe_open
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
-from worker_service.models.registry import config_from_hf
+from worker_service.models.fp8_linear import Fp8Tensor
+from worker_service.models.registry import config_from_hf, family_of
 from worker_service.weights.declarations import with_hf_declarations
+from worker_service.weights.fp8_checkpoint import fp8_tensors
+from worker_service.weights.fp8_scheme import FP8_FAMILIES, Fp8Scheme, read_scheme
 from worker_service.weights.tokenizer_files import hf_tokenizer_files
 
 logger = structlog.get_logger(__name__)
@@ -39,16 +42,31 @@ class HfDirectory:
                 "and *.safetensors (for a GGUF model, pass the .gguf file itself)"
             )
         raw = _read_json(config_file)
+        # Read for every family here (weights/fp8_scheme.py): the FP8 forms
+        # pass, any other quantization_config is refused by name. Families
+        # do not all check their fields (the Llama family's reader reads what
+        # it needs), and one that did not would load the weights unscaled.
+        self.fp8 = read_scheme(raw.get("quantization_config"))
+        if self.fp8 is not None:
+            raw = {k: v for k, v in raw.items() if k != "quantization_config"}
         try:
             config = config_from_hf(raw)
         except KeyError as err:
             raise UnsupportedModelError(f"{config_file} lacks the field {err}") from err
+        if self.fp8 is not None:
+            _check_fp8_family(config, self.fp8)
         config = _with_generation_eos(config, directory / "generation_config.json")
         self.config = with_hf_declarations(config, directory)
         self.shards = _shard_files(directory)
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Tensor]]:
+        """Float tensors of ``dtype``; in an FP8 checkpoint, its projections as
+        Fp8Tensor (the layers dequantize them where no FP8 GEMM runs)."""
         tied = self.config.tie_word_embeddings
+        if self.fp8 is not None:
+            skip = {"lm_head.weight"} if tied else set()
+            yield from fp8_tensors(self.shards, self.fp8, dtype, skip=skip)
+            return
         for shard in self.shards:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
@@ -60,6 +78,16 @@ class HfDirectory:
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return hf_tokenizer_files(self.directory)
+
+
+def _check_fp8_family(config: ModelConfig, scheme: Fp8Scheme) -> None:
+    family = family_of(config.architecture).name
+    if family not in FP8_FAMILIES or config.moe is not None:
+        raise UnsupportedModelError(
+            f"{config.architecture}: quantization_config {scheme.method} (FP8 weights) is served "
+            f"for the dense models of the {', '.join(sorted(FP8_FAMILIES))} family only "
+            "(Llama, Mistral, Qwen2, Qwen3)"
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
