@@ -31,6 +31,7 @@ from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_quant import KvScaleReader, kv_storage_dtype
 from worker_service.device.kv_sizing import size_kv_pools
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
@@ -171,10 +172,13 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     kernels = compute_choice.model_kernels
     logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
+    # KV-cache scales are not the model's weights: taken out of the stream (and
+    # used only by an fp8 cache).
+    scale_reader = KvScaleReader()
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
-        model.load_weights(source.tensors(dtype))
+        model.load_weights(scale_reader.filter(source.tensors(dtype)))
     # Counted before oneDNN packing, which re-lays the same weights out.
     weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
     if device.type == "cpu" and cfg.onednn_linears:
@@ -208,7 +212,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         page_size=cfg.page_size,
         num_kv_heads=mcfg.num_kv_heads // tp.size,
         head_dim=mcfg.head_dim,
-        dtype=dtype,
+        dtype=compute_choice.spec.kv_cache_dtype,
         tp=tp,
         device=device,
     )
@@ -221,10 +225,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         page_size=cfg.page_size,
         num_kv_heads=model.num_local_kv_heads,
         head_dim=mcfg.head_dim,
-        dtype=dtype,
+        dtype=compute_choice.spec.kv_cache_dtype,
         device=device,
         swa_layers=pools.swa_layers,
         num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
+        compute_dtype=dtype,
+        scales=scale_reader.scales(mcfg.num_layers) if compute_choice.spec.kv_dtype else None,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
@@ -267,6 +273,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         swa_pages=num_swa_pages,
         swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
+        kv_cache_dtype=dtype_name(kv.dtype),
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
         kernels=model.kernels.name,
@@ -339,6 +346,7 @@ def choose_compute(
         device=device,
         logit_soft_cap=mcfg.attn_logit_softcap,
         softmax_scale=mcfg.attn_scale,
+        kv_dtype=_kv_dtype(cfg.kv_cache_dtype, dtype),
     )
     choice = choose_attention(
         cfg.attention_backend,
@@ -356,6 +364,12 @@ def choose_compute(
     return chosen
 
 
+def _kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The spec's ``kv_dtype``: None where the pages hold the model's dtype."""
+    stored = kv_storage_dtype(kv_cache_dtype, dtype)
+    return None if stored == dtype else stored
+
+
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -366,7 +380,12 @@ def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
     spec = choice.spec
     if choice.attention == "torch":
         kernel = None
-        if spec.device.type == "cpu" and cfg.cpu_decode_kernel:
+        if spec.kv_dtype is not None and spec.device.type == "cpu" and cfg.cpu_decode_kernel:
+            logger.info(
+                "fp8 KV cache: decode attends through the torch gather path "
+                "(the C decode kernel reads float32 pages)"
+            )
+        elif spec.device.type == "cpu" and cfg.cpu_decode_kernel:
             kernel = load_paged_decode(
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
             )
@@ -408,6 +427,7 @@ def _check_flashinfer_modules(choice: ComputeChoice, *, hidden_act: str = "silu"
                 group=spec.num_heads // spec.num_kv_heads,
                 sliding_window=bool(spec.sliding_window),
                 soft_cap=spec.logit_soft_cap is not None,
+                kv_dtype=None if spec.kv_dtype is None else dtype_name(spec.kv_dtype),
             )
     ops = list(model_op_modules(hidden_act)) if choice.model_kernels.name == "flashinfer" else []
     ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()

@@ -20,6 +20,13 @@ kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
 would also need each token's batch index and position on the device).
 
+FP8 KV cache (``spec.kv_dtype`` float8_e4m3fn, --kv-cache-dtype fp8_e4m3):
+planned with ``kv_data_type`` e4m3 and bf16/fp16 queries and output (FA2 and
+the CUDA-core decode kernel convert the pages as they load them), ``store_kv``
+quantizes with the layer's scales, and ``run`` takes the layer's ``k_scale``
+(FlashInfer folds it into sm_scale) and ``v_scale`` (it multiplies the output,
+in place: captured with the kernel in a CUDA graph).
+
 Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``;
 the spec's scale is ``sm_scale`` and its soft cap ``logits_soft_cap`` (FlashInfer
 caps the scaled scores: cap * tanh(scale * q.k / cap), as Gemma 2), both planned
@@ -190,7 +197,7 @@ class FlashInferAttention(AttentionBackend):
             "sm_scale": spec.scale,
             "logits_soft_cap": spec.logit_soft_cap,
             "q_data_type": spec.dtype,
-            "kv_data_type": spec.dtype,
+            "kv_data_type": spec.kv_cache_dtype,
             "non_blocking": True,
         }
         self._prefill_rows = 0  # query rows of this step's extends
@@ -289,15 +296,25 @@ class FlashInferAttention(AttentionBackend):
         if sinks is not None:
             raise ValueError(SINKS_UNSUPPORTED + "; use the torch attention backend")
         cache = kv.layers[layer]
-        if cache.dtype != self.spec.dtype:
-            raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.dtype}")
-        store_kv(cache, self._rows_now, k, v)
+        if cache.dtype != self.spec.kv_cache_dtype:
+            raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.kv_cache_dtype}")
+        scales: dict[str, float] = {}
+        if kv.quantized:
+            # FlashInfer folds k_scale into sm_scale and multiplies the output by v_scale.
+            scales = {"k_scale": kv.scales.k[layer], "v_scale": kv.scales.v[layer]}
+        store_kv(
+            cache,
+            self._rows_now,
+            k,
+            v,
+            scales=(scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)),
+        )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = self._prefill_rows
         if n:
-            self._active_prefill.run(q[:n], cache, out=out[:n])
+            self._active_prefill.run(q[:n], cache, out=out[:n], **scales)
         if self._active_decode is not None:
-            self._active_decode.run(q[n:], cache, out=out[n:])
+            self._active_decode.run(q[n:], cache, out=out[n:], **scales)
         return out
 
     # ---- CUDA graphs for decode ---------------------------------------------------

@@ -9,6 +9,11 @@ head group shares its key head without copying it (queries viewed as
 one per sequence: at batch 64 on a CPU the per-sequence loop cost several
 times the rest of the step.
 
+An fp8 KV cache (kv_quant.py) is written quantized by ``KvCache.write`` and
+read back dequantized (the gather and ``KvCache.read``); the CPU kernel reads
+float32 pages only, so with an fp8 cache every decode row takes the gather
+path (the worker does not load the kernel then, and says so).
+
 With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
 of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
 chunks), attend through it instead, reading the pages in place.
@@ -71,6 +76,8 @@ class TorchAttention(AttentionBackend):
             decode_kernel is not None
             and spec.device.type == "cpu"
             and decode_kernel.supports(spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            # The kernel reads float32 pages; an fp8 cache attends through the gather.
+            and spec.kv_cache_dtype == spec.dtype
         )
         self.decode_kernel = decode_kernel if usable else None
         self._layout: DecodeLayout | None = None
@@ -186,8 +193,8 @@ class TorchAttention(AttentionBackend):
             flat = cache.view(-1, kv_heads, cache.shape[-1])
             both = flat.index_select(0, d.kv_rows).view(2, n, d.width, kv_heads, -1)
             # (n, width, kv_heads, D) -> (n, kv_heads, width, D)
-            keys = both[0].to(q.dtype).transpose(1, 2)
-            values = both[1].to(q.dtype).transpose(1, 2)
+            keys = kv.dequantize(layer, both[0], 0).to(q.dtype).transpose(1, 2)
+            values = kv.dequantize(layer, both[1], 1).to(q.dtype).transpose(1, 2)
             qs = q[d.rows].view(n, kv_heads, groups, -1)
             if manual:
                 heads_sinks = None if sinks is None else sinks.view(kv_heads, groups)
