@@ -96,3 +96,11 @@ def store_kv(
         return
     flat.index_copy_(0, rows[0], k.to(cache.dtype))
     flat.index_copy_(0, rows[1], v.to(cache.dtype))
+
+
+def scale_output(out: torch.Tensor, v_scale: float) -> None:
+    """An fp8 cache's value scale on the attention output, in place (what
+    FlashInfer's wrappers do after the kernel when given ``v_scale``: done here
+    so that a CUDA-graph capture, and the CPU harness's stand-in for one, sees
+    it as an op of ours)."""
+    out.mul_(v_scale)
