@@ -24,10 +24,8 @@ from worker_service.device.kv_cache import KvCache
 from worker_service.device.kv_quant import FP8_E4M3, KvScales, dequantize_fp8, quantize_fp8
 from worker_service.execution.cuda_graphs import DecodeGraphs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, needs_cuda]
 
 HEADS = [(4, 4, 128), (8, 2, 128)]  # group 1: CUDA-core decode; 4: tensor-core decode
 SCALES = KvScales((0.5, 1.75), (2.0, 0.375), "checkpoint")
