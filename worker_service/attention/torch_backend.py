@@ -190,8 +190,11 @@ class TorchAttention(AttentionBackend):
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
             n, kv_heads = len(d.rows), cache.shape[-2]
-            flat = cache.view(-1, kv_heads, cache.shape[-1])
-            both = flat.index_select(0, d.kv_rows).view(2, n, d.width, kv_heads, -1)
+            # An fp8 cache is gathered as bytes (index_select need not take float8).
+            raw = cache.view(torch.uint8) if kv.quantized else cache
+            flat = raw.view(-1, kv_heads, cache.shape[-1])
+            both = flat.index_select(0, d.kv_rows).view(cache.dtype)
+            both = both.view(2, n, d.width, kv_heads, -1)
             # (n, width, kv_heads, D) -> (n, kv_heads, width, D)
             keys = kv.dequantize(layer, both[0], 0).to(q.dtype).transpose(1, 2)
             values = kv.dequantize(layer, both[1], 1).to(q.dtype).transpose(1, 2)

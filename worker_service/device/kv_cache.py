@@ -162,8 +162,11 @@ class KvCache:
         """Store k, v (T, kv_heads, head_dim) of T positions at (pages[i], offsets[i])."""
         cache = self.layers[layer]
         if self.quantized:
-            k = quantize_fp8(k, self.scales.k[layer])
-            v = quantize_fp8(v, self.scales.v[layer])
+            # As bytes: torch's indexing kernels need not take float8 on every device.
+            raw = cache.view(torch.uint8)
+            raw[pages, 0, offsets] = quantize_fp8(k, self.scales.k[layer]).view(torch.uint8)
+            raw[pages, 1, offsets] = quantize_fp8(v, self.scales.v[layer]).view(torch.uint8)
+            return
         cache[pages, 0, offsets] = k.to(cache.dtype)
         cache[pages, 1, offsets] = v.to(cache.dtype)
 
@@ -179,7 +182,11 @@ class KvCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (kv_len, kv_heads, head_dim) of positions [0, kv_len),
         dequantized to ``compute_dtype``."""
-        pages = self.layers[layer][page_table]  # (n, 2, page_size, H, D)
+        cache = self.layers[layer]
+        if self.quantized:
+            pages = cache.view(torch.uint8)[page_table].view(cache.dtype)
+        else:
+            pages = cache[page_table]  # (n, 2, page_size, H, D)
         k = pages[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
         v = pages[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
         return self.dequantize(layer, k, 0), self.dequantize(layer, v, 1)
