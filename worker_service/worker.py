@@ -380,12 +380,7 @@ def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:
     spec = choice.spec
     if choice.attention == "torch":
         kernel = None
-        if spec.kv_dtype is not None and spec.device.type == "cpu" and cfg.cpu_decode_kernel:
-            logger.info(
-                "fp8 KV cache: decode attends through the torch gather path "
-                "(the C decode kernel reads float32 pages)"
-            )
-        elif spec.device.type == "cpu" and cfg.cpu_decode_kernel:
+        if spec.device.type == "cpu" and cfg.cpu_decode_kernel:
             kernel = load_paged_decode(
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, torch.get_num_threads()
             )

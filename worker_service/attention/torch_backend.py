@@ -11,8 +11,8 @@ times the rest of the step.
 
 An fp8 KV cache (kv_quant.py) is written quantized by ``KvCache.write`` and
 read back dequantized (the gather and ``KvCache.read``); the CPU kernel reads
-float32 pages only, so with an fp8 cache every decode row takes the gather
-path (the worker does not load the kernel then, and says so).
+its e4m3 pages in place (a table of the 256 values, the layer's key scale
+folded into the scores' factor, the value scale into the softmax's 1 / sum).
 
 With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
 of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
@@ -76,8 +76,8 @@ class TorchAttention(AttentionBackend):
             decode_kernel is not None
             and spec.device.type == "cpu"
             and decode_kernel.supports(spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-            # The kernel reads float32 pages; an fp8 cache attends through the gather.
-            and spec.kv_cache_dtype == spec.dtype
+            # Pages of the model's dtype, or an fp8 cache's (read through its table).
+            and spec.kv_cache_dtype in (spec.dtype, torch.float8_e4m3fn)
         )
         self.decode_kernel = decode_kernel if usable else None
         self._layout: DecodeLayout | None = None
@@ -186,6 +186,7 @@ class TorchAttention(AttentionBackend):
                 scale=self.spec.scale,
                 soft_cap=cap,
                 sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
+                kv_scales=(kv.scales.k[layer], kv.scales.v[layer]) if kv.quantized else (1.0, 1.0),
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
