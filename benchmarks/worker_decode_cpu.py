@@ -19,10 +19,10 @@ few rows and N times with oneDNN for every step, alternating (the same
 packed weights; models/cpu_linear.SKINNY_MAX_ROWS set to 0 for oneDNN).
 ``--kernels``: the small ops' implementation (auto: C on the CPU; torch).
 
-``--kv-cache-dtype``: the worker's (auto; fp8_e4m3: the fp8 cache, whose
-decode rows attend through torch's gather, not the C kernel). ``--ab-kv-fp8
-N``: each batch size N times on a worker with the float cache (the C decode
-kernel) and N times on one with the fp8 cache, alternating.
+``--kv-cache-dtype``: the worker's (auto; fp8_e4m3: the fp8 cache, which the
+C decode kernel reads through its e4m3 table). ``--ab-kv-fp8 N``: each batch
+size N times on a worker with the float cache and N times on one with the
+fp8 cache, alternating.
 
 ``--temperature T``: every request samples at T (the sampler's draw path)
 instead of greedy decoding.
