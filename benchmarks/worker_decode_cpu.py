@@ -204,19 +204,23 @@ def ab_decode_kernel(worker, args) -> None:
 def ab_kv_fp8(worker, fp8, args) -> None:
     report = []
     for b in args.batch:
-        sides: dict[str, list[float]] = {"float": [], "fp8": []}
+        sides: dict[str, list[dict]] = {"float": [], "fp8": []}
         for _ in range(args.ab_kv_fp8):
             for side, runs in sides.items():
-                runs.append(
-                    measure((worker if side == "float" else fp8).runner, b, args)["ms_per_step"]
-                )
-        f, q = statistics.median(sides["float"]), statistics.median(sides["fp8"])
+                runs.append(measure((worker if side == "float" else fp8).runner, b, args))
+        row: dict = {"batch": b}
+        for unit in ("ms_per_step", "cpu_ms_per_step"):
+            f = statistics.median(r[unit] for r in sides["float"])
+            q = statistics.median(r[unit] for r in sides["fp8"])
+            row[unit] = {"float": round(f, 2), "fp8": round(q, 2), "ratio": round(q / f, 3)}
+        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
         print(
-            f"batch {b}: float KV {f:.1f} ms, fp8 KV {q:.1f} ms per decode step "
-            f"(fp8/float {q / f:.2f}); runs {sides}",
+            f"batch {b}: float KV {w['float']:.1f} ms, fp8 KV {w['fp8']:.1f} ms per decode step "
+            f"(fp8/float {w['ratio']:.2f}); CPU {c['float']:.1f} vs {c['fp8']:.1f} ms "
+            f"({c['ratio']:.2f})",
             flush=True,
         )
-        report.append({"batch": b, "float_ms": round(f, 2), "fp8_ms": round(q, 2)})
+        report.append(row)
     print(json.dumps(report))
 
 

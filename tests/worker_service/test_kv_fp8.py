@@ -247,3 +247,16 @@ def test_scales_read_under_each_checkpoint_naming() -> None:
     assert KvScaleReader().scales(2) == KvScales((1.0, 1.0), (1.0, 1.0), "default")
     with pytest.raises(SystemExit, match="not a positive number"):
         list(KvScaleReader().filter([("layers.0.self_attn.k_scale", torch.tensor(0.0))]))
+
+
+def test_a_sliding_window_worker_gets_both_pools_4x_in_fp8(tmp_path) -> None:
+    """A float32 model's two pools (every layer sliding: the sliding pool takes
+    the budget, the full pool is its bookkeeping at 1 / ratio) from one budget."""
+    tiny_model("mistral-sliding", tmp_path)
+    kw = {"num_pages": None, "kv_memory": "3MiB", "swa_full_tokens_ratio": 0.5}
+    fp8 = worker_for(tmp_path, kv_cache_dtype="fp8_e4m3", **kw)
+    auto = worker_for(tmp_path, **kw)
+    # fp32: 3 MiB / (0.5 x 3 layers x (2 x 16 x 2 kv heads x 16) x 4 bytes) = 512 full pages.
+    assert (auto.num_pages, auto.num_swa_pages) == (512, 256)
+    assert (fp8.num_pages, fp8.num_swa_pages) == (2048, 1024)
+    assert fp8.runner.compute.kv.dtype == FP8_E4M3
