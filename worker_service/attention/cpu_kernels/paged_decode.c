@@ -23,8 +23,8 @@
  * (GPT-OSS: a learned logit per query head that joins the softmax's
  * denominator and contributes no value).
  *
- * An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3) is converted row by row with
- * integer ops (e4m3_to_float); its per-layer key scale comes folded into `scale` (the
+ * An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3) is read through a 256-entry
+ * table of its values; its per-layer key scale comes folded into `scale` (the
  * scores' factor) and its value scale as `v_scale`, applied once per output
  * row with the softmax's 1 / sum.
  *
@@ -58,20 +58,22 @@ static inline uint16_t float_to_bf16(float f) {
 /* dtype codes shared with the Python side */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_E4M3 = 2 };
 
-/* float8_e4m3fn -> float: sign, 4 exponent bits (bias 7), 3 mantissa bits.
- * A normal value's exponent and mantissa bits move up 20 places with the bias
- * raised by 120 (127 - 7); exponent 0 is subnormal, m x 2^-9. Branch-free
- * integer ops, so the row loop vectorizes (a 256-entry table was a gather per
- * element: 1.25x the fp32 cache's step at batch 16). S.1111.111 (NaN) reads
- * as 480: the cache never holds it (writes saturate at 448). */
-static inline float e4m3_to_float(uint8_t b) {
-    const uint32_t em = b & 0x7fu;
-    const uint32_t normal = (em << 20) + (120u << 23);
-    float f;
-    memcpy(&f, &normal, sizeof f);
-    const float sub = (float)em * 0x1p-9f;
-    f = em < 8 ? sub : f;
-    return (b & 0x80u) ? -f : f;
+/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+ * is subnormal, S.1111.111 is NaN, no infinities. */
+static float e4m3_values[256];
+
+static void __attribute__((constructor)) fill_e4m3_values(void) {
+    for (int i = 0; i < 256; i++) {
+        const int e = (i >> 3) & 15, m = i & 7;
+        float v;
+        if (e == 15 && m == 7)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)m, -9);
+        else
+            v = ldexpf((float)(8 + m), e - 10);
+        e4m3_values[i] = (i & 128) ? -v : v;
+    }
 }
 
 /* 16 floats, loaded from any float address (GCC/Clang vector extensions:
@@ -125,8 +127,7 @@ static inline const float *float_row(float *scratch, const void *base, int64_t i
     if (dtype == DT_F32) return (const float *)base + index;
     if (dtype == DT_E4M3) {
         const uint8_t *bytes = (const uint8_t *)base + index;
-#pragma omp simd
-        for (int d = 0; d < dim; d++) scratch[d] = e4m3_to_float(bytes[d]);
+        for (int d = 0; d < dim; d++) scratch[d] = e4m3_values[bytes[d]];
         return scratch;
     }
     const uint16_t *src = (const uint16_t *)base + index;
