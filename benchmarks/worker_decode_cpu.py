@@ -12,11 +12,17 @@ without it (torch's gather and SDPA), alternating, and prints the ratio.
     python benchmarks/worker_decode_cpu.py --batch 16 --temperature 1.0 --profile
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --threads 2 --ab-linear 3
     python benchmarks/worker_decode_cpu.py --batch 1 16 --threads 2 --kernels torch
+    python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-kv-fp8 3
 
 ``--ab-linear N``: each batch size N times with the C linear for steps of
 few rows and N times with oneDNN for every step, alternating (the same
 packed weights; models/cpu_linear.SKINNY_MAX_ROWS set to 0 for oneDNN).
 ``--kernels``: the small ops' implementation (auto: C on the CPU; torch).
+
+``--kv-cache-dtype``: the worker's (auto; fp8_e4m3: the fp8 cache, which the
+C decode kernel reads through its e4m3 table). ``--ab-kv-fp8 N``: each batch
+size N times on a worker with the float cache and N times on one with the
+fp8 cache, alternating.
 
 ``--temperature T``: every request samples at T (the sampler's draw path)
 instead of greedy decoding.
@@ -31,6 +37,7 @@ from the radix cache. The rest of each prompt is its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -128,19 +135,25 @@ def main() -> None:
     )
     p.add_argument("--ab-linear", type=int, default=0, metavar="ROUNDS")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "cpu"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
+    p.add_argument("--ab-kv-fp8", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args()
     # Every request of the largest batch holds its whole context at once (the
     # default pool is too small for batch 32 x 1024 tokens).
     per_request = -(-(args.context + args.steps + 1) // args.page_size) + 1
-    worker = build_worker(
-        WorkerConfig(
-            model="default",
-            threads=args.threads,
-            page_size=args.page_size,
-            kernels=args.kernels,
-            num_pages=max(args.batch) * per_request + 64,
-        )
+    config = WorkerConfig(
+        model="default",
+        threads=args.threads,
+        page_size=args.page_size,
+        kernels=args.kernels,
+        num_pages=max(args.batch) * per_request + 64,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+    worker = build_worker(config)
+    if args.ab_kv_fp8:
+        fp8 = build_worker(dataclasses.replace(config, kv_cache_dtype="fp8_e4m3"))
+        ab_kv_fp8(worker, fp8, args)
+        return
     if args.ab_decode_kernel:
         ab_decode_kernel(worker, args)
         return
@@ -181,6 +194,29 @@ def ab_decode_kernel(worker, args) -> None:
         print(
             f"batch {b}: kernel {w['kernel']:.1f} ms, torch {w['torch']:.1f} ms per decode step "
             f"(kernel/torch {w['ratio']:.2f}); CPU {c['kernel']:.1f} vs {c['torch']:.1f} ms "
+            f"({c['ratio']:.2f})",
+            flush=True,
+        )
+        report.append(row)
+    print(json.dumps(report))
+
+
+def ab_kv_fp8(worker, fp8, args) -> None:
+    report = []
+    for b in args.batch:
+        sides: dict[str, list[dict]] = {"float": [], "fp8": []}
+        for _ in range(args.ab_kv_fp8):
+            for side, runs in sides.items():
+                runs.append(measure((worker if side == "float" else fp8).runner, b, args))
+        row: dict = {"batch": b}
+        for unit in ("ms_per_step", "cpu_ms_per_step"):
+            f = statistics.median(r[unit] for r in sides["float"])
+            q = statistics.median(r[unit] for r in sides["fp8"])
+            row[unit] = {"float": round(f, 2), "fp8": round(q, 2), "ratio": round(q / f, 3)}
+        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
+        print(
+            f"batch {b}: float KV {w['float']:.1f} ms, fp8 KV {w['fp8']:.1f} ms per decode step "
+            f"(fp8/float {w['ratio']:.2f}); CPU {c['float']:.1f} vs {c['fp8']:.1f} ms "
             f"({c['ratio']:.2f})",
             flush=True,
         )

@@ -26,7 +26,8 @@
 # module in ~1.2; reruns reuse the build cache in $FI_BUNDLE_WORK; docs/benchmarks.md
 # estimates the bundle at ~61.5 MiB of the 64 a device run carries). Knobs: FI_HEAD_DIMS ("64 128 256"), FI_DTYPES ("bfloat16 float16"),
 # FI_SOFTCAP_DTYPES ("bfloat16"), FI_SOFTCAP_HEAD_DIMS ("256"; "none": no soft-capped
-# modules, 4.8 MiB less), FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
+# modules, 4.8 MiB less), FI_FP8KV_DTYPES (""; "bfloat16": the fp8-KV-cache modules, about
+# 4.7 MiB a head dim, past the 64 MiB next to the default set), FI_FP8KV_HEAD_DIMS ("128"), FI_CUDA_ARCH, FI_PREFILL_BACKENDS ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on
 # Hopper, about 40 min per module on 2 cores), CUDA_HOME (nvcc 12.8+), FI_BUNDLE_PYTHON.
 # The defaults are worker_service/attention/flashinfer_modules.py's.
 set -euo pipefail
@@ -55,6 +56,8 @@ export FI_HEAD_DIMS=${FI_HEAD_DIMS:-}
 export FI_DTYPES=${FI_DTYPES:-}
 export FI_SOFTCAP_DTYPES=${FI_SOFTCAP_DTYPES:-}
 export FI_SOFTCAP_HEAD_DIMS=${FI_SOFTCAP_HEAD_DIMS:-}
+export FI_FP8KV_DTYPES=${FI_FP8KV_DTYPES:-}
+export FI_FP8KV_HEAD_DIMS=${FI_FP8KV_HEAD_DIMS:-}
 export FI_PREFILL_BACKENDS=${FI_PREFILL_BACKENDS:-"fa2"}
 export FLASHINFER_CUDA_ARCH_LIST=${FI_CUDA_ARCH:-9.0a}
 

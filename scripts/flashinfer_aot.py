@@ -10,7 +10,8 @@ Used by scripts/build_flashinfer_bundle.sh and docker/Dockerfile.cuda. Knobs (en
 FI_DTYPES ("bfloat16 float16"), FI_HEAD_DIMS ("64 128 256"), FI_PREFILL_BACKENDS
 ("fa2"; add fa3 for prefill_backend="auto"/"fa3" on Hopper), the soft-capped
 modules' FI_SOFTCAP_DTYPES ("bfloat16") and FI_SOFTCAP_HEAD_DIMS ("256"; "none"
-for none), FLASHINFER_CUDA_ARCH_LIST.
+for none), the fp8-KV-cache modules' FI_FP8KV_DTYPES ("": none; "bfloat16")
+and FI_FP8KV_HEAD_DIMS ("128"), FLASHINFER_CUDA_ARCH_LIST.
 
 Usage: python scripts/flashinfer_aot.py OUT
 """
@@ -34,6 +35,8 @@ from flashinfer.jit.sampling import gen_sampling_module
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from worker_service.attention.flashinfer_modules import (
     DEFAULT_DTYPES,
+    DEFAULT_FP8KV_DTYPES,
+    DEFAULT_FP8KV_HEAD_DIMS,
     DEFAULT_HEAD_DIMS,
     DEFAULT_SOFTCAP_DTYPES,
     DEFAULT_SOFTCAP_HEAD_DIMS,
@@ -65,20 +68,26 @@ def attention_modules() -> list[AttentionModule]:
     cap_dims: tuple[int, ...] = DEFAULT_SOFTCAP_HEAD_DIMS
     if cap_dims_env:
         cap_dims = () if cap_dims_env == ["none"] else tuple(int(d) for d in cap_dims_env)
+    fp8_dtypes = os.environ.get("FI_FP8KV_DTYPES", "").split() or DEFAULT_FP8KV_DTYPES
+    fp8_dims_env = os.environ.get("FI_FP8KV_HEAD_DIMS", "").split()
+    fp8_dims = tuple(int(d) for d in fp8_dims_env) or DEFAULT_FP8KV_HEAD_DIMS
     return build_list(
         dtypes,
         head_dims,
         os.environ.get("FI_PREFILL_BACKENDS", "fa2").split(),
         soft_cap_dtypes=cap_dtypes,
         soft_cap_head_dims=cap_dims,
+        fp8_kv_dtypes=fp8_dtypes,
+        fp8_kv_head_dims=fp8_dims,
     )
 
 
 def attention_spec(module: AttentionModule) -> object:
     """FlashInfer's JitSpec for ``module``, the one its wrappers' plan() looks up."""
     dt = getattr(torch, module.dtype)
+    kv = getattr(torch, module.kv_dtype or module.dtype)
     hd = module.head_dim
-    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
+    a = (dt, kv, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
     if module.kind == "decode":
         spec = m.gen_batch_decode_module(*a)
     elif module.backend == "fa2":

@@ -68,6 +68,13 @@ class WorkerConfig:
         "GPU memory after the weights)",
     )
     num_pages: int | None = setting(None, "KV pages to allocate (overrides --kv-memory)")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "what the KV pages hold (auto: the model's dtype; fp8_e4m3: float8 e4m3 with "
+        "per-layer k/v scales from the checkpoint, else 1.0: 1 byte an element, so "
+        "--kv-memory holds 2x the bf16 pages)",
+        choices=("auto", "fp8_e4m3"),  # device/kv_quant.py's KV_CACHE_DTYPES
+    )
     swa_full_tokens_ratio: float = setting(
         0.8,
         "a model with sliding-window layers: their pool's tokens per token of the full "

@@ -31,6 +31,7 @@ from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_quant import KvScaleReader, kv_storage_dtype
 from worker_service.device.kv_sizing import size_kv_pools
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
@@ -186,11 +187,15 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         quantized=quantized,
     )
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
+    # KV-cache scales are not the model's weights: taken out of the stream (and
+    # used only by an fp8 cache).
+    scale_reader = KvScaleReader()
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
         tensors = source.tensors(dtype, keep_quantized=quantized)
-        model.load_weights(fp8_checkpoint.placed(tensors, device=device, dtype=dtype))
+        placed = fp8_checkpoint.placed(tensors, device=device, dtype=dtype)
+        model.load_weights(scale_reader.filter(placed))
     # Counted before oneDNN packing, which re-lays the same weights out; a
     # quantized layer's float parameter is a placeholder (its storage counts).
     weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
@@ -226,7 +231,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         page_size=cfg.page_size,
         num_kv_heads=mcfg.num_kv_heads // tp.size,
         head_dim=mcfg.head_dim,
-        dtype=dtype,
+        dtype=compute_choice.spec.kv_cache_dtype,
         tp=tp,
         device=device,
     )
@@ -239,10 +244,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         page_size=cfg.page_size,
         num_kv_heads=model.num_local_kv_heads,
         head_dim=mcfg.head_dim,
-        dtype=dtype,
+        dtype=compute_choice.spec.kv_cache_dtype,
         device=device,
         swa_layers=pools.swa_layers,
         num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
+        compute_dtype=dtype,
+        scales=scale_reader.scales(mcfg.num_layers) if compute_choice.spec.kv_dtype else None,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
@@ -285,6 +292,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         swa_pages=num_swa_pages,
         swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
+        kv_cache_dtype=dtype_name(kv.dtype),
         attention=attn.name,
         cpu_decode_kernel=getattr(attn, "decode_kernel", None) is not None,
         kernels=model.kernels.name,
@@ -357,6 +365,7 @@ def choose_compute(
         device=device,
         logit_soft_cap=mcfg.attn_logit_softcap,
         softmax_scale=mcfg.attn_scale,
+        kv_dtype=_kv_dtype(cfg.kv_cache_dtype, dtype),
     )
     choice = choose_attention(
         cfg.attention_backend,
@@ -372,6 +381,12 @@ def choose_compute(
     chosen = ComputeChoice(spec, choice.name, kernels, sampler_kernels, groups)
     _check_flashinfer_modules(chosen, hidden_act=mcfg.hidden_act)
     return chosen
+
+
+def _kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The spec's ``kv_dtype``: None where the pages hold the model's dtype."""
+    stored = kv_storage_dtype(kv_cache_dtype, dtype)
+    return None if stored == dtype else stored
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -429,6 +444,7 @@ def _check_flashinfer_modules(choice: ComputeChoice, *, hidden_act: str = "silu"
                 group=spec.num_heads // spec.num_kv_heads,
                 sliding_window=bool(spec.sliding_window),
                 soft_cap=spec.logit_soft_cap is not None,
+                kv_dtype=None if spec.kv_dtype is None else dtype_name(spec.kv_dtype),
             )
     ops = list(model_op_modules(hidden_act)) if choice.model_kernels.name == "flashinfer" else []
     ops += SAMPLER_OP_MODULES if choice.sampler_kernels.name == "flashinfer" else ()

@@ -1,8 +1,8 @@
 """The CPU decode-attention kernel (worker_service/attention/cpu_kernels/
 paged_decode.c) against the torch path it replaces (gather + SDPA), over page
-sizes, head groups, head dims, windows, dtypes, thread splits and steps that
-mix extends with decodes; and the fallbacks when it cannot be built or does
-not fit the model."""
+sizes, head groups, head dims, windows, dtypes (an fp8 e4m3 cache with its
+scales too), thread splits and steps that mix extends with decodes; and the
+fallbacks when it cannot be built or does not fit the model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from worker_service.attention.base import AttentionSpec
 from worker_service.attention.cpu_paged_kernel import PagedDecodeKernel, load_paged_decode
 from worker_service.attention.torch_backend import KERNEL_MAX_QUERIES, TorchAttention
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_quant import FP8_E4M3, KvScales, quantize_fp8
 from worker_service.kernels import c_build
 
 CPU = torch.device("cpu")
@@ -165,3 +166,60 @@ def test_failed_build_leaves_nothing(monkeypatch, tmp_path) -> None:
     with pytest.raises(RuntimeError, match="failed"):
         cpu_paged_kernel.build(3, 64, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+# ---- an fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3) ------------------------------------
+
+
+def fp8_case(page_size, heads, kv_heads, head_dim, window, extends, decodes, *, all_codes=False):
+    """An fp8 cache with per-layer scales: quantized N(0, 1) pages, or (``all_codes``)
+    keys all 0 and values of every non-NaN e4m3 byte, so that the output is the
+    mean of the values and each byte's table entry counts."""
+    spec, batch, q, k, v, float_kv = case(
+        page_size, heads, kv_heads, head_dim, window, torch.float32, extends, decodes, seed=5
+    )
+    spec = AttentionSpec(**{**spec.__dict__, "kv_dtype": FP8_E4M3})
+    scales = KvScales((0.75,), (1.5,), "checkpoint")
+    kv = KvCache(
+        num_layers=1, num_pages=NUM_PAGES, page_size=page_size, num_kv_heads=kv_heads,
+        head_dim=head_dim, dtype=FP8_E4M3, device=CPU, scales=scales,
+        compute_dtype=torch.float32,
+    )  # fmt: skip
+    layer = kv.layers[0]
+    if all_codes:
+        gen = torch.Generator().manual_seed(6)
+        codes = torch.randint(0, 256, layer[:, 1].shape, generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+        layer[:, 0].view(torch.uint8).zero_()
+        layer[:, 1].view(torch.uint8).copy_(codes)
+        k.zero_()
+    else:
+        layer[:, 0] = quantize_fp8(float_kv.layers[0][:, 0], 0.75)
+        layer[:, 1] = quantize_fp8(float_kv.layers[0][:, 1], 1.5)
+    return spec, batch, q, k, v, kv
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(
+    ("page_size", "heads", "kv_heads", "head_dim"), [(16, 9, 3, 64), (4, 8, 2, 128)]
+)
+def test_kernel_reads_an_fp8_cache_like_torch(
+    kernel, page_size, heads, kv_heads, head_dim, window
+) -> None:
+    extends, decodes = [(3, 20), (40, 40)], [1, 17, 33, 90]  # a short extend: kernel rows
+    spec, batch, q, k, v, kv = fp8_case(
+        page_size, heads, kv_heads, head_dim, window, extends, decodes
+    )
+    library = cpu_paged_kernel.build(heads // kv_heads, head_dim)
+    fast = PagedDecodeKernel(library)
+    out = attend(spec, fast, batch, q, k, v, kv)
+    expected = attend(spec, None, batch, q, k, v, kv)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_every_e4m3_byte_with_its_value_scale(kernel) -> None:
+    spec, batch, q, k, v, kv = fp8_case(16, 9, 3, 64, None, [], [300, 511, 64], all_codes=True)
+    out = attend(spec, kernel, batch, q, k, v, kv)
+    expected = attend(spec, None, batch, q, k, v, kv)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    assert out.abs().max() > 10  # the large codes (up to 448 x 1.5) are in there

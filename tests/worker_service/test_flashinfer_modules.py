@@ -40,6 +40,7 @@ from worker_service.attention.flashinfer_modules import (
     read_manifest,
 )
 from worker_service.config import load_config
+from worker_service.device.kv_cache import KvCache
 from worker_service.models.config import ModelConfig
 from worker_service.worker import choose_compute
 
@@ -100,8 +101,9 @@ def _flashinfer_uri(module: AttentionModule) -> str:
     """FlashInfer's own name for the module (what its data/aot lookup uses)."""
     modules = pytest.importorskip("flashinfer.jit.attention.modules")
     dt = getattr(torch, module.dtype)
+    kv = getattr(torch, module.kv_dtype or module.dtype)
     hd = module.head_dim
-    a = (dt, dt, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
+    a = (dt, kv, dt, torch.int32, hd, hd, 0, module.sliding_window, module.soft_cap)
     if module.kind == "decode":
         return modules.get_batch_decode_uri(*a)
     base = modules.get_batch_prefill_uri(module.backend, *a, False)
@@ -111,8 +113,21 @@ def _flashinfer_uri(module: AttentionModule) -> str:
 
 
 def test_module_names_are_flashinfers() -> None:
-    for module in build_list(prefill_backends=("fa2", "fa3")):
+    for module in build_list(prefill_backends=("fa2", "fa3"), fp8_kv_dtypes=DEFAULT_DTYPES):
         assert module.name == _flashinfer_uri(module)
+
+
+def test_fp8_kv_modules_follow_their_own_knobs() -> None:
+    assert not [m for m in build_list() if m.kv_dtype]  # not in the default set (its size)
+    modules = build_list(["bfloat16"], [64], fp8_kv_dtypes=["bfloat16"], fp8_kv_head_dims=[128])
+    fp8 = [m for m in modules if m.kv_dtype]
+    assert {(m.kind, m.dtype, m.head_dim, m.sliding_window) for m in fp8} == {
+        (kind, "bfloat16", 128, window) for kind in ("decode", "prefill") for window in (0, 1)
+    }
+    assert all("_dtype_q_bf16_dtype_kv_e4m3_dtype_o_bf16_" in m.name for m in fp8)
+    assert needed_modules("bfloat16", 128, group=2, sliding_window=True, kv_dtype="bfloat16") == (
+        needed_modules("bfloat16", 128, group=2, sliding_window=True)
+    )
 
 
 class _Recorder:
@@ -145,14 +160,21 @@ class _Recorder:
 @pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])  # groups 1, 4, 2
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("soft_cap", [None, 30.0])
+@pytest.mark.parametrize("fp8_kv", [False, True])
 def test_wrappers_ask_for_exactly_the_needed_modules(
-    fi_cpu, monkeypatch, dtype, heads, window, soft_cap
+    fi_cpu, monkeypatch, dtype, heads, window, soft_cap, fp8_kv
 ):
     recorder = _Recorder(monkeypatch)
     gen = seed("modules", dtype, heads, window)
     spec = dataclasses.replace(spec_for(heads, 16, window, dtype, "cpu"), logit_soft_cap=soft_cap)
-    fi = FlashInferAttention(spec, workspace_bytes=2**20)
     kv, _ = random_caches(spec, 32, gen)
+    if fp8_kv:
+        spec = dataclasses.replace(spec, kv_dtype=torch.float8_e4m3fn)
+        kv = KvCache(
+            num_layers=1, num_pages=32, page_size=16, num_kv_heads=heads[1], head_dim=heads[2],
+            dtype=torch.float8_e4m3fn, device="cpu", compute_dtype=dtype,
+        )  # fmt: skip
+    fi = FlashInferAttention(spec, workspace_bytes=2**20)
     batch = like_the_runner(make_batch(*BATCHES["mixed"], 16, 32, gen))
     fi.begin_step(batch)
     fi.forward(0, *random_qkv(spec, batch.num_tokens, gen), kv=kv)
@@ -162,6 +184,7 @@ def test_wrappers_ask_for_exactly_the_needed_modules(
         group=heads[0] // heads[1],
         sliding_window=window is not None,
         soft_cap=soft_cap is not None,
+        kv_dtype="float8_e4m3fn" if fp8_kv else None,
     )
     assert recorder.names == {m.name for m in needed}
 
@@ -286,6 +309,33 @@ def test_worker_refuses_an_fp16_model_the_prebuilt_kernels_lack(tmp_path, aot_di
     fp16 = load_config(["--device", "cuda", "--dtype", "float16"], env={})
     chosen = choose_compute(fp16, _model(128), tp_size=1, device=cuda, dtype=torch.float16)
     assert chosen.attention == "flashinfer" and chosen.model_kernels.name == "flashinfer"
+
+
+def test_worker_refuses_an_fp8_kv_cache_the_prebuilt_kernels_lack(tmp_path, aot_dirs) -> None:
+    """The default set has no fp8-KV modules: --kv-cache-dtype fp8_e4m3 on CUDA is
+    refused at start naming them, the knobs that build them and the way out; a
+    set built with them serves it."""
+    aot_dirs.append(_prebuilt_dir(tmp_path, build_list()))
+    cuda = torch.device("cuda")
+    cfg = load_config(["--device", "cuda", "--kv-cache-dtype", "fp8_e4m3"], env={})
+    with pytest.raises(SystemExit) as refused:
+        choose_compute(cfg, _model(128), tp_size=1, device=cuda, dtype=torch.bfloat16)
+    message = str(refused.value)
+    needed = needed_modules(
+        "bfloat16", 128, group=1, sliding_window=False, kv_dtype="float8_e4m3fn"
+    )
+    assert len(needed) == 2 and all(m.name in message for m in needed)
+    assert "fp8 e4m3 KV cache" in message
+    assert 'FI_FP8KV_DTYPES="bfloat16" FI_FP8KV_HEAD_DIMS="128"' in message
+    assert "--kv-cache-dtype auto" in message
+    aot_dirs[0] = _prebuilt_dir(tmp_path / "fp8", build_list(fp8_kv_dtypes=["bfloat16"]))
+    chosen = choose_compute(cfg, _model(128), tp_size=1, device=cuda, dtype=torch.bfloat16)
+    assert chosen.attention == "flashinfer" and chosen.spec.kv_dtype == torch.float8_e4m3fn
+    manifest = read_manifest(aot_dirs[0])
+    assert manifest is not None and manifest.attention == tuple(
+        build_list(fp8_kv_dtypes=["bfloat16"])
+    )
+    assert manifest.summary().endswith("; fp8 KV bfloat16 x head dims 128")
 
 
 def test_worker_sends_fp32_and_head_dims_80_96_to_the_torch_backend(tmp_path, aot_dirs) -> None:

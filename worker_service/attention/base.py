@@ -129,6 +129,12 @@ class AttentionSpec:
     # Scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2).
     logit_soft_cap: float | None = None
     softmax_scale: float | None = None  # None: head_dim ** -0.5
+    # What the KV pages hold (None: ``dtype``): float8_e4m3fn for --kv-cache-dtype fp8_e4m3.
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def scale(self) -> float:

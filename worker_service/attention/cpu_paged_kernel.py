@@ -41,6 +41,8 @@ logger = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.c"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Pages it reads besides those: an fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3).
+CACHE_DTYPE_CODES = DTYPE_CODES | {torch.float8_e4m3fn: 2}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -81,6 +83,7 @@ _ARGTYPES = [
     ctypes.c_int,  # window
     ctypes.c_float,  # scale
     ctypes.c_float,  # soft_cap (0: none)
+    ctypes.c_float,  # v_scale
     ctypes.c_void_p,  # sinks: (heads,) float32, or NULL
     ctypes.c_int64,  # task_begin (paged_decode_parallel: tasks)
     ctypes.c_int64,  # task_end (paged_decode_parallel: threads, an int)
@@ -134,11 +137,13 @@ class PagedDecodeKernel:
         scale: float,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """Attention of the decode rows ``layout.rows`` of q (T, heads, D) over
         one layer's cache (pages, 2, page_size, kv_heads, D), into the same
         rows of out; ``soft_cap`` caps the scaled scores, ``sinks`` (heads,)
-        float32 join each head's softmax denominator."""
+        float32 join each head's softmax denominator; ``kv_scales``: an fp8
+        cache's key and value scales (stored x scale is the value)."""
         if not (q.is_contiguous() and cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("the CPU decode kernel needs contiguous q, cache and out")
         _, heads, head_dim = q.shape
@@ -151,7 +156,7 @@ class PagedDecodeKernel:
             q.data_ptr(),
             DTYPE_CODES[q.dtype],
             cache.data_ptr(),
-            DTYPE_CODES[cache.dtype],
+            CACHE_DTYPE_CODES[cache.dtype],
             out.data_ptr(),
             layout.rows_p,
             layout.lens_p,
@@ -162,8 +167,9 @@ class PagedDecodeKernel:
             kv_heads,
             head_dim,
             window or 0,
-            scale,
+            scale * kv_scales[0],
             soft_cap or 0.0,
+            kv_scales[1],
             None if sinks is None else sinks.data_ptr(),
         )
         tasks = layout.num_rows * kv_heads

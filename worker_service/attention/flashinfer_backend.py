@@ -20,6 +20,14 @@ kv_heads, head_dim): it needs only each token's (page, offset), is capturable,
 and adds no kernel module to the prebuilt bundle (``append_paged_kv_cache``
 would also need each token's batch index and position on the device).
 
+FP8 KV cache (``spec.kv_dtype`` float8_e4m3fn, --kv-cache-dtype fp8_e4m3):
+planned with ``kv_data_type`` e4m3 and bf16/fp16 queries and output (FA2 and
+the CUDA-core decode kernel convert the pages as they load them), ``store_kv``
+quantizes with the layer's scales, ``run`` takes the layer's ``k_scale``
+(FlashInfer folds it into sm_scale), and ``scale_output`` multiplies the output
+by its ``v_scale`` (FlashInfer's own ``v_scale`` does the same unfused multiply;
+ours is one op of ours, which the CPU harness captures like ``store_kv``).
+
 Sliding window W (the query included) is FlashInfer's ``window_left = W - 1``;
 the spec's scale is ``sm_scale`` and its soft cap ``logits_soft_cap`` (FlashInfer
 caps the scaled scores: cap * tanh(scale * q.k / cap), as Gemma 2), both planned
@@ -77,6 +85,7 @@ from worker_service.attention.paged_layout import (
     kv_rows,
     paged_layout,
     pick_graph_size,
+    scale_output,
     store_kv,
 )
 from worker_service.device.kv_cache import KvCache
@@ -190,7 +199,7 @@ class FlashInferAttention(AttentionBackend):
             "sm_scale": spec.scale,
             "logits_soft_cap": spec.logit_soft_cap,
             "q_data_type": spec.dtype,
-            "kv_data_type": spec.dtype,
+            "kv_data_type": spec.kv_cache_dtype,
             "non_blocking": True,
         }
         self._prefill_rows = 0  # query rows of this step's extends
@@ -289,15 +298,23 @@ class FlashInferAttention(AttentionBackend):
         if sinks is not None:
             raise ValueError(SINKS_UNSUPPORTED + "; use the torch attention backend")
         cache = kv.layers[layer]
-        if cache.dtype != self.spec.dtype:
-            raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.dtype}")
-        store_kv(cache, self._rows_now, k, v)
+        if cache.dtype != self.spec.kv_cache_dtype:
+            raise ValueError(f"KV cache is {cache.dtype}, planned for {self.spec.kv_cache_dtype}")
+        k_scale = v_scale = 1.0
+        if kv.quantized:
+            k_scale, v_scale = kv.scales.k[layer], kv.scales.v[layer]
+        store_kv(cache, self._rows_now, k, v, scales=(k_scale, v_scale))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # FlashInfer folds k_scale into the kernel's sm_scale (a launch argument,
+        # baked into a captured graph per layer); v_scale multiplies the output.
+        run_kw = {"k_scale": k_scale} if kv.quantized else {}
         n = self._prefill_rows
         if n:
-            self._active_prefill.run(q[:n], cache, out=out[:n])
+            self._active_prefill.run(q[:n], cache, out=out[:n], **run_kw)
         if self._active_decode is not None:
-            self._active_decode.run(q[n:], cache, out=out[n:])
+            self._active_decode.run(q[n:], cache, out=out[n:], **run_kw)
+        if v_scale != 1.0:
+            scale_output(out, v_scale)
         return out
 
     # ---- CUDA graphs for decode ---------------------------------------------------

@@ -27,6 +27,17 @@ overflows its activations) at head dim 256 (2B and 9B; 27B's 128 is a build
 knob away: FI_SOFTCAP_HEAD_DIMS), with and without its sliding window: four
 modules, about 4.8 MiB.
 
+FP8 KV-cache modules (``kv_dtype`` e4m3: --kv-cache-dtype fp8_e4m3, bf16 or
+fp16 queries and output; FlashInfer's FA2 templates take a KV dtype apart from
+the query's, and only fp8 queries need its FA3 fp8 path) are a module per (query
+dtype, head dim, window) like the others, decode and FA2 prefill: four per head
+dim. They are not in the default set: estimated at their float twins' sizes
+(unmeasured: no GPU in the session that added them) one head dim adds about
+2 x (0.45 + 1.9) = 4.7 MiB, past the bundle's 64 MiB next to the default set's
+61.5; ``FI_FP8KV_DTYPES="bfloat16" FI_FP8KV_HEAD_DIMS="128"`` builds them (the
+CUDA image has the room), and a worker that needs them where they are neither
+prebuilt nor compilable is refused at start by name with that fix.
+
 Sizes (sm_90a, CUDA 13.0 nvcc, built here): a decode module 0.45 MiB, an FA2
 prefill module 1.7-1.95 MiB, whatever the head dim; the default set adds about
 18.7 MiB to the bundle, about 57 of its 64 MiB, and the soft-capped four about
@@ -75,6 +86,13 @@ MANIFEST_NAME = "radixserve_kernels.json"
 BUNDLE_LIMIT_MIB = 64  # what a device run carries (Makefile's fi-bundle)
 
 _DTYPE_TAGS = {"bfloat16": "bf16", "float16": "f16"}
+# FP8 KV caches (--kv-cache-dtype fp8_e4m3): the modules' KV dtype, FlashInfer's tag.
+FP8_KV_DTYPE = "float8_e4m3fn"
+_KV_DTYPE_TAGS = _DTYPE_TAGS | {FP8_KV_DTYPE: "e4m3"}
+# Not in the default set: the bundle has no room (module docstring); FI_FP8KV_DTYPES
+# and FI_FP8KV_HEAD_DIMS build them.
+DEFAULT_FP8KV_DTYPES: tuple[str, ...] = ()
+DEFAULT_FP8KV_HEAD_DIMS: tuple[int, ...] = (128,)
 
 
 @dataclass(frozen=True, order=True)
@@ -89,13 +107,15 @@ class AttentionModule:
     sliding_window: bool
     backend: str = "fa2"
     soft_cap: bool = False  # built for a logit soft cap (FlashInfer's use_logits_soft_cap)
+    kv_dtype: str | None = None  # what the pages hold (None: ``dtype``; FP8_KV_DTYPE)
 
     @property
     def name(self) -> str:
         """FlashInfer's module name (its URI; tests pin it against FlashInfer's)."""
         t = _DTYPE_TAGS[self.dtype]
+        kv = _KV_DTYPE_TAGS[self.kv_dtype or self.dtype]
         body = (
-            f"dtype_q_{t}_dtype_kv_{t}_dtype_o_{t}_dtype_idx_i32_"
+            f"dtype_q_{t}_dtype_kv_{kv}_dtype_o_{t}_dtype_idx_i32_"
             f"head_dim_qk_{self.head_dim}_head_dim_vo_{self.head_dim}_posenc_0_"
             f"use_swa_{self.sliding_window}_use_logits_cap_{self.soft_cap}"
         )
@@ -108,18 +128,28 @@ class AttentionModule:
         kernel = "decode" if self.kind == "decode" else f"prefill {self.backend}"
         window = ", sliding window" if self.sliding_window else ""
         cap = ", logit soft cap" if self.soft_cap else ""
-        return f"{self.dtype} head dim {self.head_dim}{window}{cap} ({kernel})"
+        fp8 = ", fp8 e4m3 KV cache" if self.kv_dtype else ""
+        return f"{self.dtype} head dim {self.head_dim}{window}{cap}{fp8} ({kernel})"
 
 
 def needed_modules(
-    dtype: str, head_dim: int, *, group: int, sliding_window: bool, soft_cap: bool = False
+    dtype: str,
+    head_dim: int,
+    *,
+    group: int,
+    sliding_window: bool,
+    soft_cap: bool = False,
+    kv_dtype: str | None = None,
 ) -> list[AttentionModule]:
     """The attention modules FlashInferAttention loads for one spec (per rank;
-    a model with layer groups needs each group's)."""
-    needed = [AttentionModule("prefill", dtype, head_dim, sliding_window, soft_cap=soft_cap)]
-    if group < TENSOR_CORE_DECODE_GROUP:
-        needed.append(AttentionModule("decode", dtype, head_dim, sliding_window, soft_cap=soft_cap))
-    return needed
+    a model with layer groups needs each group's); ``kv_dtype``: the pages'
+    dtype where it is not ``dtype`` (an fp8 KV cache)."""
+    kv = None if kv_dtype in (None, dtype) else kv_dtype
+    kinds = ["prefill"] + (["decode"] if group < TENSOR_CORE_DECODE_GROUP else [])
+    return [
+        AttentionModule(kind, dtype, head_dim, sliding_window, soft_cap=soft_cap, kv_dtype=kv)
+        for kind in kinds
+    ]
 
 
 def build_list(
@@ -129,11 +159,15 @@ def build_list(
     *,
     soft_cap_dtypes: Iterable[str] = DEFAULT_SOFTCAP_DTYPES,
     soft_cap_head_dims: Iterable[int] = DEFAULT_SOFTCAP_HEAD_DIMS,
+    fp8_kv_dtypes: Iterable[str] = DEFAULT_FP8KV_DTYPES,
+    fp8_kv_head_dims: Iterable[int] = DEFAULT_FP8KV_HEAD_DIMS,
 ) -> list[AttentionModule]:
     """The attention modules a prebuilt set holds: for every dtype and head dim,
     with and without a sliding window, the decode and FA2 prefill modules (every
     GQA group: both are needed by some), plus FA3 prefill if asked for; then the
-    same (FA2 only) soft-capped for the soft-cap dtypes and head dims."""
+    same (FA2 only) soft-capped for the soft-cap dtypes and head dims; then
+    decode and FA2 prefill over an fp8 e4m3 KV cache for the fp8-KV query
+    dtypes and head dims, window or not (none by default)."""
     backends = tuple(prefill_backends)
     if "fa2" not in backends:
         raise ValueError("the FA2 prefill modules are always needed (decode on tensor cores)")
@@ -146,6 +180,12 @@ def build_list(
         for window in (False, True):
             modules += [
                 AttentionModule(kind, dtype, head_dim, window, soft_cap=True)
+                for kind in ("decode", "prefill")
+            ]
+    for dtype, head_dim in _checked(fp8_kv_dtypes, fp8_kv_head_dims):
+        for window in (False, True):
+            modules += [
+                AttentionModule(kind, dtype, head_dim, window, kv_dtype=FP8_KV_DTYPE)
                 for kind in ("decode", "prefill")
             ]
     return modules
@@ -180,10 +220,12 @@ class Manifest:
         return {m.name for m in self.attention} | set(self.ops)
 
     def summary(self) -> str:
-        plain = [m for m in self.attention if not m.soft_cap]
+        plain = [m for m in self.attention if not m.soft_cap and not m.kv_dtype]
         capped = [m for m in self.attention if m.soft_cap]
+        fp8 = [m for m in self.attention if m.kv_dtype]
         text = f"{_shapes(plain)} for {self.cuda_arch}"
-        return text + (f"; soft-capped {_shapes(capped)}" if capped else "")
+        text += f"; soft-capped {_shapes(capped)}" if capped else ""
+        return text + (f"; fp8 KV {_shapes(fp8)}" if fp8 else "")
 
     def to_json(self) -> str:
         data = {
@@ -206,6 +248,7 @@ class Manifest:
                 bool(entry["sliding_window"]),
                 entry.get("backend", "fa2"),
                 bool(entry.get("soft_cap", False)),
+                entry.get("kv_dtype"),
             )
             if entry.get("name", module.name) != module.name:
                 raise ValueError(f"manifest entry {entry['name']} is not {module.name}")
@@ -290,8 +333,9 @@ def check_prebuilt(
     lines += [f"  {name} (FlashInfer's {name} kernels)" for name in missing_ops]
     fixes = []
     if missing_attention:
-        plain = [m for m in missing_attention if not m.soft_cap]
+        plain = [m for m in missing_attention if not m.soft_cap and not m.kv_dtype]
         capped = [m for m in missing_attention if m.soft_cap]
+        fp8 = [m for m in missing_attention if m.kv_dtype]
         knobs = []
         if plain:
             dtypes = " ".join(sorted({m.dtype for m in plain} | set(DEFAULT_DTYPES)))
@@ -303,10 +347,18 @@ def check_prebuilt(
             knobs.append(
                 f'FI_SOFTCAP_DTYPES="{dtypes}" FI_SOFTCAP_HEAD_DIMS="{" ".join(map(str, dims))}"'
             )
+        if fp8:
+            dtypes = " ".join(sorted({m.dtype for m in fp8} | set(DEFAULT_FP8KV_DTYPES)))
+            dims = sorted({m.head_dim for m in fp8} | set(DEFAULT_FP8KV_HEAD_DIMS))
+            knobs.append(
+                f'FI_FP8KV_DTYPES="{dtypes}" FI_FP8KV_HEAD_DIMS="{" ".join(map(str, dims))}"'
+            )
         fixes.append(
             f"rebuild the kernels with {' '.join(knobs)} "
             "(scripts/build_flashinfer_bundle.sh, or docker/Dockerfile.cuda's build args)"
         )
+        if fp8:
+            fixes.append("start with --kv-cache-dtype auto")
         fixes.append("start with --attention-backend torch (slower; no CUDA graphs)")
     if missing_ops:
         fixes.append("start with --kernels torch")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from worker_service.attention.base import AttentionBatch, SeqColumns
+from worker_service.device.kv_quant import FP8_E4M3, quantize_fp8
 from worker_service.device.page_table import PageTable
 
 
@@ -76,8 +77,30 @@ def kv_rows(pages: torch.Tensor, offsets: torch.Tensor, page_size: int) -> torch
     return pages * (2 * page_size) + offsets
 
 
-def store_kv(cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Same result as ``KvCache.write``; ``rows`` is (2, T): key rows, value rows."""
+def store_kv(
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scales: tuple[float, float] = (1.0, 1.0),
+) -> None:
+    """Same result as ``KvCache.write``; ``rows`` is (2, T): key rows, value rows.
+    An fp8 cache stores k / scales[0] and v / scales[1] quantized (kv_quant.py),
+    copied as bytes: index_copy_ has no float8 kernel."""
     flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    if cache.dtype == FP8_E4M3:
+        raw = flat.view(torch.uint8)
+        raw.index_copy_(0, rows[0], quantize_fp8(k, scales[0]).view(torch.uint8))
+        raw.index_copy_(0, rows[1], quantize_fp8(v, scales[1]).view(torch.uint8))
+        return
     flat.index_copy_(0, rows[0], k.to(cache.dtype))
     flat.index_copy_(0, rows[1], v.to(cache.dtype))
+
+
+def scale_output(out: torch.Tensor, v_scale: float) -> None:
+    """An fp8 cache's value scale on the attention output, in place (what
+    FlashInfer's wrappers do after the kernel when given ``v_scale``: done here
+    so that a CUDA-graph capture, and the CPU harness's stand-in for one, sees
+    it as an op of ours)."""
+    out.mul_(v_scale)

@@ -9,6 +9,11 @@ head group shares its key head without copying it (queries viewed as
 one per sequence: at batch 64 on a CPU the per-sequence loop cost several
 times the rest of the step.
 
+An fp8 KV cache (kv_quant.py) is written quantized by ``KvCache.write`` and
+read back dequantized (the gather and ``KvCache.read``); the CPU kernel reads
+its e4m3 pages in place (a table of the 256 values, the layer's key scale
+folded into the scores' factor, the value scale into the softmax's 1 / sum).
+
 With the CPU kernel (cpu_paged_kernel.py) the decode rows, and each query
 of an extend of up to KERNEL_MAX_QUERIES tokens (drafted verify rows, short
 chunks), attend through it instead, reading the pages in place.
@@ -71,6 +76,8 @@ class TorchAttention(AttentionBackend):
             decode_kernel is not None
             and spec.device.type == "cpu"
             and decode_kernel.supports(spec.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            # Pages of the model's dtype, or an fp8 cache's (read through its table).
+            and spec.kv_cache_dtype in (spec.dtype, torch.float8_e4m3fn)
         )
         self.decode_kernel = decode_kernel if usable else None
         self._layout: DecodeLayout | None = None
@@ -179,15 +186,19 @@ class TorchAttention(AttentionBackend):
                 scale=self.spec.scale,
                 soft_cap=cap,
                 sinks=None if sinks is None else sinks.to(torch.float32).contiguous(),
+                kv_scales=(kv.scales.k[layer], kv.scales.v[layer]) if kv.quantized else (1.0, 1.0),
             )
         if (d := self._decode) is not None:
             cache = kv.layers[layer]
             n, kv_heads = len(d.rows), cache.shape[-2]
-            flat = cache.view(-1, kv_heads, cache.shape[-1])
-            both = flat.index_select(0, d.kv_rows).view(2, n, d.width, kv_heads, -1)
+            # An fp8 cache is gathered as bytes (index_select need not take float8).
+            raw = cache.view(torch.uint8) if kv.quantized else cache
+            flat = raw.view(-1, kv_heads, cache.shape[-1])
+            both = flat.index_select(0, d.kv_rows).view(cache.dtype)
+            both = both.view(2, n, d.width, kv_heads, -1)
             # (n, width, kv_heads, D) -> (n, kv_heads, width, D)
-            keys = both[0].to(q.dtype).transpose(1, 2)
-            values = both[1].to(q.dtype).transpose(1, 2)
+            keys = kv.dequantize(layer, both[0], 0).to(q.dtype).transpose(1, 2)
+            values = kv.dequantize(layer, both[1], 1).to(q.dtype).transpose(1, 2)
             qs = q[d.rows].view(n, kv_heads, groups, -1)
             if manual:
                 heads_sinks = None if sinks is None else sinks.view(kv_heads, groups)

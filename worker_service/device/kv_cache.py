@@ -11,6 +11,12 @@ the others ``num_pages``, indexed by the full tables. Page 0 of the sliding
 pool is the null page: the scheduler never hands it out, a freed (out of
 window) entry of a sliding table names it, and it is only ever read masked.
 ``split_budget`` sizes the two within one memory budget.
+
+``dtype`` is what the pages hold: the model's, or float8_e4m3fn
+(``--kv-cache-dtype fp8_e4m3``, kv_quant.py), one byte an element, so a
+budget holds 2x the bf16 pages and 4x the fp32 ones. An fp8 cache
+quantizes on ``write`` with its layer's ``scales`` and dequantizes on
+``read`` (and ``dequantize``) to ``compute_dtype``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from worker_service.device.kv_quant import FP8_E4M3, KvScales, dequantize_fp8, quantize_fp8
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
 _UNITS["GIB"] = 2**30
@@ -46,7 +54,11 @@ class KvCache:
         device: torch.device | str,
         swa_layers: frozenset[int] = frozenset(),
         num_swa_pages: int = 0,
+        compute_dtype: torch.dtype | None = None,
+        scales: KvScales | None = None,
     ) -> None:
+        """``compute_dtype``: what reads return (None: ``dtype``); ``scales``:
+        an fp8 cache's per-layer scales (None: 1.0)."""
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page")
         if swa_layers and num_swa_pages < 2:
@@ -59,6 +71,11 @@ class KvCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
+        self.quantized = dtype == FP8_E4M3
+        self.scales = KvScales.ones(num_layers) if scales is None else scales
+        if len(self.scales.k) != num_layers or len(self.scales.v) != num_layers:
+            raise ValueError(f"KV scales for {len(self.scales.k)} layers, not {num_layers}")
         self.device = torch.device(device)
         self.layers = [
             torch.zeros(
@@ -144,14 +161,32 @@ class KvCache:
     ) -> None:
         """Store k, v (T, kv_heads, head_dim) of T positions at (pages[i], offsets[i])."""
         cache = self.layers[layer]
+        if self.quantized:
+            # As bytes: torch's indexing kernels need not take float8 on every device.
+            raw = cache.view(torch.uint8)
+            raw[pages, 0, offsets] = quantize_fp8(k, self.scales.k[layer]).view(torch.uint8)
+            raw[pages, 1, offsets] = quantize_fp8(v, self.scales.v[layer]).view(torch.uint8)
+            return
         cache[pages, 0, offsets] = k.to(cache.dtype)
         cache[pages, 1, offsets] = v.to(cache.dtype)
+
+    def dequantize(self, layer: int, stored: torch.Tensor, which: int) -> torch.Tensor:
+        """Stored keys (``which`` 0) or values (1) of ``layer`` in ``compute_dtype``."""
+        if not self.quantized:
+            return stored.to(self.compute_dtype)
+        scale = (self.scales.k if which == 0 else self.scales.v)[layer]
+        return dequantize_fp8(stored, scale, self.compute_dtype)
 
     def read(
         self, layer: int, page_table: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (kv_len, kv_heads, head_dim) of positions [0, kv_len)."""
-        pages = self.layers[layer][page_table]  # (n, 2, page_size, H, D)
+        """Keys and values (kv_len, kv_heads, head_dim) of positions [0, kv_len),
+        dequantized to ``compute_dtype``."""
+        cache = self.layers[layer]
+        if self.quantized:
+            pages = cache.view(torch.uint8)[page_table].view(cache.dtype)
+        else:
+            pages = cache[page_table]  # (n, 2, page_size, H, D)
         k = pages[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
         v = pages[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
-        return k, v
+        return self.dequantize(layer, k, 0), self.dequantize(layer, v, 1)

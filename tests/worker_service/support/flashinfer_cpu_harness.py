@@ -28,13 +28,14 @@ What is replaced, and why:
   copy is a real copy), the plan event is a no-op.
 * For CUDA graphs (``install_graph_stand_ins``): ``torch.cuda.CUDAGraph`` /
   ``graph`` / streams / ``synchronize`` as used by worker_service/execution/cuda_graphs.py,
-  backed by flashinfer_reference.GraphTape; our ``store_kv`` and DecodeGraphs'
-  ``keep_output`` launch through the tape too, since under a real graph their
-  copies are captured kernels. ``graph_pool_handle`` gives a ``SharedPool``: what a
-  test's forward allocates with ``pool_empty`` during a capture comes from one arena
-  shared by every capture into that pool, first fit, and ``pool_free`` returns it,
-  as the caching allocator does with a graph pool (a block freed after one capture
-  is handed to the next capture, while the graph that freed it still writes it).
+  backed by flashinfer_reference.GraphTape; our ``store_kv``, ``scale_output`` (an
+  fp8 cache's value scale) and DecodeGraphs' ``keep_output`` launch through the
+  tape too, since under a real graph their copies are captured kernels.
+  ``graph_pool_handle`` gives a ``SharedPool``: what a test's forward allocates
+  with ``pool_empty`` during a capture comes from one arena shared by every
+  capture into that pool, first fit, and ``pool_free`` returns it, as the caching
+  allocator does with a graph pool (a block freed after one capture is handed to
+  the next capture, while the graph that freed it still writes it).
 """
 
 from __future__ import annotations
@@ -334,10 +335,16 @@ def install_graph_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     real_store_kv = backend.store_kv
 
-    def store_kv(*args: Any) -> None:
-        reference.TAPE.launch(real_store_kv, *args)
+    def store_kv(*args: Any, **kwargs: Any) -> None:
+        reference.TAPE.launch(lambda: real_store_kv(*args, **kwargs))
 
     monkeypatch.setattr(backend, "store_kv", store_kv)
+    real_scale_output = backend.scale_output
+
+    def scale_output(*args: Any) -> None:
+        reference.TAPE.launch(real_scale_output, *args)
+
+    monkeypatch.setattr(backend, "scale_output", scale_output)
     real_keep_output = cuda_graphs.keep_output
 
     def keep_output(*args: Any) -> None:

@@ -23,6 +23,11 @@
  * (GPT-OSS: a learned logit per query head that joins the softmax's
  * denominator and contributes no value).
  *
+ * An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3) is read through a 256-entry
+ * table of its values; its per-layer key scale comes folded into `scale` (the
+ * scores' factor) and its value scale as `v_scale`, applied once per output
+ * row with the softmax's 1 / sum.
+ *
  * Plain C, called through ctypes with raw pointers; built by
  * cpu_paged_kernel.py with the host compiler. */
 
@@ -51,7 +56,25 @@ static inline uint16_t float_to_bf16(float f) {
 }
 
 /* dtype codes shared with the Python side */
-enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_E4M3 = 2 };
+
+/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+ * is subnormal, S.1111.111 is NaN, no infinities. */
+static float e4m3_values[256];
+
+static void __attribute__((constructor)) fill_e4m3_values(void) {
+    for (int i = 0; i < 256; i++) {
+        const int e = (i >> 3) & 15, m = i & 7;
+        float v;
+        if (e == 15 && m == 7)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)m, -9);
+        else
+            v = ldexpf((float)(8 + m), e - 10);
+        e4m3_values[i] = (i & 128) ? -v : v;
+    }
+}
 
 /* 16 floats, loaded from any float address (GCC/Clang vector extensions:
  * AVX-512 registers where the CPU has them, pairs or quads of narrower ones
@@ -102,6 +125,11 @@ static inline float tanh_approx(float x) {
 static inline const float *float_row(float *scratch, const void *base, int64_t index, int dim,
                                      int dtype) {
     if (dtype == DT_F32) return (const float *)base + index;
+    if (dtype == DT_E4M3) {
+        const uint8_t *bytes = (const uint8_t *)base + index;
+        for (int d = 0; d < dim; d++) scratch[d] = e4m3_values[bytes[d]];
+        return scratch;
+    }
     const uint16_t *src = (const uint16_t *)base + index;
 #pragma omp simd
     for (int d = 0; d < dim; d++) scratch[d] = bf16_to_float(src[d]);
@@ -118,7 +146,7 @@ static inline __attribute__((always_inline)) void decode_task(
     const void *cache, const int cache_dtype, void *out, const int64_t *rows,
     const int64_t *lens, const int64_t *indptr, const int32_t *page_ids, const int page_size,
     const int heads, const int kv_heads, const int head_dim, const int window, const float scale,
-    const float soft_cap, const float *sinks, float *scores, float *row) {
+    const float soft_cap, const float v_scale, const float *sinks, float *scores, float *row) {
     const int64_t slot_stride = (int64_t)kv_heads * head_dim;       /* next position in a page */
     const int64_t half_stride = (int64_t)page_size * slot_stride;   /* keys -> values */
     const int64_t page_stride = 2 * half_stride;
@@ -176,7 +204,7 @@ static inline __attribute__((always_inline)) void decode_task(
             s[i] = exp_nonpositive(s[i] - m);
             sum += s[i];
         }
-        inv_sum[g] = 1.0f / sum;
+        inv_sum[g] = v_scale / sum;
     }
     /* out = softmax . v */
     for (int g = 0; g < group; g++)
@@ -227,6 +255,7 @@ int paged_decode(
     int window,             /* > 0: attend only the last `window` positions */
     float scale,
     float soft_cap,         /* > 0: scores -> soft_cap * tanh(scores / soft_cap) */
+    float v_scale,          /* values x v_scale (an fp8 cache's; else 1) */
     const float *sinks,     /* (heads,) sink logits, or NULL */
     int64_t task_begin, int64_t task_end) {
     const int group = heads / kv_heads;
@@ -247,7 +276,8 @@ int paged_decode(
     for (int64_t task = task_begin; task < task_end; task++) {
 #define TASK(G, C)                                                                              \
     decode_task(G, C, task, q, q_dtype, cache, cache_dtype, out, rows, lens, indptr, page_ids,  \
-                page_size, heads, kv_heads, head_dim, window, scale, soft_cap, sinks, scores, row)
+                page_size, heads, kv_heads, head_dim, window, scale, soft_cap, v_scale, sinks,     \
+                scores, row)
         /* The model's own shape (-DGROUP=..., -DCHUNKS=... at build time) gets a
          * copy with constant loop bounds: about 4x faster than the general one.
          * One copy per build keeps the build near a second. */
@@ -302,7 +332,7 @@ int paged_decode_parallel(
     const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
     const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
     int page_size, int heads, int kv_heads, int head_dim, int window, float scale,
-    float soft_cap, const float *sinks, int64_t tasks, int threads) {
+    float soft_cap, float v_scale, const float *sinks, int64_t tasks, int threads) {
 #ifdef _OPENMP
     int64_t total = 0;
     for (int64_t t = 0; t < tasks; t++) total += lens[t / kv_heads] + 16;
@@ -318,8 +348,8 @@ int paged_decode_parallel(
             if (begin < end) {
                 const int st = paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens,
                                             indptr, page_ids, page_size, heads, kv_heads,
-                                            head_dim, window, scale, soft_cap, sinks, begin,
-                                            end);
+                                            head_dim, window, scale, soft_cap, v_scale,
+                                            sinks, begin, end);
                 if (st < status) status = st;
             }
         }
@@ -328,6 +358,6 @@ int paged_decode_parallel(
 #endif
     (void)threads;
     return paged_decode(q, q_dtype, cache, cache_dtype, out, rows, lens, indptr, page_ids,
-                        page_size, heads, kv_heads, head_dim, window, scale, soft_cap, sinks, 0,
-                        tasks);
+                        page_size, heads, kv_heads, head_dim, window, scale, soft_cap, v_scale,
+                        sinks, 0, tasks);
 }
