@@ -169,7 +169,8 @@ class QuantLinearLibrary:
             raise RuntimeError(f"ql_matmul: {_ERRORS.get(code, code)}")
         return out
 
-    def dequantize_rows(self, w: QuantWeight, ids: torch.Tensor | None) -> torch.Tensor:
+    def dequantize_rows(self, w: QuantWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` of ``w`` dequantized (all of them without ids)."""
         count = w.out_features if ids is None else ids.numel()
         out = torch.empty((count, w.in_features), dtype=torch.float32)
         if ids is not None:
@@ -222,7 +223,7 @@ def matmul(
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(out_features, in_features) float32: gguf.quants.dequantize exactly."""
-    return _require().dequantize_rows(w, None)
+    return _require().dequantize_rows(w)
 
 
 def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
