@@ -179,6 +179,18 @@ def test_module_functions(monkeypatch) -> None:
         quant_linear.matmul(torch.zeros(2, 576), w, out=torch.zeros(40, 2).t())
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_nan_or_inf_activation_spoils_its_row_only(qtype) -> None:
+    """As in the float product: no codes cast from NaN, no finite garbage."""
+    data, x = _case(qtype, 9, 2, 3, seed=4)
+    x[0, 5] = np.nan
+    x[2, -1] = np.inf
+    w = quant_linear.pack(qtype, data, 9, x.shape[1])
+    got = quant_linear.matmul(torch.from_numpy(x), w)
+    assert torch.isnan(got[0]).all() and torch.isnan(got[2]).all()
+    assert torch.isfinite(got[1]).all()
+
+
 def test_threads_split_work_not_results() -> None:
     data, x = _case("Q4_1", 1536, 18, 9, seed=2)
     w = quant_linear.pack("Q4_1", data, 1536, 576)

@@ -165,7 +165,16 @@ static void quantize_row(const float *x, int64_t k, int block, int8_t *q, float 
     for (int64_t b = 0; b < k / block; b++) {
         const float *xb = x + b * block;
         float amax = 0.0f;
-        for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        int finite = 1;
+        for (int i = 0; i < block; i++) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+            finite &= xb[i] - xb[i] == 0.0f; /* false for NaN and infinities */
+        }
+        if (!finite) { /* the float product's NaN, not codes cast from NaN */
+            d[b] = NAN;
+            memset(q + b * block, 0, (size_t)block);
+            continue;
+        }
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
         for (int i = 0; i < block; i++) q[b * block + i] = (int8_t)nearbyintf(xb[i] * id);
