@@ -56,8 +56,12 @@ def quantized_matrix(qtype: str, out_features: int, in_features: int, seed: int)
     return quant_linear.pack(qtype, blocks, out_features, in_features)
 
 
-def interleaved(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median wall seconds of each of ``fns``, run in turn ``repeats`` times."""
+def interleaved(
+    fns: list[Callable[[], object]], repeats: int, *, fastest: list[float] | None = None
+) -> list[float]:
+    """Median wall seconds of each of ``fns``, run in turn ``repeats`` times
+    (their fastest times appended to ``fastest`` if given: on a loaded machine
+    the least disturbed run)."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -66,6 +70,8 @@ def interleaved(fns: list[Callable[[], object]], repeats: int) -> list[float]:
             start = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - start)
+    if fastest is not None:
+        fastest.extend(min(t) for t in times)
     return [statistics.median(t) for t in times]
 
 
@@ -121,19 +127,23 @@ def model_pass(repeats: int) -> dict:
         for w, p in zip(weights, floats, strict=True):
             cpu_linear.linear(xs[w.in_features], p, None)
 
-    q_s, f_s = interleaved([quant, flt], repeats)
+    fastest: list[float] = []
+    q_s, f_s = interleaved([quant, flt], repeats, fastest=fastest)
     quant_bytes = sum(w.nbytes for w in weights)
     float_bytes = sum(w.out_features * w.in_features * 4 for w in weights)
     print(
         f"model pass, 1 row ({len(weights)} matrices, {quant_bytes / 1e6:.1f} MB quantized, "
         f"{float_bytes / 1e6:.1f} MB float): quantized {q_s * 1e3:.2f} ms "
         f"({quant_bytes / q_s / 1e9:.1f} GB/s), float {f_s * 1e3:.2f} ms "
-        f"({float_bytes / f_s / 1e9:.1f} GB/s), x{f_s / q_s:.2f}"
+        f"({float_bytes / f_s / 1e9:.1f} GB/s), x{f_s / q_s:.2f}; fastest runs "
+        f"{fastest[0] * 1e3:.2f} / {fastest[1] * 1e3:.2f} ms"
     )
     return {
         "matrices": len(weights),
         "quant_ms": q_s * 1e3,
         "float_ms": f_s * 1e3,
+        "quant_fastest_ms": fastest[0] * 1e3,
+        "float_fastest_ms": fastest[1] * 1e3,
         "quant_MB": quant_bytes / 1e6,
         "float_MB": float_bytes / 1e6,
         "quant_GBps": quant_bytes / q_s / 1e9,

@@ -116,7 +116,7 @@ def test_matches_its_arithmetic_and_the_float_product(library, qtype) -> None:
         data, x = _case(qtype, out, blocks, rows, seed=i)
         w = library.pack(qtype, torch.from_numpy(data), out, x.shape[1])
         got = library.matmul(torch.from_numpy(x), w).numpy().astype(np.float64)
-        want, magnitude = ref.reference(qtype, data, x, None)
+        want, magnitude = ref.reference(qtype, data, x)
         where = f"{qtype} out {out} in {x.shape[1]} rows {rows}"
         assert np.all(np.abs(got - want) <= ARITHMETIC_RTOL * magnitude + 1e-30), where
         weight = ref.dequantize(qtype, data).astype(np.float64)
@@ -136,7 +136,7 @@ def test_bias_and_a_column_slice_of_a_wider_output(library, qtype) -> None:
         torch.from_numpy(x), w, bias=torch.from_numpy(bias), out=wide[:, 4 : 4 + out]
     )
     assert result.data_ptr() == wide[:, 4:].data_ptr()
-    want, magnitude = ref.reference(qtype, data, x, bias)
+    want, magnitude = ref.reference(qtype, data, x, bias=bias)
     got = wide[:, 4 : 4 + out].numpy().astype(np.float64)
     assert np.all(np.abs(got - want) <= ARITHMETIC_RTOL * magnitude)
     assert torch.all(wide[:, :4] == -7.0) and torch.all(wide[:, 4 + out :] == -7.0)
@@ -149,7 +149,7 @@ def test_dequantize_is_gguf_s_bit_for_bit(library, qtype) -> None:
     w = library.pack(qtype, torch.from_numpy(data), out, 3 * quant_linear.block_size(qtype))
     assert w.data.numel() == data.size  # the same bytes, rearranged
     want = ref.dequantize(qtype, data)
-    np.testing.assert_array_equal(library.dequantize_rows(w, None).numpy(), want)
+    np.testing.assert_array_equal(library.dequantize_rows(w).numpy(), want)
     ids = torch.tensor([18, 0, 7, 8, 16, 7])
     np.testing.assert_array_equal(library.dequantize_rows(w, ids).numpy(), want[ids.numpy()])
     with pytest.raises(ValueError, match="id out of range"):
@@ -168,7 +168,7 @@ def test_module_functions(monkeypatch) -> None:
     ids = torch.tensor([[3, 39], [0, 3]])
     rows = quant_linear.dequantize_rows(w, ids)
     np.testing.assert_array_equal(rows.numpy(), ref.dequantize("Q8_0", data)[[3, 39, 0, 3]])
-    want, magnitude = ref.reference("Q8_0", data, x, None)
+    want, magnitude = ref.reference("Q8_0", data, x)
     got = quant_linear.matmul(torch.from_numpy(x), w).numpy()
     assert np.all(np.abs(got - want) <= ARITHMETIC_RTOL * magnitude)
     with pytest.raises(ValueError, match="bytes are not"):

@@ -43,6 +43,7 @@ _TYPES: dict[str, tuple[int, int, int]] = {
 KERNEL_TYPES: frozenset[str] = frozenset(_TYPES)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_F32 = torch.float32
 _ERRORS = {-1: "unknown type or in_features", -2: "out of memory", -3: "id out of range"}
 
 
@@ -138,38 +139,37 @@ class QuantLinearLibrary:
         bias: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        # checks that cost little: this runs once per projection per step
+        if x.dtype != _F32 or not x.is_cpu or x.dim() != 2:
             raise ValueError(f"x must be 2-D float32 on the CPU, not {x.dtype} {tuple(x.shape)}")
         rows, k = x.shape
+        n = w.out_features
         if k != w.in_features:
             raise ValueError(f"x has {k} features; the {w.qtype} weight takes {w.in_features}")
         if x.stride(1) != 1:
             x = x.contiguous()
         if out is None:
-            out = x.new_empty((rows, w.out_features))
-        elif (
-            out.dtype != torch.float32
-            or tuple(out.shape) != (rows, w.out_features)
-            or out.stride(1) != 1
-        ):
+            out = torch.empty((rows, n))
+        elif out.dtype != _F32 or not out.is_cpu or out.shape != (rows, n) or out.stride(1) != 1:
             raise ValueError(
-                f"out must be float32 ({rows}, {w.out_features}) with unit column stride, "
+                f"out must be float32 ({rows}, {n}) on the CPU with unit column stride, "
                 f"not {out.dtype} {tuple(out.shape)} {out.stride()}"
             )
         if bias is not None:
-            if bias.shape != (w.out_features,) or bias.dtype != torch.float32:
-                raise ValueError(f"bias must be float32 ({w.out_features},)")
+            if bias.shape != (n,) or bias.dtype != _F32 or not bias.is_cpu:
+                raise ValueError(f"bias must be float32 ({n},) on the CPU")
             bias = bias.contiguous()
         code = self._lib.ql_matmul(
-            _TYPES[w.qtype][0], x.data_ptr(), rows, x.stride(0), k, w.data.data_ptr(),
-            w.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-            out.stride(0), torch.get_num_threads(),
+            _TYPES[w.qtype][0], x.data_ptr(), rows, x.stride(0), k, w.data.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
         )  # fmt: skip
         if code:
             raise RuntimeError(f"ql_matmul: {_ERRORS.get(code, code)}")
         return out
 
-    def dequantize_rows(self, w: QuantWeight, ids: torch.Tensor | None) -> torch.Tensor:
+    def dequantize_rows(self, w: QuantWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` of ``w`` dequantized (all of them without ids)."""
         count = w.out_features if ids is None else ids.numel()
         out = torch.empty((count, w.in_features), dtype=torch.float32)
         if ids is not None:
@@ -222,7 +222,7 @@ def matmul(
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(out_features, in_features) float32: gguf.quants.dequantize exactly."""
-    return _require().dequantize_rows(w, None)
+    return _require().dequantize_rows(w)
 
 
 def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:

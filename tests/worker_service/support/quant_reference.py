@@ -81,7 +81,7 @@ def quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndar
 
 
 def reference(
-    qtype: str, blocks: np.ndarray, x: np.ndarray, bias: np.ndarray | None
+    qtype: str, blocks: np.ndarray, x: np.ndarray, *, bias: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(y, magnitude): the kernel's result in float64, and the sum of the
     magnitudes of the products it adds (float32 rounding is relative to it)."""

@@ -156,6 +156,7 @@ typedef struct {
     float *d;     /* (rows, k / block) */
     float *xs;    /* (rows, k / 32): d * sum of the 32-block (32-weight types) */
     int32_t *s16; /* (rows, k / 16): sums per 16 (K-quants) */
+    uint8_t *qu;  /* (rows, k): q + 128, for Q8_0 with VNNI; else NULL */
     int64_t k, nb;
 } acts;
 
@@ -378,7 +379,25 @@ AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, 
             s0[r] = s1[r] = _mm256_setzero_si256();
             x[r] = a->q + (r0 + r) * a->k + b * 32;
         }
-        if (type == Q8_0) {
+        if (type == Q8_0 && a->qu) {
+            /* VNNI: x + 128 (unsigned) times the signed codes, less 128 * sum(w)
+             * per row (the sums by the same instruction, once per weight chunk) */
+            const uint8_t *codes = g + 16;
+            const __m256i ones = _mm256_set1_epi8(1);
+            __m256i wsum = _mm256_setzero_si256();
+            const uint8_t *xu[ROW_TILE];
+            for (int r = 0; r < R; r++) xu[r] = a->qu + (r0 + r) * a->k + b * 32;
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+                wsum = dot_us(dot_us(wsum, ones, w0), ones, w1);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = dot_us(s0[r], bcast4((const int8_t *)xu[r] + 4 * c), w0);
+                    s1[r] = dot_us(s1[r], bcast4((const int8_t *)xu[r] + 4 * c + 4), w1);
+                }
+            }
+            const __m256i offset = _mm256_slli_epi32(wsum, 7);
+            for (int r = 0; r < R; r++) s0[r] = _mm256_sub_epi32(s0[r], offset);
+        } else if (type == Q8_0) {
             const uint8_t *codes = g + 16;
             for (int c = 0; c < 8; c += 2) {
                 const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
@@ -575,7 +594,7 @@ int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t 
     if (type < 0 || type > Q6_K || k % BLOCK[type] != 0) return -1;
     if (rows <= 0 || n <= 0) return 0;
     const int block = BLOCK[type];
-    acts a = {.k = k, .nb = k / block};
+    acts a = {.k = k, .nb = k / block, .qu = NULL};
     const size_t nq = (size_t)(rows * k), nd = (size_t)(rows * a.nb), n32 = (size_t)(rows * (k / 32)),
                  n16 = (size_t)(rows * (k / 16));
     char *scratch = malloc(nq + 4 * (nd + n32 + n16) + 64);
@@ -588,6 +607,16 @@ int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t 
     for (int64_t r = 0; r < rows; r++)
         quantize_row(x + r * x_stride, k, block, a.q + r * k, a.d + r * a.nb, a.xs + r * (k / 32),
                      a.s16 + r * (k / 16));
+#if defined(QL_VNNI)
+    if (type == Q8_0) {
+        a.qu = malloc(nq);
+        if (!a.qu) {
+            free(scratch);
+            return -2;
+        }
+        for (size_t i = 0; i < nq; i++) a.qu[i] = (uint8_t)(a.q[i] ^ 0x80);
+    }
+#endif
     switch (type) {
         case Q4_0: run_type(Q4_0, w, n, &a, rows, bias, y, ys, threads); break;
         case Q4_1: run_type(Q4_1, w, n, &a, rows, bias, y, ys, threads); break;
@@ -596,6 +625,7 @@ int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t 
         case Q5_K: run_type(Q5_K, w, n, &a, rows, bias, y, ys, threads); break;
         default: run_type(Q6_K, w, n, &a, rows, bias, y, ys, threads);
     }
+    free(a.qu);
     free(scratch);
     return 0;
 }
