@@ -121,7 +121,13 @@ class StackedMatrix:
         out = x.new_empty((x.shape[0], self.out_features))
         start = 0
         for part in self.parts:
-            out[:, start : start + part.out_features] = part.matmul(x)
+            piece = out[:, start : start + part.out_features]
+            # A part that can write into a column slice of the output does
+            # (GGUF blocks: the kernel's ``out``); others are copied in.
+            if (into := getattr(part, "matmul_into", None)) is not None:
+                into(x, piece)
+            else:
+                piece.copy_(part.matmul(x))
             start += part.out_features
         return out
 

@@ -147,7 +147,10 @@ class GgufWeights:
             if tensor.name in kept:
                 yield name, _blocks(tensor, name, cfg, permuted=permuted)
                 continue
-            if keep_quantized and not experts_said and len(tensor.shape) == 3:
+            stacked_blocks = (
+                len(tensor.shape) == 3 and tensor.tensor_type.name not in gguf_quant.FLOAT_TYPES
+            )
+            if keep_quantized and stacked_blocks and not experts_said:
                 logger.info(
                     "MoE experts dequantized to float (the quantized kernel takes 2-D "
                     "projections only)",

@@ -177,6 +177,10 @@ class GgufMatrix:
         out = self.module.matmul(x.float().contiguous(), self.weight)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x @ W^T into ``out``, a float32 column slice of a wider output."""
+        self.module.matmul(x.float().contiguous(), self.weight, out=out)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.module.dequantize_rows(self.weight, ids)
 

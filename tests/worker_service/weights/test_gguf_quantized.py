@@ -10,10 +10,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from scheduler_service.config import ServiceConfig
+from scheduler_service.serve import WORKER_FLAGS, _worker_args
 from tests.worker_service.support.quantized_models import needs_kernel
 from tests.worker_service.support.worker_factory import worker_for
 from tests.worker_service.weights.support.gguf_build import write_model_gguf
 from tests.worker_service.weights.support.tiny_checkpoints import tiny_model
+from worker_service.config import WorkerConfig
 from worker_service.device.distributed import TensorParallel
 from worker_service.models.config import UnsupportedModelError
 from worker_service.models.layers import FusedColumnLinear, RowLinear, VocabEmbedding
@@ -138,3 +141,11 @@ def test_split_of_blocks_is_rows() -> None:
     )
     a, b, c = whole.split([1, 2, 3])
     assert [p.shape for p in (a, b, c)] == [(1, 32), (2, 32), (3, 32)]
+
+
+def test_radixserve_serve_passes_dequantize_on_to_its_workers() -> None:
+    for flag, passed in ((True, True), (False, False)):
+        worker = WorkerConfig(dequantize=flag)
+        cmd = _worker_args(worker, ServiceConfig(), 0, Path("p"), dist="h:1", port=5000)
+        assert ("--dequantize" in cmd) == passed
+    assert "dequantize" in WORKER_FLAGS
