@@ -127,8 +127,9 @@ class WorkerConfig:
         False,
         "GGUF: dequantize the quantized weights to float at load (the path compared "
         "bit for bit with transformers; needed for block types without a quantized CPU "
-        "kernel). Off: a float32 CPU worker keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K "
-        "projections in their blocks (GGUF on CUDA is always dequantized)",
+        "kernel; --dtype float32 given explicitly does the same). Off: a CPU worker at "
+        "--dtype auto keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K projections in their "
+        "blocks (GGUF on CUDA is always dequantized)",
     )
     onednn_linears: bool = setting(
         True,

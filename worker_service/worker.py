@@ -172,8 +172,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # weights are loaded.
     compute_choice = choose_compute(cfg, mcfg, tp_size=tp.size, device=device, dtype=dtype)
     kernels = compute_choice.model_kernels
+    # An explicit --dtype float32 asks for the float path, as --dequantize does.
     quantized = serve_quantized(
-        kind=source.kind, device=device, dtype=dtype, dequantize=cfg.dequantize
+        kind=source.kind,
+        device=device,
+        dtype=dtype,
+        dequantize=cfg.dequantize or cfg.dtype == "float32",
     )
     if quantized:
         kernel = gguf_quant.kernels()

@@ -72,7 +72,7 @@ def serve_quantized(
     if kind != "gguf":
         return False
     if dequantize:
-        logger.info("GGUF weights dequantized to float", why="--dequantize")
+        logger.info("GGUF weights dequantized to float", why="--dequantize or --dtype float32")
         return False
     if device.type != "cpu":
         logger.info("GGUF weights dequantized to float", why=f"no quantized kernel on {device}")
