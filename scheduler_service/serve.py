@@ -63,6 +63,7 @@ WORKER_FLAGS = frozenset(
         "threads",
         "pooling",
         "embed_normalize",
+        "dequantize",
     }
 )
 WORKER_FLAG_NAMES = {"threads": "--worker-threads"}
@@ -84,6 +85,8 @@ def _worker_args(
     cmd += ["--tp-size", str(worker.tp_size), "--tp-rank", str(rank)]
     cmd += ["--pooling", worker.pooling, "--embed-normalize", worker.embed_normalize]
     cmd += ["--log-level", service.log_level, "--log-format", service.log_format]
+    if worker.dequantize:
+        cmd += ["--dequantize"]
     if service.api.metrics_port is not None:
         cmd += ["--metrics-port", str(service.api.metrics_port + 1 + rank)]
     if worker.tp_size > 1:

@@ -116,6 +116,13 @@ class WorkerConfig:
         "CPU threads for torch (0: all cores, also under radixserve serve); fewer leaves "
         "cores to other work on the machine",
     )
+    dequantize: bool = setting(
+        False,
+        "GGUF: dequantize the quantized weights to float at load (the path compared "
+        "bit for bit with transformers; needed for block types without a quantized CPU "
+        "kernel). Off: a float32 CPU worker keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K "
+        "projections in their blocks (GGUF on CUDA is always dequantized)",
+    )
     onednn_linears: bool = setting(
         True,
         "CPU: run the projections and the LM head with weights packed once: steps of up to "

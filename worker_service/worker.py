@@ -40,6 +40,7 @@ from worker_service.lora.graph_slots import LoraSlots
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
 from worker_service.models.lora_loader import ModelAdapterLoader, lora_targets
+from worker_service.models.quantized import is_placeholder, quantized_bytes
 from worker_service.models.registry import build_model
 from worker_service.sampling.grammar import (
     SIMULATED_EOS,
@@ -48,7 +49,8 @@ from worker_service.sampling.grammar import (
     simulated_tokenizer_info,
 )
 from worker_service.sampling.sampler import Sampler
-from worker_service.weights import ModelSource, open_model
+from worker_service.weights import ModelSource, gguf_quant, open_model
+from worker_service.weights.gguf_quant import serve_quantized
 from worker_service.weights.pooling_config import (
     PoolingConfig,
     classifier_pooling,
@@ -169,14 +171,29 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     # weights are loaded.
     compute_choice = choose_compute(cfg, mcfg, tp_size=tp.size, device=device, dtype=dtype)
     kernels = compute_choice.model_kernels
-    logger.info("loading model", path=str(source.path), arch=mcfg.architecture, dtype=str(dtype))
+    quantized = serve_quantized(
+        kind=source.kind, device=device, dtype=dtype, dequantize=cfg.dequantize
+    )
+    if quantized:
+        kernel = gguf_quant.kernels()
+        assert kernel is not None
+        source.files.check_quantized(kernel.KERNEL_TYPES, tp.size)  # type: ignore[attr-defined]
+    logger.info(
+        "loading model",
+        path=str(source.path),
+        arch=mcfg.architecture,
+        dtype=str(dtype),
+        quantized=quantized,
+    )
     model = build_model(mcfg, tp=tp, dtype=dtype, device=device, kernels=kernels)
     if source.kind == "random":
         model.init_random_weights(seed=0)
     else:
-        model.load_weights(source.tensors(dtype))
-    # Counted before oneDNN packing, which re-lays the same weights out.
+        model.load_weights(source.tensors(dtype, keep_quantized=quantized))
+    # Counted before oneDNN packing, which re-lays the same weights out; a
+    # quantized layer's float parameter is a placeholder (its storage counts).
     weight_bytes = _tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
+    weight_bytes += quantized_bytes(model)
     if device.type == "cpu" and cfg.onednn_linears:
         logger.info("packed linears for oneDNN", layers=model.pack_linears_for_cpu())
     # Everything else that lives on the GPU (attention workspaces, sampler
@@ -357,7 +374,10 @@ def choose_compute(
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(
+        t.untyped_storage().nbytes() if is_placeholder(t) else t.numel() * t.element_size()
+        for t in tensors
+    )
 
 
 def _attention(cfg: WorkerConfig, choice: ComputeChoice) -> Attention:

@@ -20,7 +20,10 @@ from tests.e2e.support.system import BIN, free_port, serve, stub
 
 @pytest.fixture(scope="session")
 def smollm2_address(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("serve"), "--log-level", "warning") as address:
+    # --dequantize: the float path, which the tests here compare with transformers
+    # token for token (the quantized path: tests/worker_service/test_quantized_default.py).
+    args = ("--log-level", "warning", "--dequantize")
+    with serve(tmp_path_factory.mktemp("serve"), *args) as address:
         yield address
 
 

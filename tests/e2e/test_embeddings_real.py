@@ -78,6 +78,7 @@ def test_post_v1_embeddings_through_the_gateway(gateway):
 def test_mean_pooling_over_chunked_prompts_equals_transformers(tmp_path):
     tok, _ = default_model_reference()
     args = ["--pooling", "mean", "--embed-normalize", "off", "--chunked-prefill-size", "16"]
+    args += ["--dequantize"]  # compared with transformers' float weights
     with serve(tmp_path, *args, "--log-level", "warning") as address:
         s = stub(address)
         ids = [tok.encode(t) for t in TEXTS]

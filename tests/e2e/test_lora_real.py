@@ -45,6 +45,7 @@ def address(tmp_path_factory, adapters):
         "--lora-paths",
         f"{first}={adapters[first]}",
         "--check-integrity",
+        "--dequantize",  # compared with PEFT on the float weights
     ]
     with serve(tmp_path_factory.mktemp("lora"), *args) as addr:
         s = stub(addr)

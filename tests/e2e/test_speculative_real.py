@@ -116,7 +116,7 @@ def test_chunked_prompts_and_a_worker_sigkill_keep_outputs_identical(hf, tmp_pat
     the resumed streams equal an undisturbed run without drafts."""
     tok, _ = hf
     port = free_port()
-    worker_args = ["--model", "default", "--log-level", "warning"]
+    worker_args = ["--model", "default", "--log-level", "warning", "--dequantize"]
     sched = [str(BIN / "radixserve-scheduler"), "--worker", f"grpc://127.0.0.1:{port}"]
     sched += ["--log-level", "info", "--worker-recovery-timeout", "120"]
     sched += ["--chunked-prefill-size", "32"]

@@ -27,6 +27,7 @@ def test_overlapped_worker_matches_transformers(tmp_path):
     tok, model = default_model_reference()
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     worker = ["--model", "default", "--overlap", "on", "--threads", "1", "--log-level", "warning"]
+    worker += ["--dequantize"]  # compared with transformers' float weights
     with separate(tmp_path, worker, ["--log-level", "warning"]) as address:
         s = stub(address)
         outputs: dict[int, tuple[list[int], list[float]]] = {}

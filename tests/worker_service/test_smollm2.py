@@ -38,7 +38,8 @@ def hf():
 
 @pytest.fixture(scope="module")
 def worker():
-    return build_worker(WorkerConfig(model="default", page_size=16, num_pages=256))
+    # The float path: compared with transformers to 1e-4.
+    return build_worker(WorkerConfig(model="default", page_size=16, num_pages=256, dequantize=True))
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(hf, worker):

@@ -1,8 +1,10 @@
-"""GGUF files: metadata -> ModelConfig, quantized tensors -> HF float tensors.
+"""GGUF files: metadata -> ModelConfig, quantized tensors -> HF tensors.
 
 The reader memory-maps the file, so opening costs a metadata parse (~2 s for
-the default model, mostly its token list) and each tensor is dequantized only
-when ``tensors()`` reaches it.
+the default model, mostly its token list) and each tensor is read only when
+``tensors()`` reaches it: dequantized to float, or, with ``keep_quantized``,
+the projections, embedding and LM head stored in a type the quantized kernel
+takes yielded as their blocks (weights/gguf_quant.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from worker_service.models.config import ModelConfig, UnsupportedModelError
-from worker_service.weights import gguf_names
+from worker_service.weights import gguf_names, gguf_quant
 from worker_service.weights.gguf_config import GgufMetadata, gguf_model_config
 from worker_service.weights.tokenizer_files import gguf_tokenizer_files
 
@@ -83,14 +85,76 @@ class GgufWeights:
                 f"in radixserve's {self._arch!r} model, e.g. {unknown[:3]}"
             )
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _quantized_tensors(self) -> list[tuple[gguf.ReaderTensor, str, str]]:
+        """(tensor, HF name, layer kind) of each block-typed tensor the layers
+        take quantized (kept so, or refused where its type has no kernel)."""
+        found = []
+        for tensor in self._reader.tensors:
+            qtype = tensor.tensor_type.name
+            name = gguf_names.hf_name(tensor.name, self._arch)
+            if qtype in gguf_quant.FLOAT_TYPES or name is None or len(tensor.shape) != 2:
+                continue
+            if (kind := gguf_quant.projection_kind(name)) is not None:
+                found.append((tensor, name, kind))
+        return found
+
+    def check_quantized(self, kernel_types: frozenset[str], tp_size: int) -> None:
+        """Refuse, before loading, what quantized serving cannot take: a block
+        type without a kernel, a row-parallel cut inside a block."""
+        kept = self._quantized_tensors()
+        no_kernel = [(t.tensor_type.name, t.name) for t, _, _ in kept]
+        no_kernel = [(qtype, name) for qtype, name in no_kernel if qtype not in kernel_types]
+        if no_kernel:
+            kinds = sorted({qtype for qtype, _ in no_kernel})
+            names = [name for _, name in no_kernel]
+            raise UnsupportedModelError(
+                f"{self.path.name}: tensors stored as {kinds} have no quantized CPU kernel "
+                f"({len(names)} tensors, e.g. {names[:3]}); kernels exist for "
+                f"{sorted(kernel_types)}; serve this file with --dequantize (float weights)"
+            )
+        for tensor, _, kind in kept:
+            if kind != "row" or tp_size == 1:
+                continue
+            size, _ = gguf_quant.block_shape(tensor.tensor_type.name)
+            in_features = int(tensor.shape[0])
+            if in_features % (tp_size * size):
+                raise UnsupportedModelError(
+                    f"{self.path.name}: {tensor.name} ({tensor.tensor_type.name}, {in_features} "
+                    f"input features in blocks of {size}) cannot be split into {tp_size} "
+                    "tensor-parallel shards on block boundaries; serve it with --dequantize"
+                )
+
+    def tensors(
+        self, dtype: torch.dtype, *, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | gguf_quant.GgufBlocks]]:
         permuted = self._arch in gguf_names.PERMUTED_ARCHITECTURES
         cfg = self.config
+        kept: set[str] = set()
+        if keep_quantized:
+            module = gguf_quant.kernels()
+            assert module is not None  # serve_quantized checked it
+            kept = {
+                t.name
+                for t, _, _ in self._quantized_tensors()
+                if t.tensor_type.name in module.KERNEL_TYPES
+            }
+        experts_said = False
         for tensor in self._reader.tensors:
             if tensor.name in gguf_names.ROPE_TENSORS:
                 continue  # folded into config.rope
             name = gguf_names.hf_name(tensor.name, self._arch)
             assert name is not None  # _check_tensors refused the others
+            if tensor.name in kept:
+                yield name, _blocks(tensor, name, cfg, permuted=permuted)
+                continue
+            if keep_quantized and not experts_said and len(tensor.shape) == 3:
+                logger.info(
+                    "MoE experts dequantized to float (the quantized kernel takes 2-D "
+                    "projections only)",
+                    example=tensor.name,
+                    type=tensor.tensor_type.name,
+                )
+                experts_said = True
             array = _dequantize(tensor)
             if gguf_names.is_shifted_norm(tensor.name, self._arch):
                 array = array - np.float32(1.0)
@@ -111,6 +175,19 @@ class GgufWeights:
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return gguf_tokenizer_files(self.path, self.meta, self.config)
+
+
+def _blocks(
+    tensor: gguf.ReaderTensor, name: str, cfg: ModelConfig, *, permuted: bool
+) -> gguf_quant.GgufBlocks:
+    """A 2-D quantized tensor's blocks, rows in HF order (a view of the map,
+    or a copy when llama.cpp's Q/K rows are put back)."""
+    blocks = tensor.data
+    heads = gguf_names.rotary_heads(tensor.name, cfg.num_heads, cfg.num_kv_heads)
+    if permuted and heads is not None:
+        blocks = gguf_names.unpermute_rotary_rows(blocks, heads)
+    in_features = int(tensor.shape[0])
+    return gguf_quant.GgufBlocks(name, tensor.tensor_type.name, blocks, in_features)
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:

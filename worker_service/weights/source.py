@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from worker_service.models.config import ModelConfig
+from worker_service.models.quantized import QuantizedTensor
 
 logger = structlog.get_logger(__name__)
 
@@ -48,10 +49,16 @@ class ModelSource:
         default_factory=threading.Lock, init=False, repr=False, compare=False
     )
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, dtype: torch.dtype = torch.float32, *, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Every weight under its Hugging Face name, in HF layout ([out, in] for
         linear weights), converted to ``dtype``, one at a time. ``lm_head.weight``
-        is absent when the embeddings are tied."""
+        is absent when the embeddings are tied. ``keep_quantized`` (GGUF only,
+        weights/gguf_quant.py: serve_quantized): the projections, embedding
+        and LM head stored in a kernel's block type come as QuantizedTensors."""
+        if keep_quantized and self.kind == "gguf":
+            return self.files.tensors(dtype, keep_quantized=True)  # type: ignore[call-arg]
         return self.files.tensors(dtype)
 
     def tokenizer_files(self) -> dict[str, bytes]:

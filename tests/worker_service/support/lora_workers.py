@@ -22,7 +22,9 @@ QUESTIONS = [
 @functools.cache
 def default_worker() -> Worker:
     """The default model's worker with the standard adapters loaded by name."""
-    worker = build_worker(WorkerConfig(model="default", page_size=16, num_pages=512))
+    # The float path: compared with PEFT on the float weights.
+    cfg = WorkerConfig(model="default", page_size=16, num_pages=512, dequantize=True)
+    worker = build_worker(cfg)
     for name, path in standard_adapters().items():
         worker.runner.adapters.put(worker.adapter_loader.load(name, path, 0))
     return worker
