@@ -137,6 +137,12 @@ class WorkerConfig:
         "128 rows through a C kernel, longer ones through oneDNN (faster than torch's plain "
         "linear; keeps two more copies of float32 weights)",
     )
+    cpu_decode_chain: bool = setting(
+        True,
+        "CPU: run a Llama-shaped model's layers in one C call for steps of decode and short "
+        "verify rows (the same C ops as the Python forward, bit for bit, without Python "
+        "between them)",
+    )
     cpu_decode_kernel: bool = setting(
         True,
         "CPU: decode attention through a small C kernel that reads the KV pages in place "

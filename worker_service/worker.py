@@ -40,6 +40,7 @@ from worker_service.kernels import Kernels, select_kernels
 from worker_service.lora.graph_slots import LoraSlots
 from worker_service.lora.loaders import AdapterLoader, ConfigOnlyLoader
 from worker_service.models.config import ModelConfig
+from worker_service.models.cpu_decode_chain import DecodeChain
 from worker_service.models.lora_loader import ModelAdapterLoader, lora_targets
 from worker_service.models.quantized import is_placeholder, quantized_bytes
 from worker_service.models.registry import build_model
@@ -206,6 +207,9 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     weight_bytes += quantized_bytes(model)
     if device.type == "cpu" and cfg.onednn_linears:
         logger.info("packed linears for oneDNN", layers=model.pack_linears_for_cpu())
+    if device.type == "cpu" and cfg.cpu_decode_chain and hasattr(model, "decode_chain"):
+        model.decode_chain = DecodeChain.build(model)
+        logger.info("C decode chain", on=model.decode_chain is not None)
     # Everything else that lives on the GPU (attention workspaces, sampler
     # buffers, LoRA graph slots) is allocated before the KV pool is sized from
     # the memory left; what the decode graphs and a step's activations take

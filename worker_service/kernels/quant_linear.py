@@ -229,3 +229,17 @@ def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """(len(ids), in_features) float32: rows ``ids`` dequantized (embedding
     lookups from a quantized table)."""
     return _require().dequantize_rows(w, ids.reshape(-1))
+
+
+def type_code(qtype: str) -> int:
+    """The C source's code for GGUF type ``qtype`` (what ql_matmul takes)."""
+    return _type(qtype)[0]
+
+
+def matmul_address() -> int | None:
+    """ql_matmul's address in the built library (the CPU decode chain calls
+    it directly), or None where the library is not built."""
+    library = _library()
+    if library is None:
+        return None
+    return ctypes.cast(library._lib.ql_matmul, ctypes.c_void_p).value

@@ -29,6 +29,7 @@ length of the forward; each projection knows its layer and module name.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ from worker_service.models.layers import (
 )
 from worker_service.models.rope import RotaryEmbedding
 from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
+
+if TYPE_CHECKING:
+    from worker_service.models.cpu_decode_chain import DecodeChain
 
 
 class LlamaAttention(nn.Module):
@@ -229,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
     norm_class: type[RMSNorm] = RMSNorm  # the final norm's
     mlp_class: type[LlamaMLP] = LlamaMLP
     layer_class: type[nn.Module] = LlamaDecoderLayer
+    # The CPU decode steps' C path (models/cpu_decode_chain.py), set by the
+    # worker after packing where the model qualifies.
+    decode_chain: DecodeChain | None = None
 
     def decoder_layer(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
         """Layer ``build.layer`` of the stack: ``layer_class`` around its attention and MLP."""
@@ -268,6 +275,9 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         kv: KvCache,
     ) -> torch.Tensor:
+        chain = self.decode_chain
+        if chain is not None and (hidden := chain.run(input_ids, positions, attn, kv)) is not None:
+            return hidden
         residual = self.embed_tokens(input_ids)
         layers = self.layers
         if not layers:
