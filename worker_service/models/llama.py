@@ -29,7 +29,7 @@ length of the forward; each projection knows its layer and module name.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -52,8 +52,14 @@ from worker_service.models.layers import (
 from worker_service.models.rope import RotaryEmbedding
 from worker_service.models.score_head import SEQUENCE_CLASSIFIERS
 
-if TYPE_CHECKING:
-    from worker_service.models.cpu_decode_chain import DecodeChain
+
+class DecodeFastPath(Protocol):
+    """What runs a step's stack instead of the Python loop where it can
+    (models/cpu_decode_chain.DecodeChain); None from ``run``: it cannot."""
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv: KvCache
+    ) -> torch.Tensor | None: ...
 
 
 class LlamaAttention(nn.Module):
@@ -235,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = LlamaDecoderLayer
     # The CPU decode steps' C path (models/cpu_decode_chain.py), set by the
     # worker after packing where the model qualifies.
-    decode_chain: DecodeChain | None = None
+    decode_chain: DecodeFastPath | None = None
 
     def decoder_layer(self, cfg: ModelConfig, build: LayerBuild) -> nn.Module:
         """Layer ``build.layer`` of the stack: ``layer_class`` around its attention and MLP."""
