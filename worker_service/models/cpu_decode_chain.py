@@ -21,122 +21,27 @@ bit.
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 from torch import nn
 
-from worker_service.kernels.c_build import CFLAGS, build_library
+from worker_service.kernels.decode_chain_abi import (
+    KIND_FLOAT,
+    KIND_QUANT,
+    MAX_PARTS,
+    ChainLayer,
+    ChainLinear,
+    ChainModel,
+    ChainPart,
+    ChainStep,
+    address,
+    load_library,
+)
 from worker_service.models import cpu_linear
 
 logger = structlog.get_logger(__name__)
-
-SOURCE = Path(__file__).parents[1] / "kernels" / "c_sources" / "decode_chain.c"
-MAX_PARTS = 4
-KIND_FLOAT, KIND_QUANT = 0, 1
-
-_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [
-        ("kind", _I32),
-        ("qtype", _I32),
-        ("weight", _P),
-        ("out_features", _I64),
-        ("col", _I64),
-    ]
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("nparts", _I32),
-        ("bias_after", _I32),
-        ("parts", _Part * MAX_PARTS),
-        ("bias", _P),
-        ("out_total", _I64),
-        ("in_features", _I64),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _Linear),
-        ("o", _Linear),
-        ("gate_up", _Linear),
-        ("down", _Linear),
-        ("post_norm", _P),
-        ("next_norm", _P),
-        ("cache", _P),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("skinny", _P),
-        ("quant", _P),
-        ("add_rmsnorm", _P),
-        ("rope", _P),
-        ("silu", _P),
-        ("attn", _P),
-        ("attn_parallel", _I32),
-        ("threads_skinny", _I32),
-        ("threads_quant", _I32),
-        ("threads_ops", _I32),
-        ("threads_attn", _I32),
-        ("num_layers", _I32),
-        ("hidden", _I32),
-        ("heads", _I32),
-        ("kv_heads", _I32),
-        ("head_dim", _I32),
-        ("inter", _I32),
-        ("page_size", _I32),
-        ("window", _I32),
-        ("eps", _F),
-        ("scale", _F),
-        ("layers", ctypes.POINTER(_Layer)),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("rows", _I64),
-        ("positions", _P),
-        ("write_pages", _P),
-        ("write_offsets", _P),
-        ("attn_rows", _P),
-        ("attn_lens", _P),
-        ("attn_indptr", _P),
-        ("page_ids", _P),
-        ("cos_sin", _P),
-        ("x", _P),
-        ("residual", _P),
-        ("qkv", _P),
-        ("q", _P),
-        ("attn_out", _P),
-        ("gate_up", _P),
-        ("act", _P),
-        ("tmp", _P),
-    ]
-
-
-def _address(fn: Any) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value or 0
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, [*CFLAGS], "decode_chain")))
-    except (RuntimeError, OSError) as e:
-        logger.warning("C decode chain unavailable; the Python forward runs", error=str(e))
-        return None
-    lib.decode_chain.restype = ctypes.c_int
-    lib.decode_chain.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
-    return lib
 
 
 class _Unfit(Exception):
@@ -177,7 +82,7 @@ class DecodeChain:
         self.has_float = False
         self._struct_skinny = 0
         self._skinny_threads = 1
-        structs = (_Layer * len(layers))()
+        structs = (ChainLayer * len(layers))()
         for i, layer in enumerate(layers):
             s = structs[i]
             attn, mlp = layer.self_attn, layer.mlp
@@ -189,10 +94,10 @@ class DecodeChain:
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
             s.next_norm = self._norm(nxt)
         self._layers = structs
-        self._struct = _Model(
-            add_rmsnorm=_address(kernels._lib.add_rmsnorm),
-            rope=_address(kernels._lib.rope),
-            silu=_address(kernels._lib.silu_and_mul),
+        self._struct = ChainModel(
+            add_rmsnorm=address(kernels._lib.add_rmsnorm),
+            rope=address(kernels._lib.rope),
+            silu=address(kernels._lib.silu_and_mul),
             threads_ops=kernels.threads,
             num_layers=len(layers),
             hidden=self.hidden,
@@ -211,7 +116,7 @@ class DecodeChain:
     def build(cls, model: nn.Module) -> DecodeChain | None:
         """The chain for ``model`` (its weights loaded and packed), or None
         (logged) where it is not a model the chain runs."""
-        lib = _library()
+        lib = load_library()
         if lib is None:
             return None
         try:
@@ -261,8 +166,8 @@ class DecodeChain:
             raise _Unfit("a norm weight that is not contiguous float32")
         return weight.data_ptr()
 
-    def _linear(self, proj: nn.Module, *, column: bool) -> _Linear:
-        out = _Linear()
+    def _linear(self, proj: nn.Module, *, column: bool) -> ChainLinear:
+        out = ChainLinear()
         bias = getattr(proj, "bias", None)
         quantized = getattr(proj, "quantized", None)
         if quantized is not None:
@@ -275,7 +180,7 @@ class DecodeChain:
                 if found is None:
                     raise _Unfit(f"a {type(part).__name__} matrix")
                 weight, code = found
-                out.parts[i] = _Part(
+                out.parts[i] = ChainPart(
                     KIND_QUANT, code, weight.data.data_ptr(), weight.out_features, col
                 )
                 self._keep.append(weight.data)
@@ -288,12 +193,14 @@ class DecodeChain:
             packed = getattr(proj, "packed", None)
             if packed is None or packed.skinny is None or packed.kernel is None:
                 raise _Unfit("a projection not packed for the C decode linear")
-            if self.has_float and _address(packed.kernel._lib.skinny_linear) != self._struct_skinny:
+            if self.has_float and address(packed.kernel._lib.skinny_linear) != self._struct_skinny:
                 raise _Unfit("two C decode linear builds")
-            self._struct_skinny = _address(packed.kernel._lib.skinny_linear)
+            self._struct_skinny = address(packed.kernel._lib.skinny_linear)
             self._skinny_threads = packed.kernel.threads
             self.has_float = True
-            out.parts[0] = _Part(KIND_FLOAT, 0, packed.skinny.data_ptr(), packed.out_features, 0)
+            out.parts[0] = ChainPart(
+                KIND_FLOAT, 0, packed.skinny.data_ptr(), packed.out_features, 0
+            )
             self._keep.append(packed.skinny)
             out.nparts = 1
             out.out_total = packed.out_features
@@ -326,13 +233,13 @@ class DecodeChain:
             m.threads_skinny = self._skinny_threads
         from worker_service.kernels import quant_linear
 
-        if (address := quant_linear.matmul_address()) is not None:
-            m.quant = address
+        if (ql_matmul := quant_linear.matmul_address()) is not None:
+            m.quant = ql_matmul
         m.threads_quant = torch.get_num_threads()
         if kernel._parallel is not None:
-            m.attn, m.attn_parallel = _address(kernel._parallel), 1
+            m.attn, m.attn_parallel = address(kernel._parallel), 1
         else:
-            m.attn, m.attn_parallel = _address(kernel._fn), 0
+            m.attn, m.attn_parallel = address(kernel._fn), 0
         m.threads_attn = kernel.threads
         spec = attn.spec
         m.page_size = spec.page_size
@@ -386,7 +293,7 @@ class DecodeChain:
             "act": new((n, self.inter)),
             "tmp": new((n, self.hidden)),
         }
-        step = _Step(
+        step = ChainStep(
             rows=n,
             positions=positions.data_ptr(),
             write_pages=pages.data_ptr(),

@@ -12,7 +12,9 @@
  * The ops are the very C functions the Python forward calls (cpu_ops.c,
  * skinny_linear.c, quant_linear.c, paged_decode.c), reached through function
  * pointers the caller hands over, with the same arguments in the same order:
- * the result is the Python path's bit for bit. What this saves is the Python
+ * the result is the Python path's bit for bit. The typedefs below restate
+ * those functions' signatures: change one there and here together
+ * (tests/worker_service/test_cpu_decode_chain.py fails otherwise). What this saves is the Python
  * between them (module calls, argument checks, ctypes conversions, tensor
  * allocations): about 0.2 ms a layer on this machine, more than a quantized
  * layer's matmuls at one row.
@@ -37,13 +39,14 @@ typedef int (*attn_parallel_fn)(const void *q, int q_dtype, const void *cache, i
                                 void *out, const int64_t *rows, const int64_t *lens,
                                 const int64_t *indptr, const int32_t *page_ids, int page_size,
                                 int heads, int kv_heads, int head_dim, int window, float scale,
-                                float soft_cap, const float *sinks, int64_t tasks, int threads);
+                                float soft_cap, float v_scale, const float *sinks, int64_t tasks,
+                                int threads);
 typedef int (*attn_range_fn)(const void *q, int q_dtype, const void *cache, int cache_dtype,
                              void *out, const int64_t *rows, const int64_t *lens,
                              const int64_t *indptr, const int32_t *page_ids, int page_size,
                              int heads, int kv_heads, int head_dim, int window, float scale,
-                             float soft_cap, const float *sinks, int64_t task_begin,
-                             int64_t task_end);
+                             float soft_cap, float v_scale, const float *sinks,
+                             int64_t task_begin, int64_t task_end);
 
 enum { MAX_PARTS = 4, KIND_FLOAT = 0, KIND_QUANT = 1 };
 
@@ -144,12 +147,13 @@ int decode_chain(const ChainModel *m, const ChainStep *s) {
             st = ((attn_parallel_fn)m->attn)(s->q, 0, cache, 0, s->attn_out, s->attn_rows,
                                              s->attn_lens, s->attn_indptr, s->page_ids,
                                              m->page_size, m->heads, m->kv_heads, D, m->window,
-                                             m->scale, 0.0f, NULL, tasks, m->threads_attn);
+                                             m->scale, 0.0f, 1.0f, NULL, tasks,
+                                             m->threads_attn);
         } else {
             st = ((attn_range_fn)m->attn)(s->q, 0, cache, 0, s->attn_out, s->attn_rows,
                                           s->attn_lens, s->attn_indptr, s->page_ids,
                                           m->page_size, m->heads, m->kv_heads, D, m->window,
-                                          m->scale, 0.0f, NULL, 0, tasks);
+                                          m->scale, 0.0f, 1.0f, NULL, 0, tasks);
         }
         if (st != 0) return st;
         if ((st = linear(m, &L->o, s->attn_out, n, s->tmp)) != 0) return st;
