@@ -71,6 +71,7 @@ def test_retracted_requests_resume_with_identical_greedy_outputs(tmp_path, smoll
 
     metrics = free_port()
     worker = ["--model", "default", "--num-pages", str(NUM_PAGES), "--threads", "1"]
+    worker += ["--dequantize"]  # the float path, as the smollm2 fixture serves it
     with separate(
         tmp_path,
         [*worker, "--log-level", "warning"],
