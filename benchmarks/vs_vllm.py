@@ -76,18 +76,15 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from vs_vllm_accounting import cpu_seconds, py_spy, radixserve_pids, scrape, steps_delta
+from vs_vllm_direct import direct_vs_gateway
 from vs_vllm_loads import Load, make_load, write_chat_prompts
-from vs_vllm_servers import BIN, Server, llama_cpp, radixserve, vllm
+from vs_vllm_servers import Server, llama_cpp, radixserve, served_name, vllm
 
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", Path.home() / ".cache" / "radixserve-peers"))
 SERVERS = ("radixserve", "vllm")  # the second is the peer (--peer): "vllm" or "llama.cpp"
 PEER_LABEL = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
 FIGURES = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")
 TOKENIZER: dict[str, str] = {}  # --tokenizer, when the model is a .gguf file
-
-
-def served_name(model: str) -> str:
-    return Path(model).name
 
 
 def tokenizer(model: str) -> str:
@@ -227,66 +224,6 @@ def run_loads(args: argparse.Namespace, servers: dict[str, Server], out: Path) -
         summary = summarize(runs)
         print_load(name, runs, summary)
         results[name] = {"runs": runs, **summary}
-    return results
-
-
-def radixserve_bench(
-    server: Server, load: str, seed: int, model: str, out: Path, *, gateway: bool
-) -> dict[str, float]:
-    """One radixserve-bench run of ``load`` (greedy, EOS ignored), straight to
-    the gRPC port or through the gateway."""
-    c = int("".join(ch for ch in load if ch.isdigit()) or 1)
-    if load.startswith("shared"):
-        w = ["--dataset", "generated-shared-prefix", "--gsp-num-groups", "4"]
-        w += ["--gsp-prompts-per-group", str(3 * c // 4), "--gsp-system-prompt-len", "256"]
-        w += ["--gsp-question-len", "32", "--gsp-output-len", "64"]
-    else:
-        w = ["--dataset", "random", "--num-prompts", str(3 * c), "--random-input-len", "384"]
-        w += ["--random-output-len", "64", "--random-range-ratio", "1"]
-    path = out / f"direct-{load}-{'gateway' if gateway else 'grpc'}-seed{seed}.json"
-    cmd = [str(BIN / "radixserve-bench"), *w, "--max-concurrency", str(c), "--seed", str(seed)]
-    cmd += ["--tokenizer", tokenizer(model), "--no-progress", "--output-json", str(path)]
-    if gateway:
-        cmd += ["--backend", "openai", "--base-url", server.base_url, "--model", served_name(model)]
-    else:
-        cmd += ["--address", str(server.grpc_address)]
-    steps0 = scrape(server) if server.metrics_urls else {}
-    cpu0 = cpu_seconds(server)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
-    cpu["bench-client"] = round(
-        (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 1
-    )
-    s = next(iter(json.loads(path.read_text())["results"].values()))
-    return {
-        "output_tok_s": s["output_tokens_per_s"],
-        "tpot_p50_ms": s["tpot_ms"]["p50"],
-        "ttft_p50_ms": s["ttft_ms"]["p50"],
-        "input_tokens": s["input_tokens"],
-        "cached_tokens": s["cached_tokens"],
-        "steps": steps_delta(steps0, scrape(server)) if server.metrics_urls else {},
-        "cpu_s": cpu,
-    }
-
-
-def direct_vs_gateway(args: argparse.Namespace, server: Server, out: Path) -> dict:
-    results = {}
-    for li, load in enumerate(args.direct_vs_gateway):
-        runs: dict[str, list[dict[str, float]]] = {"grpc": [], "gateway": []}
-        for i in range(args.runs):
-            for j, gw in enumerate((False, True) if i % 2 == 0 else (True, False)):
-                seed = args.seed + 5000 + 100 * li + 2 * i + j
-                r = radixserve_bench(server, load, seed, args.model, out, gateway=gw)
-                runs["gateway" if gw else "grpc"].append(r)
-                print(f"direct {load} run {i} {'gateway' if gw else 'grpc'}: {r}", flush=True)
-        med = {k: {f: statistics.median(r[f] for r in v) for f in FIGURES} for k, v in runs.items()}
-        ratio = {f: med["gateway"][f] / med["grpc"][f] for f in FIGURES}
-        print(f"\n== {load}: through the gateway / straight to gRPC (radixserve-bench, greedy)")
-        for f in FIGURES:
-            print(f"{f:<14}{med['grpc'][f]:>10.1f}{med['gateway'][f]:>10.1f}{ratio[f]:>8.2f}x")
-        results[load] = {"runs": runs, "median": med, "gateway_over_grpc": ratio}
     return results
 
 

@@ -4,6 +4,7 @@ ready when it answers and stopped as a whole."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,11 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm_cpu.sh"
 LLAMA_CPP_SCRIPT = ROOT.parent / "shared" / "peers" / "llama_cpp.sh"
+
+
+def served_name(model: str) -> str:
+    """The model name both servers answer to: the directory's or file's name."""
+    return Path(model).name
 
 
 def free_port() -> int:
@@ -135,29 +141,39 @@ def radixserve(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
 
 
 @contextmanager
-def vllm(model: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
-    """vLLM's OpenAI server (the peer script); stopped on exit."""
+def _peer(
+    name: str,
+    script: Path,
+    model: str,
+    extra: Sequence[str],
+    tmp: Path,
+    *,
+    ready_s: float,
+    probe: bool,
+) -> Iterator[Server]:
+    """A peer's OpenAI server through its script (``serve MODEL PORT ...``),
+    ready once it lists a model (and, with ``probe``, answers a completion
+    for the file's name); stopped on exit."""
     port = free_port()
-    cmd = ["bash", str(VLLM_SCRIPT), "serve", model, str(port), *extra]
-    procs = [_popen(cmd, tmp / "vllm.log")]
+    log = tmp / f"{name.replace('.', '_')}.log"
+    procs = [_popen(["bash", str(script), "serve", model, str(port), *extra], log)]
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_models(base, procs[0], tmp / "vllm.log", 900)  # its first start compiles
-        yield Server("vllm", base, procs)
+        wait_models(base, procs[0], log, ready_s)
+        if probe:
+            probe_completion(base, Path(model).name, 120)
+        yield Server(name, base, procs)
     finally:
         stop(procs)
 
 
-@contextmanager
-def llama_cpp(gguf: str, extra: Sequence[str], tmp: Path) -> Iterator[Server]:
-    """llama.cpp's OpenAI server on ``gguf`` (the peer script: all cores); stopped on exit."""
-    port = free_port()
-    cmd = ["bash", str(LLAMA_CPP_SCRIPT), "serve", gguf, str(port), *extra]
-    procs = [_popen(cmd, tmp / "llama_cpp.log")]
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_models(base, procs[0], tmp / "llama_cpp.log", 300)
-        probe_completion(base, Path(gguf).name, 120)
-        yield Server("llama.cpp", base, procs)
-    finally:
-        stop(procs)
+def vllm(model: str, extra: Sequence[str], tmp: Path) -> contextlib.AbstractContextManager[Server]:
+    """vLLM's OpenAI server (its first start compiles: up to 15 minutes)."""
+    return _peer("vllm", VLLM_SCRIPT, model, extra, tmp, ready_s=900, probe=False)
+
+
+def llama_cpp(
+    gguf: str, extra: Sequence[str], tmp: Path
+) -> contextlib.AbstractContextManager[Server]:
+    """llama.cpp's OpenAI server on ``gguf`` (the peer script: all cores)."""
+    return _peer("llama.cpp", LLAMA_CPP_SCRIPT, gguf, extra, tmp, ready_s=300, probe=True)

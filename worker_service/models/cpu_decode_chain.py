@@ -27,6 +27,7 @@ import structlog
 import torch
 from torch import nn
 
+from worker_service.attention.torch_backend import TorchAttention
 from worker_service.kernels.decode_chain_abi import (
     KIND_FLOAT,
     KIND_QUANT,
@@ -256,8 +257,6 @@ class DecodeChain:
     ) -> torch.Tensor | None:
         """The stack's final-normed hidden states for this step, or None where
         the step is not one the chain runs (the caller runs the Python forward)."""
-        from worker_service.attention.torch_backend import TorchAttention
-
         n = input_ids.shape[0]
         if self._model.lora.batch is not None:
             return None

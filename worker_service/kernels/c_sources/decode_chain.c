@@ -16,8 +16,9 @@
  * those functions' signatures: change one there and here together
  * (tests/worker_service/test_cpu_decode_chain.py fails otherwise). What this saves is the Python
  * between them (module calls, argument checks, ctypes conversions, tensor
- * allocations): about 0.2 ms a layer on this machine, more than a quantized
- * layer's matmuls at one row.
+ * allocations): about 0.3 ms a layer on this machine (a one-row quantized
+ * step 21.7 -> 12.1 ms over 30 layers), more than a quantized layer's
+ * matmuls at one row.
  *
  * Plain C, called through ctypes; built by models/cpu_decode_chain.py. */
 
