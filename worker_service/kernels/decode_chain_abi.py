@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from worker_service.kernels.c_build import CFLAGS, build_library
+from worker_service.kernels.c_build import CFLAGS, build_threaded, one_openmp_runtime
 
 logger = structlog.get_logger(__name__)
 
@@ -79,6 +79,11 @@ class ChainModel(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         ("layers", ctypes.POINTER(ChainLayer)),
+        ("quant_row", _P),
+        ("quant_part", _P),
+        ("attn_range", _P),
+        ("team", _I32),
+        ("block_of", _I32 * 8),
     ]
 
 
@@ -101,6 +106,8 @@ class ChainStep(ctypes.Structure):
         ("gate_up", _P),
         ("act", _P),
         ("tmp", _P),
+        ("acts", _P),
+        ("acts_bytes", _I64),
     ]
 
 
@@ -111,10 +118,13 @@ def address(fn: Any) -> int:
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, [*CFLAGS], "decode_chain")))
+        lib = ctypes.CDLL(str(build_threaded(SOURCE, [*CFLAGS], "decode_chain")))
     except (RuntimeError, OSError) as e:
         logger.warning("C decode chain unavailable; the Python forward runs", error=str(e))
         return None
+    lib.decode_chain_openmp.restype = ctypes.c_int
     lib.decode_chain.restype = ctypes.c_int
     lib.decode_chain.argtypes = [ctypes.POINTER(ChainModel), ctypes.POINTER(ChainStep)]
+    if lib.decode_chain_openmp() and not one_openmp_runtime("C decode chain"):
+        return None
     return lib

@@ -110,6 +110,8 @@ class QuantLinearLibrary:
         lib.ql_isa.argtypes = []
         lib.ql_matmul.restype = _INT
         lib.ql_matmul.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT]
+        lib.ql_scratch_bytes.restype = _I64
+        lib.ql_scratch_bytes.argtypes = [_I64, _I64]
         lib.ql_pack.restype = _INT
         lib.ql_pack.argtypes = [_INT, _P, _P, _I64, _I64]
         lib.ql_dequantize_rows.restype = _INT
@@ -236,10 +238,22 @@ def type_code(qtype: str) -> int:
     return _type(qtype)[0]
 
 
-def matmul_address() -> int | None:
-    """ql_matmul's address in the built library (the CPU decode chain calls
-    it directly), or None where the library is not built."""
+def team_addresses() -> dict[str, int] | None:
+    """The addresses the CPU decode chain calls: ql_matmul (its op-by-op path)
+    and the pieces its team path splits (ql_quantize_row, ql_matmul_part);
+    None where the library is not built."""
     library = _library()
     if library is None:
         return None
-    return ctypes.cast(library._lib.ql_matmul, ctypes.c_void_p).value
+    names = ("ql_matmul", "ql_quantize_row", "ql_matmul_part")
+    return {n: ctypes.cast(getattr(library._lib, n), ctypes.c_void_p).value or 0 for n in names}
+
+
+def scratch_bytes(rows: int, in_features: int) -> int:
+    """Bytes of one activation buffer ql_quantize_row fills for (rows, in_features)."""
+    return int(_require()._lib.ql_scratch_bytes(rows, in_features))
+
+
+def block_codes() -> dict[int, int]:
+    """Each C type code's block size (what the chain's team quantizes for)."""
+    return {code: block for code, block, _ in _TYPES.values()}

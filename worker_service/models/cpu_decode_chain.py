@@ -111,6 +111,10 @@ class DecodeChain:
         )
         self._bound: tuple[int, ...] | None = None  # (attention kernel, cache pointers) bound
         self.steps = 0  # steps the chain ran (tests, logs)
+        # The team path (one OpenMP region a step) where every projection is
+        # GGUF blocks; False: op by op (benchmarks/worker_decode_cpu.py's A/B).
+        self.use_team = True
+        self.team_threads = 0
 
     # ----------------------------------------------------------- build
     @classmethod
@@ -234,9 +238,18 @@ class DecodeChain:
             m.threads_skinny = self._skinny_threads
         from worker_service.kernels import quant_linear
 
-        if (ql_matmul := quant_linear.matmul_address()) is not None:
-            m.quant = ql_matmul
+        found = quant_linear.team_addresses()
+        if found is not None:
+            m.quant = found["ql_matmul"]
         m.threads_quant = torch.get_num_threads()
+        self.team_threads = 0
+        if found is not None and not self.has_float:
+            # Every projection is GGUF blocks: one OpenMP region for the stack.
+            m.quant_row, m.quant_part = found["ql_quantize_row"], found["ql_matmul_part"]
+            m.attn_range = address(kernel._fn)
+            for code, block in quant_linear.block_codes().items():
+                m.block_of[code] = block
+            self.team_threads = torch.get_num_threads() if self._lib.decode_chain_openmp() else 1
         if kernel._parallel is not None:
             m.attn, m.attn_parallel = address(kernel._parallel), 1
         else:
@@ -292,6 +305,13 @@ class DecodeChain:
             "act": new((n, self.inter)),
             "tmp": new((n, self.hidden)),
         }
+        acts_bytes = 0
+        self._struct.team = self.team_threads if self.use_team else 0
+        if self._struct.team > 0:
+            from worker_service.kernels import quant_linear
+
+            acts_bytes = quant_linear.scratch_bytes(n, max(self.hidden, self.inter))
+            scratch["acts"] = x.new_empty((2 * acts_bytes // 4 + 16,))
         step = ChainStep(
             rows=n,
             positions=positions.data_ptr(),
@@ -304,6 +324,7 @@ class DecodeChain:
             cos_sin=cos_sin.data_ptr(),
             x=x.data_ptr(),
             residual=residual.data_ptr(),
+            acts_bytes=acts_bytes,
             **{k: v.data_ptr() for k, v in scratch.items()},
         )
         status = self._lib.decode_chain(ctypes.byref(self._struct), ctypes.byref(step))

@@ -82,11 +82,29 @@ static void __attribute__((constructor)) fill_e4m3_values(void) {
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* The kernel's vector: 16 floats where the CPU has 512-bit registers, else 8
+ * (a 16-float vector on a 256-bit CPU was lowered through the stack: the
+ * task ran about 10x slower than its arithmetic). */
+#if defined(__AVX512F__)
+typedef v16 vec;
+enum { VW = 16 };
+#define vsum hsum
+#else
+typedef v8 vec;
+enum { VW = 8 };
+#define vsum hsum8
+#endif
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 /* Sum of the 16 lanes as a tree of halves (a lane-by-lane loop is 15
  * dependent additions, the compiler may not reorder them). */
-static inline float hsum(v16 x) {
+static inline float hsum8(v8 a) {
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline __attribute__((unused)) float hsum(v16 x) {
     v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
            + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -136,7 +154,21 @@ static inline const float *float_row(float *scratch, const void *base, int64_t i
     return scratch;
 }
 
-enum { MAX_GROUP = 16, MAX_CHUNKS = 16 }; /* head_dim up to 256 */
+enum { MAX_GROUP = 16, MAX_CHUNKS = 256 / VW }; /* head_dim up to 256 */
+
+/* Asks for the cache lines of one kv head's rows in a page (keys or values)
+ * ahead of their use: a page's rows for one head are short runs a stride
+ * apart, which the hardware prefetchers follow poorly, and a sequence's pages
+ * are anywhere in the pool. Without it a long context's decode attention ran
+ * at memory latency (about 2 GB/s on the 2-core machine). */
+static inline void prefetch_page(const void *cache, int64_t index, int page_size,
+                                 int64_t slot_stride, int head_dim, int dtype) {
+    const int elem = dtype == DT_F32 ? 4 : (dtype == DT_E4M3 ? 1 : 2);
+    const char *base = (const char *)cache + index * elem;
+    const int64_t bytes = (int64_t)head_dim * elem, stride = slot_stride * elem;
+    for (int slot = 0; slot < page_size; slot++)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + slot * stride + b, 0, 0);
+}
 
 /* One (sequence, kv head) task. Inlined into a copy per common (group,
  * chunks) pair, so those loops have constant bounds and the accumulators can
@@ -150,8 +182,8 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t slot_stride = (int64_t)kv_heads * head_dim;       /* next position in a page */
     const int64_t half_stride = (int64_t)page_size * slot_stride;   /* keys -> values */
     const int64_t page_stride = 2 * half_stride;
-    v16 qs[MAX_GROUP][MAX_CHUNKS];
-    v16 acc[MAX_GROUP][MAX_CHUNKS];
+    vec qs[MAX_GROUP][MAX_CHUNKS];
+    vec acc[MAX_GROUP][MAX_CHUNKS];
     float inv_sum[MAX_GROUP];
 
     const int64_t seq = task / kv_heads;
@@ -164,7 +196,7 @@ static inline __attribute__((always_inline)) void decode_task(
 
     for (int g = 0; g < group; g++) {
         const float *qg = float_row(row, q, q_index + (int64_t)g * head_dim, head_dim, q_dtype);
-        for (int c = 0; c < chunks; c++) qs[g][c] = *(const v16 *)(qg + 16 * c) * scale;
+        for (int c = 0; c < chunks; c++) qs[g][c] = *(const vec *)(qg + VW * c) * scale;
     }
 
     /* scores = scale * q . k, page by page */
@@ -173,15 +205,18 @@ static inline __attribute__((always_inline)) void decode_task(
         const int64_t base = (int64_t)pages[pg] * page_stride + (int64_t)kvh * head_dim;
         const int from = pg == first_page ? (int)(first % page_size) : 0;
         const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
+        if ((pg + 1) * page_size < len)
+            prefetch_page(cache, (int64_t)pages[pg + 1] * page_stride + (int64_t)kvh * head_dim,
+                          page_size, slot_stride, head_dim, cache_dtype);
         for (int slot = from; slot < to; slot++, i++) {
             const float *k = float_row(row, cache, base + slot * slot_stride, head_dim,
                                        cache_dtype);
-            v16 kc[MAX_CHUNKS];
-            for (int c = 0; c < chunks; c++) kc[c] = *(const v16 *)(k + 16 * c);
+            vec kc[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) kc[c] = *(const vec *)(k + VW * c);
             for (int g = 0; g < group; g++) {
-                v16 dot = qs[g][0] * kc[0];
+                vec dot = qs[g][0] * kc[0];
                 for (int c = 1; c < chunks; c++) dot += qs[g][c] * kc[c];
-                scores[(int64_t)g * span + i] = hsum(dot);
+                scores[(int64_t)g * span + i] = vsum(dot);
             }
         }
     }
@@ -208,17 +243,21 @@ static inline __attribute__((always_inline)) void decode_task(
     }
     /* out = softmax . v */
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) acc[g][c] = (v16){0};
+        for (int c = 0; c < chunks; c++) acc[g][c] = (vec){0};
     for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
         const int64_t base =
             (int64_t)pages[pg] * page_stride + half_stride + (int64_t)kvh * head_dim;
         const int from = pg == first_page ? (int)(first % page_size) : 0;
         const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
+        if ((pg + 1) * page_size < len)
+            prefetch_page(cache,
+                          (int64_t)pages[pg + 1] * page_stride + half_stride + (int64_t)kvh * head_dim,
+                          page_size, slot_stride, head_dim, cache_dtype);
         for (int slot = from; slot < to; slot++, i++) {
             const float *v = float_row(row, cache, base + slot * slot_stride, head_dim,
                                        cache_dtype);
-            v16 vc[MAX_CHUNKS];
-            for (int c = 0; c < chunks; c++) vc[c] = *(const v16 *)(v + 16 * c);
+            vec vc[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) vc[c] = *(const vec *)(v + VW * c);
             for (int g = 0; g < group; g++) {
                 const float w = scores[(int64_t)g * span + i];
                 for (int c = 0; c < chunks; c++) acc[g][c] += w * vc[c];
@@ -228,12 +267,12 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int g = 0; g < group; g++) {
         const int64_t o = q_index + (int64_t)g * head_dim;
         for (int c = 0; c < chunks; c++) {
-            const v16 a = acc[g][c] * inv_sum[g];
+            const vec a = acc[g][c] * inv_sum[g];
             if (q_dtype == DT_F32) {
-                *(v16 *)((float *)out + o + 16 * c) = a;
+                *(vec *)((float *)out + o + VW * c) = a;
             } else {
-                uint16_t *dst = (uint16_t *)out + o + 16 * c;
-                for (int i = 0; i < 16; i++) dst[i] = float_to_bf16(a[i]);
+                uint16_t *dst = (uint16_t *)out + o + VW * c;
+                for (int i = 0; i < VW; i++) dst[i] = float_to_bf16(a[i]);
             }
         }
     }
@@ -259,7 +298,7 @@ int paged_decode(
     const float *sinks,     /* (heads,) sink logits, or NULL */
     int64_t task_begin, int64_t task_end) {
     const int group = heads / kv_heads;
-    const int chunks = head_dim / 16;
+    const int chunks = head_dim / VW;
     if (head_dim % 16 != 0 || chunks > MAX_CHUNKS || group > MAX_GROUP || group < 1) return -2;
     int64_t max_len = 1;
     for (int64_t t = task_begin; t < task_end; t++) {
@@ -282,8 +321,8 @@ int paged_decode(
          * copy with constant loop bounds: about 4x faster than the general one.
          * One copy per build keeps the build near a second. */
 #if defined(GROUP) && defined(CHUNKS)
-        if (group == GROUP && chunks == CHUNKS)
-            TASK(GROUP, CHUNKS);
+        if (group == GROUP && chunks == CHUNKS * 16 / VW)
+            TASK(GROUP, CHUNKS * 16 / VW);
         else
 #endif
             TASK(group, chunks);

@@ -24,6 +24,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef void (*skinny_fn)(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                           const float *bias, float *y, int threads);
@@ -42,6 +45,11 @@ typedef int (*attn_parallel_fn)(const void *q, int q_dtype, const void *cache, i
                                 int heads, int kv_heads, int head_dim, int window, float scale,
                                 float soft_cap, float v_scale, const float *sinks, int64_t tasks,
                                 int threads);
+typedef void (*quant_row_fn)(int block, const float *x, int64_t rows, int64_t k, int64_t r,
+                             void *scratch);
+typedef int (*quant_part_fn)(int type, const void *scratch, int64_t rows, int64_t k,
+                             const void *w, int64_t n, int64_t o0, int64_t o1, const float *bias,
+                             float *y, int64_t ys);
 typedef int (*attn_range_fn)(const void *q, int q_dtype, const void *cache, int cache_dtype,
                              void *out, const int64_t *rows, const int64_t *lens,
                              const int64_t *indptr, const int32_t *page_ids, int page_size,
@@ -82,6 +90,11 @@ typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, inter, page_size, window;
     float eps, scale;
     ChainLayer *layers;
+    /* The team path (every projection GGUF blocks; this file built with
+     * OpenMP): one parallel region for the whole stack. */
+    void *quant_row, *quant_part, *attn_range;
+    int32_t team;           /* threads of the region; 0: the op-by-op path */
+    int32_t block_of[8];    /* quant type code -> its block (32 or 256) */
 } ChainModel;
 
 /* The per-step arguments: the rows' positions and KV slots, the attention's
@@ -94,6 +107,8 @@ typedef struct {
     const float *cos_sin;
     float *x, *residual; /* (rows, hidden): normed input in, final-normed hidden out */
     float *qkv, *q, *attn_out, *gate_up, *act, *tmp;
+    void *acts; /* the team path: two quant_row buffers for (rows, max(hidden, inter)) */
+    int64_t acts_bytes; /* the size of one of them */
 } ChainStep;
 
 static int linear(const ChainModel *m, const ChainLinear *l, const float *x, int64_t rows,
@@ -121,6 +136,138 @@ static int linear(const ChainModel *m, const ChainLinear *l, const float *x, int
     return 0;
 }
 
+/* ---- the team path --------------------------------------------------------
+ * The op-by-op path enters an OpenMP region per op: about 150 a step, each a
+ * wake-up of the pool and a barrier, which at one row cost more than they
+ * share out (a one-row step ran slower on two threads than on one). Here the
+ * team enters once. Each op is split into independent pieces (output
+ * features of a projection, (row, kv head) tasks of attention, rows of the
+ * small ops) taken by the team's threads, with one barrier between dependent
+ * ops. Every piece is the very function the op-by-op path calls, on a part of
+ * its data; no result depends on the split, so the two paths agree bit for
+ * bit (test_cpu_decode_chain.py). */
+
+enum { FEATURE_CHUNK = 16 }; /* output features a projection task takes at least */
+
+/* The rows of x quantized (both block sizes where the linear's parts need
+ * them) into acts[0] (block 32) and acts[1] (block 256): row r only. */
+static void quant_rows_of(const ChainModel *m, const ChainStep *s, const ChainLinear *l,
+                          const float *x, int64_t r) {
+    int need32 = 0, need256 = 0;
+    for (int p = 0; p < l->nparts; p++) {
+        if (m->block_of[l->parts[p].qtype] == 32) need32 = 1;
+        else need256 = 1;
+    }
+    char *acts = (char *)s->acts;
+    const float *xr = x + r * l->in_features;
+    if (need32) ((quant_row_fn)m->quant_row)(32, xr, s->rows, l->in_features, r, acts);
+    if (need256)
+        ((quant_row_fn)m->quant_row)(256, xr, s->rows, l->in_features, r, acts + s->acts_bytes);
+}
+
+static int64_t part_tasks(const ChainModel *m, const ChainPart *p) {
+    const int64_t per = 4 * (m->team > 1 ? m->team : 1);
+    int64_t chunk = (p->out_features / per) & ~(int64_t)7;
+    if (chunk < FEATURE_CHUNK) chunk = FEATURE_CHUNK;
+    return (p->out_features + chunk - 1) / chunk;
+}
+
+/* y = x W^T (+ bias): the linear's output features over the team (x already
+ * quantized). Ends with the team's barrier. */
+static void team_linear(const ChainModel *m, const ChainStep *s, const ChainLinear *l, float *y,
+                        int *status) {
+    int64_t counts[MAX_PARTS], total = 0;
+    for (int p = 0; p < l->nparts; p++) total += counts[p] = part_tasks(m, &l->parts[p]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < total; t++) {
+        int p = 0;
+        int64_t i = t;
+        while (i >= counts[p]) i -= counts[p++];
+        const ChainPart *part = &l->parts[p];
+        const int64_t n = part->out_features, per = counts[p];
+        int64_t chunk = ((n + per - 1) / per + 7) & ~(int64_t)7;
+        const int64_t o0 = i * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
+        if (o0 >= n) continue;
+        const void *acts = (const char *)s->acts +
+                           (m->block_of[part->qtype] == 32 ? 0 : s->acts_bytes);
+        const float *bias = l->bias != NULL ? l->bias + part->col : NULL;
+        const int st = ((quant_part_fn)m->quant_part)(part->qtype, acts, s->rows, l->in_features,
+                                                      part->weight, n, o0, o1, bias,
+                                                      y + part->col, l->out_total);
+        if (st != 0) {
+#pragma omp atomic write
+            *status = st;
+        }
+    }
+}
+
+static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
+    const int64_t n = s->rows;
+    const int H = m->hidden, D = m->head_dim;
+    const int64_t q_width = (int64_t)m->heads * D, kv_width = (int64_t)m->kv_heads * D;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const int64_t slot = kv_width, page_floats = 2 * (int64_t)m->page_size * kv_width;
+    int status = 0;
+#pragma omp parallel num_threads(m->team)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) quant_rows_of(m, s, &m->layers[0].qkv, s->x, r);
+        for (int i = 0; i < m->num_layers; i++) {
+            const ChainLayer *L = &m->layers[i];
+            float *cache = (float *)L->cache;
+            team_linear(m, s, &L->qkv, s->qkv, &status);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < n; t++) {
+                float *row = s->qkv + t * qkv_width;
+                ((rope_fn)m->rope)(s->positions + t, 1, row, qkv_width, m->heads, row + q_width,
+                                   qkv_width, m->kv_heads, D, s->cos_sin, 1);
+                float *k_dst =
+                    cache + s->write_pages[t] * page_floats + s->write_offsets[t] * slot;
+                memcpy(k_dst, row + q_width, (size_t)kv_width * sizeof(float));
+                memcpy(k_dst + (int64_t)m->page_size * slot, row + q_width + kv_width,
+                       (size_t)kv_width * sizeof(float));
+                memcpy(s->q + t * q_width, row, (size_t)q_width * sizeof(float));
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < n * m->kv_heads; t++) {
+                const int st = ((attn_range_fn)m->attn_range)(
+                    s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens, s->attn_indptr,
+                    s->page_ids, m->page_size, m->heads, m->kv_heads, D, m->window, m->scale,
+                    0.0f, 1.0f, NULL, t, t + 1);
+                if (st != 0) {
+#pragma omp atomic write
+                    status = st;
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) quant_rows_of(m, s, &L->o, s->attn_out, r);
+            team_linear(m, s, &L->o, s->tmp, &status);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                ((add_rmsnorm_fn)m->add_rmsnorm)(s->tmp + r * H, s->residual + r * H,
+                                                 L->post_norm, 1, H, m->eps, 1);
+                quant_rows_of(m, s, &L->gate_up, s->tmp, r);
+            }
+            team_linear(m, s, &L->gate_up, s->gate_up, &status);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                ((silu_fn)m->silu)(s->gate_up + r * 2 * (int64_t)m->inter,
+                                   s->act + r * (int64_t)m->inter, 1, m->inter, 1);
+                quant_rows_of(m, s, &L->down, s->act, r);
+            }
+            team_linear(m, s, &L->down, s->x, &status);
+            const ChainLinear *next = i + 1 < m->num_layers ? &m->layers[i + 1].qkv : NULL;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                ((add_rmsnorm_fn)m->add_rmsnorm)(s->x + r * H, s->residual + r * H,
+                                                 L->next_norm, 1, H, m->eps, 1);
+                if (next != NULL) quant_rows_of(m, s, next, s->x, r);
+            }
+        }
+    }
+    return status;
+}
+
 /* Returns 0, or the first failing op's status (negative). */
 int decode_chain(const ChainModel *m, const ChainStep *s) {
     const int64_t n = s->rows;
@@ -128,6 +275,7 @@ int decode_chain(const ChainModel *m, const ChainStep *s) {
     const int64_t q_width = (int64_t)m->heads * D, kv_width = (int64_t)m->kv_heads * D;
     const int64_t qkv_width = q_width + 2 * kv_width;
     const int64_t slot = kv_width, page_floats = 2 * (int64_t)m->page_size * kv_width;
+    if (m->team > 0) return decode_chain_team(m, s);
     for (int i = 0; i < m->num_layers; i++) {
         const ChainLayer *L = &m->layers[i];
         int st = linear(m, &L->qkv, s->x, n, s->qkv);
@@ -167,4 +315,13 @@ int decode_chain(const ChainModel *m, const ChainStep *s) {
                                          m->threads_ops);
     }
     return 0;
+}
+
+/* 1 where this build has OpenMP (the team path's region has threads). */
+int decode_chain_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -574,6 +574,72 @@ AI void tile(const int type, const int R, const uint8_t *w, int64_t n, const act
     }
 }
 
+/* The activations' buffer for (rows, k): d, xs, s16, q, then (VNNI) qu. */
+AI acts acts_at(void *scratch, int64_t rows, int64_t k, int block) {
+    acts a = {.k = k, .nb = k / block, .qu = NULL};
+    const size_t nq = (size_t)(rows * k), nd = (size_t)(rows * a.nb),
+                 n32 = (size_t)(rows * (k / 32));
+    a.d = (float *)scratch;
+    a.xs = a.d + nd;
+    a.s16 = (int32_t *)(a.xs + n32);
+    a.q = (int8_t *)(a.s16 + (size_t)(rows * (k / 16)));
+#if defined(QL_VNNI)
+    a.qu = (uint8_t *)a.q + nq;
+#else
+    (void)nq;
+#endif
+    return a;
+}
+
+/* Bytes of the buffer ql_quantize_row fills for (rows, k), either block size. */
+int64_t ql_scratch_bytes(int64_t rows, int64_t k) {
+    return 2 * rows * k + 4 * (2 * rows * (k / 32) + rows * (k / 16)) + 64;
+}
+
+/* Quantizes row r of x into scratch's layout for (rows, k) and the block size
+ * (32 or 256) of the types it will meet. One row: the decode chain's team
+ * splits the rows. */
+void ql_quantize_row(int block, const float *x, int64_t rows, int64_t k, int64_t r, void *scratch) {
+    acts a = acts_at(scratch, rows, k, block);
+    quantize_row(x, k, block, a.q + r * k, a.d + r * a.nb, a.xs + r * (k / 32),
+                 a.s16 + r * (k / 16));
+#if defined(QL_VNNI)
+    if (block == 32)
+        for (int64_t i = r * k; i < (r + 1) * k; i++) a.qu[i] = (uint8_t)(a.q[i] ^ 0x80);
+#endif
+}
+
+AI void run_part(const int type, const uint8_t *w, int64_t n, const acts *a, int64_t rows,
+                 int64_t o0, int64_t o1, const float *bias, float *y, int64_t ys) {
+    for (int64_t r = 0; r < rows; r += ROW_TILE) {
+        switch (rows - r < ROW_TILE ? rows - r : ROW_TILE) {
+            case 1: tile(type, 1, w, n, a, r, o0, o1, bias, y, ys); break;
+            case 2: tile(type, 2, w, n, a, r, o0, o1, bias, y, ys); break;
+            case 3: tile(type, 3, w, n, a, r, o0, o1, bias, y, ys); break;
+            default: tile(type, 4, w, n, a, r, o0, o1, bias, y, ys);
+        }
+    }
+}
+
+/* Output features [o0, o1) (o0 a multiple of 8) of y = x . W^T + bias for all
+ * rows, x already quantized into scratch (ql_quantize_row, every row), on the
+ * calling thread. Each feature's arithmetic is ql_matmul's: the results are
+ * its bit for bit, however the features are split. Returns 0 or -1. */
+int ql_matmul_part(int type, const void *scratch, int64_t rows, int64_t k, const uint8_t *w,
+                   int64_t n, int64_t o0, int64_t o1, const float *bias, float *y, int64_t ys) {
+    if (type < 0 || type > Q6_K || k % BLOCK[type] != 0 || o0 % GROUP != 0) return -1;
+    const acts a = acts_at((void *)scratch, rows, k, BLOCK[type]);
+    switch (type) {
+        case Q4_0: run_part(Q4_0, w, n, &a, rows, o0, o1, bias, y, ys); break;
+        case Q4_1: run_part(Q4_1, w, n, &a, rows, o0, o1, bias, y, ys); break;
+        case Q8_0: run_part(Q8_0, w, n, &a, rows, o0, o1, bias, y, ys); break;
+        case Q4_K: run_part(Q4_K, w, n, &a, rows, o0, o1, bias, y, ys); break;
+        case Q5_K: run_part(Q5_K, w, n, &a, rows, o0, o1, bias, y, ys); break;
+        default: run_part(Q6_K, w, n, &a, rows, o0, o1, bias, y, ys);
+    }
+    return 0;
+}
+
 AI void run_type(const int type, const uint8_t *w, int64_t n, const acts *a, int64_t rows,
                  const float *bias, float *y, int64_t ys, int threads) {
     /* about 16 tasks a thread (whole groups), so that a thread slowed by another
@@ -584,14 +650,7 @@ AI void run_type(const int type, const uint8_t *w, int64_t n, const acts *a, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t o0 = t * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
-        for (int64_t r = 0; r < rows; r += ROW_TILE) {
-            switch (rows - r < ROW_TILE ? rows - r : ROW_TILE) {
-                case 1: tile(type, 1, w, n, a, r, o0, o1, bias, y, ys); break;
-                case 2: tile(type, 2, w, n, a, r, o0, o1, bias, y, ys); break;
-                case 3: tile(type, 3, w, n, a, r, o0, o1, bias, y, ys); break;
-                default: tile(type, 4, w, n, a, r, o0, o1, bias, y, ys);
-            }
-        }
+        run_part(type, w, n, a, rows, o0, o1, bias, y, ys);
     }
 }
 
@@ -603,28 +662,18 @@ int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t 
     if (type < 0 || type > Q6_K || k % BLOCK[type] != 0) return -1;
     if (rows <= 0 || n <= 0) return 0;
     const int block = BLOCK[type];
-    acts a = {.k = k, .nb = k / block, .qu = NULL};
-    const size_t nq = (size_t)(rows * k), nd = (size_t)(rows * a.nb), n32 = (size_t)(rows * (k / 32)),
-                 n16 = (size_t)(rows * (k / 16));
-    char *scratch = malloc(nq + 4 * (nd + n32 + n16) + 64);
+    char *scratch = malloc((size_t)ql_scratch_bytes(rows, k));
     if (!scratch) return -2;
-    a.d = (float *)scratch;
-    a.xs = a.d + nd;
-    a.s16 = (int32_t *)(a.xs + n32);
-    a.q = (int8_t *)(a.s16 + n16);
+    acts a = acts_at(scratch, rows, k, block);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 32)
     for (int64_t r = 0; r < rows; r++)
         quantize_row(x + r * x_stride, k, block, a.q + r * k, a.d + r * a.nb, a.xs + r * (k / 32),
                      a.s16 + r * (k / 16));
 #if defined(QL_VNNI)
-    if (type == Q8_0) {
-        a.qu = malloc(nq);
-        if (!a.qu) {
-            free(scratch);
-            return -2;
-        }
-        for (size_t i = 0; i < nq; i++) a.qu[i] = (uint8_t)(a.q[i] ^ 0x80);
-    }
+    if (type == Q8_0)
+        for (size_t i = 0; i < (size_t)(rows * k); i++) a.qu[i] = (uint8_t)(a.q[i] ^ 0x80);
+    else
+        a.qu = NULL;
 #endif
     switch (type) {
         case Q4_0: run_type(Q4_0, w, n, &a, rows, bias, y, ys, threads); break;
@@ -634,7 +683,6 @@ int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t 
         case Q5_K: run_type(Q5_K, w, n, &a, rows, bias, y, ys, threads); break;
         default: run_type(Q6_K, w, n, &a, rows, bias, y, ys, threads);
     }
-    free(a.qu);
     free(scratch);
     return 0;
 }
