@@ -13,6 +13,7 @@ without it (torch's gather and SDPA), alternating, and prints the ratio.
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --threads 2 --ab-linear 3
     python benchmarks/worker_decode_cpu.py --batch 1 16 --threads 2 --kernels torch
     python benchmarks/worker_decode_cpu.py --batch 1 16 32 --ab-kv-fp8 3
+    python benchmarks/worker_decode_cpu.py --batch 1 16 --threads 2 --ab-chain-team 3
 
 ``--ab-linear N``: each batch size N times with the C linear for steps of
 few rows and N times with oneDNN for every step, alternating (the same
@@ -23,6 +24,9 @@ packed weights; models/cpu_linear.SKINNY_MAX_ROWS set to 0 for oneDNN).
 C decode kernel reads through its e4m3 table). ``--ab-kv-fp8 N``: each batch
 size N times on a worker with the float cache and N times on one with the
 fp8 cache, alternating.
+
+``--ab-chain-team N``: each batch size N times with the C decode chain's team
+path (one OpenMP region a step; GGUF models) and N times op by op.
 
 ``--temperature T``: every request samples at T (the sampler's draw path)
 instead of greedy decoding.
@@ -42,6 +46,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -137,6 +142,7 @@ def main() -> None:
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "cpu"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--ab-kv-fp8", type=int, default=0, metavar="ROUNDS")
+    p.add_argument("--ab-chain-team", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args()
     # Every request of the largest batch holds its whole context at once (the
     # default pool is too small for batch 32 x 1024 tokens).
@@ -160,6 +166,9 @@ def main() -> None:
     if args.ab_linear:
         ab_linear(worker, args)
         return
+    if args.ab_chain_team:
+        ab_chain_team(worker, args)
+        return
     out = []
     for b in args.batch:
         r = measure(worker.runner, b, args, args.profile)
@@ -172,78 +181,94 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def alternate(args, rounds: int, sides: dict[str, Callable[[int], dict]], what: str) -> None:
+    """Each batch size ``rounds`` times on each side (a side: batch -> measure's
+    dict), alternating; prints medians of wall and CPU ms per step and the
+    ratio of the second side to the first."""
+    first, second = sides
+    report = []
+    for b in args.batch:
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for _ in range(rounds):
+            for side, run in sides.items():
+                runs[side].append(run(b))
+        row: dict = {"batch": b}
+        for unit in ("ms_per_step", "cpu_ms_per_step"):
+            a = statistics.median(r[unit] for r in runs[first])
+            z = statistics.median(r[unit] for r in runs[second])
+            row[unit] = {first: round(a, 2), second: round(z, 2), "ratio": round(z / a, 3)}
+        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
+        print(
+            f"batch {b}: {first} {w[first]:.1f} ms, {second} {w[second]:.1f} ms per {what} "
+            f"({second}/{first} {w['ratio']:.2f}); CPU {c[first]:.1f} vs {c[second]:.1f} ms "
+            f"({c['ratio']:.2f})",
+            flush=True,
+        )
+        report.append(row)
+    print(json.dumps(report))
+
+
 def ab_decode_kernel(worker, args) -> None:
     attn = worker.runner.compute.attn
     kernel = attn.decode_kernel
     if kernel is None:
         raise SystemExit("the CPU decode kernel is not available here")
-    report = []
-    for b in args.batch:
-        sides: dict[str, list[dict]] = {"kernel": [], "torch": []}
-        for _ in range(args.ab_decode_kernel):
-            for side, runs in sides.items():
-                attn.decode_kernel = kernel if side == "kernel" else None
-                runs.append(measure(worker.runner, b, args))
+
+    def side(use: bool) -> Callable[[int], dict]:
+        def run(b: int) -> dict:
+            attn.decode_kernel = kernel if use else None
+            return measure(worker.runner, b, args)
+
+        return run
+
+    try:
+        alternate(args, args.ab_decode_kernel, {"kernel": side(True), "torch": side(False)},
+                  "decode step")  # fmt: skip
+    finally:
         attn.decode_kernel = kernel
-        row: dict = {"batch": b}
-        for unit in ("ms_per_step", "cpu_ms_per_step"):
-            k = statistics.median(r[unit] for r in sides["kernel"])
-            t = statistics.median(r[unit] for r in sides["torch"])
-            row[unit] = {"kernel": round(k, 2), "torch": round(t, 2), "ratio": round(k / t, 3)}
-        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
-        print(
-            f"batch {b}: kernel {w['kernel']:.1f} ms, torch {w['torch']:.1f} ms per decode step "
-            f"(kernel/torch {w['ratio']:.2f}); CPU {c['kernel']:.1f} vs {c['torch']:.1f} ms "
-            f"({c['ratio']:.2f})",
-            flush=True,
-        )
-        report.append(row)
-    print(json.dumps(report))
 
 
 def ab_kv_fp8(worker, fp8, args) -> None:
-    report = []
-    for b in args.batch:
-        sides: dict[str, list[dict]] = {"float": [], "fp8": []}
-        for _ in range(args.ab_kv_fp8):
-            for side, runs in sides.items():
-                runs.append(measure((worker if side == "float" else fp8).runner, b, args))
-        row: dict = {"batch": b}
-        for unit in ("ms_per_step", "cpu_ms_per_step"):
-            f = statistics.median(r[unit] for r in sides["float"])
-            q = statistics.median(r[unit] for r in sides["fp8"])
-            row[unit] = {"float": round(f, 2), "fp8": round(q, 2), "ratio": round(q / f, 3)}
-        w, c = row["ms_per_step"], row["cpu_ms_per_step"]
-        print(
-            f"batch {b}: float KV {w['float']:.1f} ms, fp8 KV {w['fp8']:.1f} ms per decode step "
-            f"(fp8/float {w['ratio']:.2f}); CPU {c['float']:.1f} vs {c['fp8']:.1f} ms "
-            f"({c['ratio']:.2f})",
-            flush=True,
-        )
-        report.append(row)
-    print(json.dumps(report))
+    sides = {
+        "float": lambda b: measure(worker.runner, b, args),
+        "fp8": lambda b: measure(fp8.runner, b, args),
+    }
+    alternate(args, args.ab_kv_fp8, sides, "decode step")
 
 
 def ab_linear(worker, args) -> None:
     small = cpu_linear.SKINNY_MAX_ROWS
-    report = []
+
+    def side(rows: int) -> Callable[[int], dict]:
+        def run(b: int) -> dict:
+            cpu_linear.SKINNY_MAX_ROWS = rows
+            return measure(worker.runner, b, args)
+
+        return run
+
     try:
-        for b in args.batch:
-            sides: dict[str, list[float]] = {"c": [], "onednn": []}
-            for _ in range(args.ab_linear):
-                for side, runs in sides.items():
-                    cpu_linear.SKINNY_MAX_ROWS = small if side == "c" else 0
-                    runs.append(measure(worker.runner, b, args)["ms_per_step"])
-            c, o = statistics.median(sides["c"]), statistics.median(sides["onednn"])
-            print(
-                f"batch {b}: C linear {c:.1f} ms, oneDNN {o:.1f} ms per decode step "
-                f"(C/oneDNN {c / o:.2f}); runs {sides}",
-                flush=True,
-            )
-            report.append({"batch": b, "c_ms": round(c, 2), "onednn_ms": round(o, 2)})
+        alternate(args, args.ab_linear, {"C": side(small), "oneDNN": side(0)}, "decode step")
     finally:
         cpu_linear.SKINNY_MAX_ROWS = small
-    print(json.dumps(report))
+
+
+def ab_chain_team(worker, args) -> None:
+    chain = worker.runner.compute.model.decode_chain
+    if chain is None:
+        raise SystemExit("the C decode chain does not run this model here")
+
+    def side(team: bool) -> Callable[[int], dict]:
+        def run(b: int) -> dict:
+            chain.use_team = team
+            return measure(worker.runner, b, args)
+
+        return run
+
+    try:
+        alternate(args, args.ab_chain_team, {"team": side(True), "op-by-op": side(False)},
+                  "decode step")  # fmt: skip
+    finally:
+        chain.use_team = True
 
 
 if __name__ == "__main__":
