@@ -23,8 +23,19 @@ import torch
 logger = structlog.get_logger(__name__)
 
 # -fopenmp-simd vectorises the marked loops (reductions included) without an
-# OpenMP runtime; OPENMP_FLAG adds the threads.
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+# OpenMP runtime; OPENMP_FLAG adds the threads. -fno-trapping-math lets GCC
+# turn a float clamp (x < a ? a : x) into a blend: without it the SiLU loop
+# (exp_f32's clamp) stayed scalar, "control flow in loop". No value changes:
+# nothing here traps on floating-point exceptions, and no reassociation.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+)
 OPENMP_FLAG = "-fopenmp"
 LIBS = ("-lm",)
 

@@ -38,11 +38,15 @@ class PackedWeight:
 
 
 def available(weight: torch.Tensor) -> bool:
+    """Whether oneDNN packs this weight here. bf16 needs CPU support
+    (avx512bw/vl/dq or avx_ne_convert): oneDNN's reorder raises without it,
+    and such weights stay plain (F.linear)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

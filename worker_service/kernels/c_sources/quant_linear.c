@@ -166,8 +166,12 @@ static void quantize_row(const float *x, int64_t k, int block, int8_t *q, float 
         const float *xb = x + b * block;
         float amax = 0.0f;
         int finite = 1;
+        /* a max reduction the vectoriser takes (fmaxf's NaN rule kept it
+         * scalar); NaN and infinities are caught by `finite` either way */
+#pragma omp simd reduction(max : amax) reduction(& : finite)
         for (int i = 0; i < block; i++) {
-            amax = fmaxf(amax, fabsf(xb[i]));
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
             finite &= xb[i] - xb[i] == 0.0f; /* false for NaN and infinities */
         }
         if (!finite) { /* the float product's NaN, not codes cast from NaN */
