@@ -2,8 +2,9 @@
  * packed once into blocks of 16 output features: packed[block][k][16].
  *
  * Each task is a pair of blocks (32 output features) over all rows, eight
- * rows at a time: per input feature one 16-float load per block and a
- * broadcast multiply-add per row, 16 accumulators in registers. Tasks go to
+ * rows at a time (three without 512-bit registers): per input feature one
+ * 16-float load per block and a broadcast multiply-add per row, the
+ * accumulators in registers. Tasks go to
  * OpenMP threads dynamically (torch's own pool, see c_build.py): when another
  * process takes one core for a while, the other thread keeps taking tasks
  * instead of waiting at the end of a static split. At 1-32 rows it runs the
@@ -14,7 +15,25 @@
 #include <stdint.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
-enum { ROW_TILE = 8 };
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* A block's 16 floats as PARTS vectors the CPU has registers for: one
+ * 16-float vector with AVX-512, two 8-float ones elsewhere (16-float GCC
+ * vectors on a 256-bit CPU are lowered through the stack: 576x576 at one row
+ * ran at ~2 GFLOP/s). Each output feature stays one lane with the same
+ * multiply-adds in the same order, so the results do not depend on the width.
+ * ROW_TILE keeps the accumulators (ROW_TILE x 2 blocks x PARTS) in registers. */
+#if defined(__AVX512F__)
+#define ROW_TILE_MAX 8
+typedef v16 vec;
+enum { VW = 16 };
+#else
+#define ROW_TILE_MAX 3
+typedef v8 vec;
+enum { VW = 8 };
+#endif
+enum { ROW_TILE = ROW_TILE_MAX };
+enum { PARTS = 16 / VW };
 
 /* w (n, k) row-major into packed (ceil(n / 16), k, 16), zero past n. */
 void skinny_pack(const float *w, float *packed, int64_t n, int64_t k) {
@@ -31,28 +50,33 @@ void skinny_pack(const float *w, float *packed, int64_t n, int64_t k) {
 static inline __attribute__((always_inline)) void tile(
     const int rows, const int nb, const float *x, const float *w0, const float *w1, int64_t k,
     float *y, int64_t n, int64_t col, const float *bias) {
-    v16 acc[ROW_TILE][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v16){0};
+    vec acc[ROW_TILE][2][PARTS];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 2; j++)
+            for (int h = 0; h < PARTS; h++) acc[m][j][h] = (vec){0};
     for (int64_t kk = 0; kk < k; kk++) {
-        const v16 a = *(const v16 *)(w0 + kk * 16);
-        const v16 b = nb == 2 ? *(const v16 *)(w1 + kk * 16) : a;
+        vec a[PARTS], b[PARTS];
+        for (int h = 0; h < PARTS; h++) {
+            a[h] = *(const vec *)(w0 + kk * 16 + h * VW);
+            b[h] = nb == 2 ? *(const vec *)(w1 + kk * 16 + h * VW) : a[h];
+        }
         for (int m = 0; m < rows; m++) {
             const float xv = x[m * k + kk];
-            acc[m][0] += xv * a;
-            if (nb == 2) acc[m][1] += xv * b;
+            for (int h = 0; h < PARTS; h++) {
+                acc[m][0][h] += xv * a[h];
+                if (nb == 2) acc[m][1][h] += xv * b[h];
+            }
         }
     }
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < nb; j++) {
             const int64_t c0 = col + 16 * j;
             float *dst = y + m * n + c0;
-            v16 v = acc[m][j];
+            float v[16];
+            for (int h = 0; h < PARTS; h++) *(vec *)(v + h * VW) = acc[m][j][h];
             if (bias)
                 for (int c = 0; c < 16 && c0 + c < n; c++) v[c] += bias[c0 + c];
-            if (c0 + 16 <= n)
-                *(v16 *)dst = v;
-            else
-                for (int c = 0; c < 16 && c0 + c < n; c++) dst[c] = v[c];
+            for (int c = 0; c < 16 && c0 + c < n; c++) dst[c] = v[c];
         }
 }
 
@@ -79,12 +103,14 @@ void skinny_linear(const float *x, int64_t m, int64_t k, const float *packed, in
             switch (rows) {
                 case 1: TILE(1)
                 case 2: TILE(2)
+#if ROW_TILE_MAX > 3
                 case 3: TILE(3)
                 case 4: TILE(4)
                 case 5: TILE(5)
                 case 6: TILE(6)
                 case 7: TILE(7)
-                default: TILE(8)
+#endif
+                default: TILE(ROW_TILE_MAX)
             }
 #undef TILE
         }
