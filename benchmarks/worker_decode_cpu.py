@@ -208,24 +208,30 @@ def alternate(args, rounds: int, sides: dict[str, Callable[[int], dict]], what: 
     print(json.dumps(report))
 
 
-def ab_decode_kernel(worker, args) -> None:
-    attn = worker.runner.compute.attn
-    kernel = attn.decode_kernel
-    if kernel is None:
-        raise SystemExit("the CPU decode kernel is not available here")
+def ab_toggle(worker, args, rounds: int, labels: tuple[str, str], use: Callable[[bool], None]):
+    """``alternate`` between ``use(True)`` (labels[0]) and ``use(False)`` on one
+    worker, ``use(True)`` again at the end."""
 
-    def side(use: bool) -> Callable[[int], dict]:
+    def side(on: bool) -> Callable[[int], dict]:
         def run(b: int) -> dict:
-            attn.decode_kernel = kernel if use else None
+            use(on)
             return measure(worker.runner, b, args)
 
         return run
 
     try:
-        alternate(args, args.ab_decode_kernel, {"kernel": side(True), "torch": side(False)},
-                  "decode step")  # fmt: skip
+        alternate(args, rounds, {labels[0]: side(True), labels[1]: side(False)}, "decode step")
     finally:
-        attn.decode_kernel = kernel
+        use(True)
+
+
+def ab_decode_kernel(worker, args) -> None:
+    attn = worker.runner.compute.attn
+    kernel = attn.decode_kernel
+    if kernel is None:
+        raise SystemExit("the CPU decode kernel is not available here")
+    ab_toggle(worker, args, args.ab_decode_kernel, ("kernel", "torch"),
+              lambda on: setattr(attn, "decode_kernel", kernel if on else None))  # fmt: skip
 
 
 def ab_kv_fp8(worker, fp8, args) -> None:
@@ -238,37 +244,16 @@ def ab_kv_fp8(worker, fp8, args) -> None:
 
 def ab_linear(worker, args) -> None:
     small = cpu_linear.SKINNY_MAX_ROWS
-
-    def side(rows: int) -> Callable[[int], dict]:
-        def run(b: int) -> dict:
-            cpu_linear.SKINNY_MAX_ROWS = rows
-            return measure(worker.runner, b, args)
-
-        return run
-
-    try:
-        alternate(args, args.ab_linear, {"C": side(small), "oneDNN": side(0)}, "decode step")
-    finally:
-        cpu_linear.SKINNY_MAX_ROWS = small
+    ab_toggle(worker, args, args.ab_linear, ("C", "oneDNN"),
+              lambda on: setattr(cpu_linear, "SKINNY_MAX_ROWS", small if on else 0))  # fmt: skip
 
 
 def ab_chain_team(worker, args) -> None:
     chain = worker.runner.compute.model.decode_chain
     if chain is None:
         raise SystemExit("the C decode chain does not run this model here")
-
-    def side(team: bool) -> Callable[[int], dict]:
-        def run(b: int) -> dict:
-            chain.use_team = team
-            return measure(worker.runner, b, args)
-
-        return run
-
-    try:
-        alternate(args, args.ab_chain_team, {"team": side(True), "op-by-op": side(False)},
-                  "decode step")  # fmt: skip
-    finally:
-        chain.use_team = True
+    ab_toggle(worker, args, args.ab_chain_team, ("team", "op-by-op"),
+              lambda on: setattr(chain, "use_team", on))  # fmt: skip
 
 
 if __name__ == "__main__":
