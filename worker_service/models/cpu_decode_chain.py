@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from worker_service.attention.torch_backend import TorchAttention
+from worker_service.kernels import quant_linear
 from worker_service.kernels.decode_chain_abi import (
     KIND_FLOAT,
     KIND_QUANT,
@@ -60,8 +61,6 @@ def _quant_weight(matrix: object) -> tuple[Any, int] | None:
     """The kernel's QuantWeight behind a GGUF matrix and its C type code
     (duck-typed: the weights package's GgufMatrix holds one as ``weight``),
     else None."""
-    from worker_service.kernels import quant_linear
-
     weight = getattr(matrix, "weight", None)
     if isinstance(weight, quant_linear.QuantWeight):
         return weight, quant_linear.type_code(weight.qtype)
@@ -243,8 +242,6 @@ class DecodeChain:
         if self.has_float:
             m.skinny = self._struct_skinny
             m.threads_skinny = self._skinny_threads
-        from worker_service.kernels import quant_linear
-
         found = quant_linear.team_addresses()
         if found is not None:
             m.quant = found["ql_matmul"]
@@ -315,8 +312,6 @@ class DecodeChain:
         acts_bytes = 0
         self._struct.team = self.team_threads if self.use_team else 0
         if self._struct.team > 0:
-            from worker_service.kernels import quant_linear
-
             acts_bytes = quant_linear.scratch_bytes(n, max(self.hidden, self.inter))
             scratch["acts"] = x.new_empty((2 * acts_bytes // 4 + 16,))
         step = ChainStep(

@@ -136,6 +136,19 @@ static int linear(const ChainModel *m, const ChainLinear *l, const float *x, int
     return 0;
 }
 
+/* Row t's k and v (after RoPE) into its slot of the layer's cache, and its q
+ * into rows of its own (attention's input). */
+static void store_row(const ChainModel *m, const ChainStep *s, float *cache, int64_t t) {
+    const int64_t q_width = (int64_t)m->heads * m->head_dim;
+    const int64_t kv_width = (int64_t)m->kv_heads * m->head_dim;
+    const float *row = s->qkv + t * (q_width + 2 * kv_width);
+    float *k_dst = cache + (s->write_pages[t] * 2 * m->page_size + s->write_offsets[t]) * kv_width;
+    memcpy(k_dst, row + q_width, (size_t)kv_width * sizeof(float));
+    memcpy(k_dst + (int64_t)m->page_size * kv_width, row + q_width + kv_width,
+           (size_t)kv_width * sizeof(float));
+    memcpy(s->q + t * q_width, row, (size_t)q_width * sizeof(float));
+}
+
 /* ---- the team path --------------------------------------------------------
  * The op-by-op path enters an OpenMP region per op: about 150 a step, each a
  * wake-up of the pool and a barrier, which at one row cost more than they
@@ -165,29 +178,31 @@ static void quant_rows_of(const ChainModel *m, const ChainStep *s, const ChainLi
         ((quant_row_fn)m->quant_row)(256, xr, s->rows, l->in_features, r, acts + s->acts_bytes);
 }
 
-static int64_t part_tasks(const ChainModel *m, const ChainPart *p) {
+/* Output features a projection task takes: about 4 tasks a thread, whole
+ * groups of 8 (ql_matmul_part's unit), at least FEATURE_CHUNK. */
+static int64_t part_chunk(const ChainModel *m, const ChainPart *p) {
     const int64_t per = 4 * (m->team > 1 ? m->team : 1);
-    int64_t chunk = (p->out_features / per) & ~(int64_t)7;
-    if (chunk < FEATURE_CHUNK) chunk = FEATURE_CHUNK;
-    return (p->out_features + chunk - 1) / chunk;
+    const int64_t chunk = (p->out_features / per) & ~(int64_t)7;
+    return chunk < FEATURE_CHUNK ? FEATURE_CHUNK : chunk;
 }
 
 /* y = x W^T (+ bias): the linear's output features over the team (x already
  * quantized). Ends with the team's barrier. */
 static void team_linear(const ChainModel *m, const ChainStep *s, const ChainLinear *l, float *y,
                         int *status) {
-    int64_t counts[MAX_PARTS], total = 0;
-    for (int p = 0; p < l->nparts; p++) total += counts[p] = part_tasks(m, &l->parts[p]);
+    int64_t chunks[MAX_PARTS], counts[MAX_PARTS], total = 0;
+    for (int p = 0; p < l->nparts; p++) {
+        chunks[p] = part_chunk(m, &l->parts[p]);
+        total += counts[p] = (l->parts[p].out_features + chunks[p] - 1) / chunks[p];
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < total; t++) {
         int p = 0;
         int64_t i = t;
         while (i >= counts[p]) i -= counts[p++];
         const ChainPart *part = &l->parts[p];
-        const int64_t n = part->out_features, per = counts[p];
-        int64_t chunk = ((n + per - 1) / per + 7) & ~(int64_t)7;
-        const int64_t o0 = i * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
-        if (o0 >= n) continue;
+        const int64_t n = part->out_features, o0 = i * chunks[p];
+        const int64_t o1 = o0 + chunks[p] < n ? o0 + chunks[p] : n;
         const void *acts = (const char *)s->acts +
                            (m->block_of[part->qtype] == 32 ? 0 : s->acts_bytes);
         const float *bias = l->bias != NULL ? l->bias + part->col : NULL;
@@ -206,7 +221,6 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
     const int H = m->hidden, D = m->head_dim;
     const int64_t q_width = (int64_t)m->heads * D, kv_width = (int64_t)m->kv_heads * D;
     const int64_t qkv_width = q_width + 2 * kv_width;
-    const int64_t slot = kv_width, page_floats = 2 * (int64_t)m->page_size * kv_width;
     int status = 0;
 #pragma omp parallel num_threads(m->team)
     {
@@ -221,12 +235,7 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
                 float *row = s->qkv + t * qkv_width;
                 ((rope_fn)m->rope)(s->positions + t, 1, row, qkv_width, m->heads, row + q_width,
                                    qkv_width, m->kv_heads, D, s->cos_sin, 1);
-                float *k_dst =
-                    cache + s->write_pages[t] * page_floats + s->write_offsets[t] * slot;
-                memcpy(k_dst, row + q_width, (size_t)kv_width * sizeof(float));
-                memcpy(k_dst + (int64_t)m->page_size * slot, row + q_width + kv_width,
-                       (size_t)kv_width * sizeof(float));
-                memcpy(s->q + t * q_width, row, (size_t)q_width * sizeof(float));
+                store_row(m, s, cache, t);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < n * m->kv_heads; t++) {
@@ -273,9 +282,8 @@ int decode_chain(const ChainModel *m, const ChainStep *s) {
     const int64_t n = s->rows;
     const int H = m->hidden, D = m->head_dim;
     const int64_t q_width = (int64_t)m->heads * D, kv_width = (int64_t)m->kv_heads * D;
-    const int64_t qkv_width = q_width + 2 * kv_width;
-    const int64_t slot = kv_width, page_floats = 2 * (int64_t)m->page_size * kv_width;
     if (m->team > 0) return decode_chain_team(m, s);
+    const int64_t qkv_width = q_width + 2 * kv_width;
     for (int i = 0; i < m->num_layers; i++) {
         const ChainLayer *L = &m->layers[i];
         int st = linear(m, &L->qkv, s->x, n, s->qkv);
@@ -283,14 +291,7 @@ int decode_chain(const ChainModel *m, const ChainStep *s) {
         ((rope_fn)m->rope)(s->positions, n, s->qkv, qkv_width, m->heads, s->qkv + q_width,
                            qkv_width, m->kv_heads, D, s->cos_sin, m->threads_ops);
         float *cache = (float *)L->cache;
-        for (int64_t t = 0; t < n; t++) {
-            const float *row = s->qkv + t * qkv_width;
-            float *k_dst = cache + s->write_pages[t] * page_floats + s->write_offsets[t] * slot;
-            memcpy(k_dst, row + q_width, (size_t)kv_width * sizeof(float));
-            memcpy(k_dst + (int64_t)m->page_size * slot, row + q_width + kv_width,
-                   (size_t)kv_width * sizeof(float));
-            memcpy(s->q + t * q_width, row, (size_t)q_width * sizeof(float));
-        }
+        for (int64_t t = 0; t < n; t++) store_row(m, s, cache, t);
         const int64_t tasks = n * m->kv_heads;
         if (m->attn_parallel) {
             st = ((attn_parallel_fn)m->attn)(s->q, 0, cache, 0, s->attn_out, s->attn_rows,
