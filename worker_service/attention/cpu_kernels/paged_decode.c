@@ -157,11 +157,10 @@ static inline const float *float_row(float *scratch, const void *base, int64_t i
 
 enum { MAX_GROUP = 16, MAX_CHUNKS = 256 / VW }; /* head_dim up to 256 */
 
-/* Asks for the cache lines of one kv head's rows in a page (keys or values)
- * ahead of their use: a page's rows for one head are short runs a stride
- * apart, which the hardware prefetchers follow poorly, and a sequence's pages
- * are anywhere in the pool. Without it a long context's decode attention ran
- * at memory latency (about 2 GB/s on the 2-core machine). */
+/* Asks for the cache lines of one kv head's rows in the next page (keys or
+ * values) while this one is read: a page's rows for one head are short runs
+ * a stride apart, and a sequence's pages are anywhere in the pool. At
+ * context 1000 on the 2-core machine the step's attention took ~8% less. */
 static inline void prefetch_page(const void *cache, int64_t index, int page_size,
                                  int64_t slot_stride, int head_dim, int dtype) {
     const int elem = dtype == DT_F32 ? 4 : (dtype == DT_E4M3 ? 1 : 2);

@@ -644,8 +644,18 @@ int ql_matmul_part(int type, const void *scratch, int64_t rows, int64_t k, const
     return 0;
 }
 
-AI void run_type(const int type, const uint8_t *w, int64_t n, const acts *a, int64_t rows,
-                 const float *bias, float *y, int64_t ys, int threads) {
+/* y (rows, n; row stride ys) = x (rows, k; row stride xs) . W^T + bias (may be
+ * NULL). Returns 0, -1 for an unknown type or k not a multiple of its block,
+ * -2 when scratch memory cannot be had. */
+int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t k,
+              const uint8_t *w, int64_t n, const float *bias, float *y, int64_t ys, int threads) {
+    if (type < 0 || type > Q6_K || k % BLOCK[type] != 0) return -1;
+    if (rows <= 0 || n <= 0) return 0;
+    char *scratch = malloc((size_t)ql_scratch_bytes(rows, k));
+    if (!scratch) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 32)
+    for (int64_t r = 0; r < rows; r++)
+        ql_quantize_row(BLOCK[type], x + r * x_stride, rows, k, r, scratch);
     /* about 16 tasks a thread (whole groups), so that a thread slowed by another
      * process leaves its share to the others without a scheduling cost per group */
     const int64_t groups = (n + GROUP - 1) / GROUP, per_thread = 16 * (threads > 1 ? threads : 1);
@@ -654,38 +664,7 @@ AI void run_type(const int type, const uint8_t *w, int64_t n, const acts *a, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t o0 = t * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
-        run_part(type, w, n, a, rows, o0, o1, bias, y, ys);
-    }
-}
-
-/* y (rows, n; row stride ys) = x (rows, k; row stride xs) . W^T + bias (may be
- * NULL). Returns 0, -1 for an unknown type or k not a multiple of its block,
- * -2 when scratch memory cannot be had. */
-int ql_matmul(int type, const float *x, int64_t rows, int64_t x_stride, int64_t k,
-              const uint8_t *w, int64_t n, const float *bias, float *y, int64_t ys, int threads) {
-    if (type < 0 || type > Q6_K || k % BLOCK[type] != 0) return -1;
-    if (rows <= 0 || n <= 0) return 0;
-    const int block = BLOCK[type];
-    char *scratch = malloc((size_t)ql_scratch_bytes(rows, k));
-    if (!scratch) return -2;
-    acts a = acts_at(scratch, rows, k, block);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 32)
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * x_stride, k, block, a.q + r * k, a.d + r * a.nb, a.xs + r * (k / 32),
-                     a.s16 + r * (k / 16));
-#if defined(QL_VNNI)
-    if (type == Q8_0)
-        for (size_t i = 0; i < (size_t)(rows * k); i++) a.qu[i] = (uint8_t)(a.q[i] ^ 0x80);
-    else
-        a.qu = NULL;
-#endif
-    switch (type) {
-        case Q4_0: run_type(Q4_0, w, n, &a, rows, bias, y, ys, threads); break;
-        case Q4_1: run_type(Q4_1, w, n, &a, rows, bias, y, ys, threads); break;
-        case Q8_0: run_type(Q8_0, w, n, &a, rows, bias, y, ys, threads); break;
-        case Q4_K: run_type(Q4_K, w, n, &a, rows, bias, y, ys, threads); break;
-        case Q5_K: run_type(Q5_K, w, n, &a, rows, bias, y, ys, threads); break;
-        default: run_type(Q6_K, w, n, &a, rows, bias, y, ys, threads);
+        ql_matmul_part(type, scratch, rows, k, w, n, o0, o1, bias, y, ys);
     }
     free(scratch);
     return 0;
