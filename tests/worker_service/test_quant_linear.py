@@ -203,3 +203,29 @@ def test_threads_split_work_not_results() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # each output feature is one thread's, same arithmetic
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_largest_codes_and_activations_do_not_saturate(library, qtype) -> None:
+    """The 32-weight types' largest codes (4-bit 15, 8-bit +-127) against
+    activations that all quantize to +-127: the integer sums the AVX2 path
+    keeps in int16 (eight maddubs pairs of a 4-bit block, 30480 at most) reach
+    their extremes and must still equal the exact arithmetic."""
+    out, k = 16, 128
+    data = ref.random_blocks(qtype, out, k, seed=7).reshape(out, k // 32, -1).copy()
+    codes = 2 if qtype != "Q4_1" else 4
+    if qtype == "Q8_0":
+        data[:8, :, codes:] = np.uint8(127)
+        data[8:, :, codes:] = np.int8(-127).view(np.uint8)
+    else:
+        data[:8, :, codes:] = 0xFF  # every nibble 15
+        data[8:, :, codes:] = 0x0F  # low nibbles 15, high 0
+    data = data.reshape(out, -1)
+    x = np.ones((4, k), dtype=np.float32)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, :16] = -3.0  # the first block's sixteen lows at -127, the rest smaller
+    w = library.pack(qtype, torch.from_numpy(data), out, k)
+    got = library.matmul(torch.from_numpy(x), w).numpy().astype(np.float64)
+    want, magnitude = ref.reference(qtype, data, x)
+    assert np.all(np.abs(got - want) <= ARITHMETIC_RTOL * magnitude + 1e-30)

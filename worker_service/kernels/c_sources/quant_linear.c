@@ -422,6 +422,7 @@ AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, 
             }
         } else {
             const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
+#if defined(QL_VNNI)
             for (int c = 0; c < 4; c++) {
                 const __m256i q = LOAD(codes + 32 * c);
                 const __m256i lo = _mm256_and_si256(q, low);
@@ -431,6 +432,23 @@ AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, 
                     s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
                 }
             }
+#else
+            /* AVX2: the block's eight maddubs pair sums add up in int16 and
+             * widen once. Exact: a pair is at most 2 * 15 * 127 = 3810 in
+             * magnitude, eight of them 30480 < 32767. */
+            __m256i p16[ROW_TILE];
+            for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i q = LOAD(codes + 32 * c);
+                const __m256i lo = _mm256_and_si256(q, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                for (int r = 0; r < R; r++) {
+                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, bcast4(x[r] + 4 * c)));
+                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, bcast4(x[r] + 16 + 4 * c)));
+                }
+            }
+            for (int r = 0; r < R; r++) s0[r] = _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1));
+#endif
         }
         const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
                                        : _mm256_setzero_ps();
