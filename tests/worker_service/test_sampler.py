@@ -302,6 +302,35 @@ def test_token_logprobs_for_prompts():
     assert torch.isnan(two[:, 2]).all()
 
 
+def test_c_logprobs_equal_torch_s_on_every_edge(monkeypatch):
+    """The CPU's one-pass C logprobs (cpu_ops.c's token_logprobs) against the
+    torch ops they replace: the same NaN and infinity rules, values within a
+    few float32 ulp, on a strided slice of a wider (padded) logits tensor."""
+    from worker_service.sampling import logprobs
+
+    if logprobs._cpu_ops() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 49160, generator=gen) * 6
+    logits = wide[:, :49152]
+    logits[1, :100] = float("-inf")  # masked tokens (a grammar)
+    logits[2] = float("-inf")  # everything masked
+    logits[3, 7] = float("inf")
+    logits[4, 9] = float("nan")
+    logits[5] = 0.0  # a flat row: log(1 / V)
+    ids = torch.tensor([[3, -1, 49152]] + [[5, 50, 0]] * 6)
+    got = logprob_tensors(logits, ids, top_n=4)
+    monkeypatch.setattr(logprobs, "_cpu_ops", lambda: None)
+    want = logprob_tensors(logits, ids, top_n=4)
+    for a, b in ((got.logprobs, want.logprobs), (got.top_logprobs, want.top_logprobs)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        finite = a.isfinite()
+        assert torch.allclose(a[finite], b[finite], rtol=1e-6, atol=1e-5)
+    assert torch.equal(got.top_ids, want.top_ids)
+    assert got.logprobs[5, 0].item() == pytest.approx(-math.log(49152), abs=1e-5)
+    assert math.isnan(got.logprobs[0, 1]) and math.isnan(got.logprobs[0, 2])
+
+
 def test_padded_vocab_columns_are_ignored():
     logits = torch.cat([torch.zeros(2, 8), torch.full((2, 2), 100.0)], dim=1)
     rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(seed=1))]

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "rope": [_P, _I64, _P, _I64, _INT, _P, _I64, _INT, _INT, _P, _INT],
     "silu_and_mul": [_P, _P, _I64, _INT, _INT],
     "gelu_tanh_and_mul": [_P, _P, _I64, _INT, _INT],
+    "token_logprobs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
 }
 
 
@@ -163,6 +164,31 @@ class CpuKernels(TorchKernels):
             self.threads,
         )  # fmt: skip
         return out
+
+    def token_logprobs(
+        self, logits: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logprobs of ids (N, K), logsumexp (N, 1)) of float32 CPU logits
+        (N, V) with unit column stride, NaN for an id outside [0, V); None
+        for anything else (the caller's torch ops run then)."""
+        if not (
+            logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+            and ids.dim() == 2
+            and ids.shape[0] == logits.shape[0]
+        ):
+            return None
+        ids = ids.to(dtype=torch.long).contiguous()
+        rows, vocab = logits.shape
+        out = torch.empty(ids.shape, dtype=torch.float32)
+        lse = torch.empty((rows, 1), dtype=torch.float32)
+        self._lib.token_logprobs(
+            logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), ids.shape[1],
+            out.data_ptr(), lse.data_ptr(), self.threads,
+        )  # fmt: skip
+        return out, lse
 
 
 def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:

@@ -8,19 +8,36 @@ model, not the sampling settings, so they compare directly with a Hugging Face
 reference run whatever the request's sampling parameters.
 
 ``log_softmax(x)[i] == x[i] - logsumexp(x)``, so only one logsumexp per row is
-needed and the full (N, V) log-softmax is never materialised.
+needed and the full (N, V) log-softmax is never materialised. On the CPU, for
+float32 logits, that is one C call (kernels/c_sources/cpu_ops.c's
+token_logprobs: the logsumexp and the gathers in one pass per row, within a
+few ulp of torch's); elsewhere torch's ops, chunk by chunk.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker_service.kernels.cpu_kernels import CpuKernels
 
 # Rows per chunk: logsumexp allocates a temporary as large as its input, and
 # prompt logprobs can cover thousands of positions of a 150k-token vocabulary.
 DEFAULT_CHUNK_ROWS = 1024
+
+
+@functools.cache
+def _cpu_ops() -> CpuKernels | None:
+    """The C small ops (their token_logprobs: one pass per row, no temporaries),
+    built once; None where they cannot be (no compiler)."""
+    from worker_service.kernels.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
 
 
 @dataclass
@@ -60,6 +77,18 @@ def logprob_tensors(
     if ids2.dim() != 2 or ids2.shape[0] != n:
         raise ValueError(f"ids {tuple(ids.shape)} do not match logits {tuple(logits.shape)}")
     top_n = min(max(top_n, 0), vocab)
+    if logits.device.type == "cpu" and n and (ops := _cpu_ops()) is not None:
+        done = ops.token_logprobs(logits, ids2)
+        if done is not None:
+            out, lse = done
+            top_ids = torch.empty((n, 0), dtype=torch.long)
+            top_lp = torch.empty((n, 0), dtype=torch.float32)
+            if top_n:
+                vals, top_ids = logits.topk(top_n, dim=-1, largest=True, sorted=True)
+                top_lp = vals - lse
+            return LogprobTensors(
+                logprobs=out.view(n) if squeeze else out, top_ids=top_ids, top_logprobs=top_lp
+            )
     dev = logits.device
     ids2 = ids2.to(device=dev, dtype=torch.long)
     valid = (ids2 >= 0) & (ids2 < vocab)

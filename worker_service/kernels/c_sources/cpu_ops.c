@@ -1,7 +1,8 @@
 /* The model's small per-token ops on the CPU in float32, one call each instead
  * of a handful of torch ops: residual add + RMSNorm, RMSNorm, RoPE in place,
- * SiLU-and-mul, GeGLU. A decode step of the default model runs about 25 such torch
- * ops per layer, each a dispatch and an allocation for a few thousand floats.
+ * SiLU-and-mul, GeGLU; and the sampler's logprobs. A decode step of the
+ * default model runs about 25 such torch ops per layer, each a dispatch and
+ * an allocation for a few thousand floats.
  *
  * The arithmetic follows worker_service/kernels/torch_kernels.py: RoPE and the
  * products bit for bit (built with -ffp-contract=off, so no multiply-add is
@@ -124,6 +125,46 @@ void gelu_tanh_and_mul(const float *gate_up, float *out, int64_t rows, int inter
             const float x = g[i];
             const float two_z = 1.5957691216057308f * (x + 0.044715f * x * x * x);
             o[i] = x / (1.0f + exp_f32(-two_z)) * u[i];
+        }
+    }
+}
+
+/* The sampler's logprobs (sampling/logprobs.py): for each row r of x (rows,
+ * vocab; row stride xs), lse[r] = logsumexp(x[r]) and out[r, j] =
+ * x[r, ids[r, j]] - lse[r] for the row's `width` ids; NaN for an id outside
+ * [0, vocab). torch.logsumexp's rules at the edges: an infinite maximum is the
+ * result (all -inf gives -inf, a +inf gives +inf), a NaN anywhere gives NaN.
+ * The sum of exponentials goes in this file's exp and float32 lanes, so it
+ * differs from torch's within a few ulp. One pass for the maximum, one for the
+ * sum; a 49k vocabulary's row in a few tens of microseconds on one thread,
+ * where torch's handful of ops and allocations took a few hundred. */
+void token_logprobs(const float *x, int64_t rows, int64_t vocab, int64_t xs, const int64_t *ids,
+                    int64_t width, float *out, float *lse, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * vocab >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * xs;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < vocab; i++) {
+            m = row[i] > m ? row[i] : m;
+            nan |= row[i] != row[i];
+        }
+        float total;
+        if (nan) {
+            total = NAN;
+        } else if (isinf(m)) {
+            total = m;
+        } else {
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < vocab; i++) s += exp_f32(row[i] - m);
+            total = m + logf(s);
+        }
+        lse[r] = total;
+        for (int64_t j = 0; j < width; j++) {
+            const int64_t id = ids[r * width + j];
+            out[r * width + j] = id >= 0 && id < vocab ? row[id] - total : NAN;
         }
     }
 }
