@@ -44,6 +44,11 @@
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 enum { ROW_TILE = 4 };
+/* group_32 prefetches the weight block this many blocks ahead of the one it
+ * multiplies: a one-row step streams its weights from memory, and this was
+ * 7% off a one-row decode step of the default model (8.5 -> 7.9 ms, three
+ * alternating runs each; prefill and 16 rows unchanged). */
+enum { PREFETCH_BLOCKS = 16 };
 #define AI static inline __attribute__((always_inline))
 
 static const int BLOCK[6] = {32, 32, 32, 256, 256, 256};
@@ -383,6 +388,10 @@ AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, 
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *g = g0 + b * GROUP * bytes;
+        /* past the task's last group it reads the next group's first blocks
+         * (or nothing: a prefetch never faults) */
+        for (int l = 0; l < GROUP * bytes; l += 64)
+            __builtin_prefetch(g + PREFETCH_BLOCKS * GROUP * bytes + l);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
         /* chunk by chunk, each unpacked chunk meeting every row: few live
          * registers (two accumulators a row), no spills */
