@@ -10,8 +10,9 @@ reference run whatever the request's sampling parameters.
 ``log_softmax(x)[i] == x[i] - logsumexp(x)``, so only one logsumexp per row is
 needed and the full (N, V) log-softmax is never materialised. On the CPU, for
 float32 logits, that is one C call (kernels/c_sources/cpu_ops.c's
-token_logprobs: the logsumexp and the gathers in one pass per row, within a
-few ulp of torch's); elsewhere torch's ops, chunk by chunk.
+token_logprobs: a row's maximum, its sum of exponentials, then the gathers,
+within a few ulp of torch's; no temporaries); elsewhere torch's ops, chunk by
+chunk.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ DEFAULT_CHUNK_ROWS = 1024
 
 @functools.cache
 def _cpu_ops() -> CpuKernels | None:
-    """The C small ops (their token_logprobs: one pass per row, no temporaries),
-    built once; None where they cannot be (no compiler)."""
+    """The C small ops (for their token_logprobs), built once; None where they
+    cannot be (no compiler)."""
     from worker_service.kernels.cpu_kernels import load_cpu_kernels
 
     return load_cpu_kernels()
