@@ -41,6 +41,13 @@ def _cpu_ops() -> CpuKernels | None:
     return load_cpu_kernels()
 
 
+def prepare(device: torch.device) -> None:
+    """Build (or load) the CPU's C logprobs now, at start, so that no step
+    waits for the compiler (the sampler calls this)."""
+    if device.type == "cpu":
+        _cpu_ops()
+
+
 @dataclass
 class LogprobTensors:
     """Logprobs of given ids (and optionally the top-n tokens) for N rows of logits.

@@ -27,7 +27,7 @@ import torch
 
 from worker_service.device.transfer import to_device, to_host
 from worker_service.kernels import Kernels, select_kernels
-from worker_service.sampling import filters, grammar, processors
+from worker_service.sampling import filters, grammar, logprobs, processors
 from worker_service.sampling.logprobs import logprob_tensors
 from worker_service.sampling.rows import SampleOutput, SampleRow
 
@@ -56,6 +56,7 @@ class Sampler:
         entropy. ``kernels``: None picks them for the device (select_kernels)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        logprobs.prepare(self.device)
         self.kernels = kernels or select_kernels(self.device)
         self.bitmask_backend = grammar.bitmask_backend(self.device.type)
         # A private CPU generator: never torch's global RNG (which model code or

@@ -24,15 +24,14 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
  * multiply-adds in the same order, so the results do not depend on the width.
  * ROW_TILE keeps the accumulators (ROW_TILE x 2 blocks x PARTS) in registers. */
 #if defined(__AVX512F__)
-#define ROW_TILE_MAX 8
+#define ROW_TILE 8
 typedef v16 vec;
 enum { VW = 16 };
 #else
-#define ROW_TILE_MAX 3
+#define ROW_TILE 3
 typedef v8 vec;
 enum { VW = 8 };
 #endif
-enum { ROW_TILE = ROW_TILE_MAX };
 enum { PARTS = 16 / VW };
 
 /* w (n, k) row-major into packed (ceil(n / 16), k, 16), zero past n. */
@@ -103,14 +102,14 @@ void skinny_linear(const float *x, int64_t m, int64_t k, const float *packed, in
             switch (rows) {
                 case 1: TILE(1)
                 case 2: TILE(2)
-#if ROW_TILE_MAX > 3
+#if ROW_TILE > 3
                 case 3: TILE(3)
                 case 4: TILE(4)
                 case 5: TILE(5)
                 case 6: TILE(6)
                 case 7: TILE(7)
 #endif
-                default: TILE(ROW_TILE_MAX)
+                default: TILE(ROW_TILE)
             }
 #undef TILE
         }
