@@ -229,3 +229,25 @@ def test_largest_codes_and_activations_do_not_saturate(library, qtype) -> None:
     got = library.matmul(torch.from_numpy(x), w).numpy().astype(np.float64)
     want, magnitude = ref.reference(qtype, data, x)
     assert np.all(np.abs(got - want) <= ARITHMETIC_RTOL * magnitude + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_walks_streams_with_the_same_arithmetic(library, qtype, threads) -> None:
+    """A one-row product walks several groups' weights side by side (the AVX2
+    path's STREAMS); each feature's result must be the one it gets among
+    other rows (one group at a time), bit for bit. 149 whole groups and 3
+    rows after them: the tasks hold runs of several groups, remainders and
+    the ungrouped rows."""
+    out, blocks = 149 * 8 + 3, 3
+    data, x = _case(qtype, out, blocks, 5, seed=11)
+    w = library.pack(qtype, torch.from_numpy(data), out, x.shape[1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = library.matmul(torch.from_numpy(x), w)
+        for r in range(x.shape[0]):
+            alone = library.matmul(torch.from_numpy(x[r : r + 1]), w)
+            assert torch.equal(alone[0], together[r]), f"{qtype} row {r}"
+    finally:
+        torch.set_num_threads(before)

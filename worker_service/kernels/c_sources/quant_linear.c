@@ -49,6 +49,8 @@ enum { ROW_TILE = 4 };
  * 7% off a one-row decode step of the default model (8.5 -> 7.9 ms, three
  * alternating runs each; prefill and 16 rows unchanged). */
 enum { PREFETCH_BLOCKS = 16 };
+/* weight streams a one-row product walks side by side (group_32) */
+enum { STREAMS = 4 };
 #define AI static inline __attribute__((always_inline))
 
 static const int BLOCK[6] = {32, 32, 32, 256, 256, 256};
@@ -378,102 +380,107 @@ AI __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* One group of GROUP output features (interleaved, see "layout") against R
- * activation rows: res[r][0..7]. */
-AI void group_32(const int type, const int R, const uint8_t *g0, const acts *a, int64_t r0,
-                 __m256 *res) {
+/* NG groups of GROUP output features each (interleaved, see "layout") against
+ * R activation rows, block by block in step: res[j * R + r] is group j's 8
+ * features for row r. Several groups at once are several weight streams
+ * (STREAMS): one core reading one sequential stream got ~15 GB/s here, four
+ * ~26, and a one-row product is that stream and little else. Each feature's
+ * arithmetic does not depend on NG. */
+AI void group_32(const int type, const int R, const int NG, const uint8_t *const *gs,
+                 const acts *a, int64_t r0, __m256 *res) {
     const int bytes = BYTES[type];
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[ROW_TILE], accm[ROW_TILE];
-    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    __m256 acc[ROW_TILE * STREAMS], accm[ROW_TILE * STREAMS];
+    for (int i = 0; i < R * NG; i++) acc[i] = accm[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *g = g0 + b * GROUP * bytes;
-        /* past the task's last group it reads the next group's first blocks
-         * (or nothing: a prefetch never faults) */
-        for (int l = 0; l < GROUP * bytes; l += 64)
-            __builtin_prefetch(g + PREFETCH_BLOCKS * GROUP * bytes + l);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        /* chunk by chunk, each unpacked chunk meeting every row: few live
-         * registers (two accumulators a row), no spills */
-        __m256i s0[ROW_TILE], s1[ROW_TILE];
         const int8_t *x[ROW_TILE];
-        for (int r = 0; r < R; r++) {
-            s0[r] = s1[r] = _mm256_setzero_si256();
-            x[r] = a->q + (r0 + r) * a->k + b * 32;
-        }
-        if (type == Q8_0 && a->qu) {
-            /* VNNI: x + 128 (unsigned) times the signed codes, less 128 * sum(w)
-             * per row (the sums by the same instruction, once per weight chunk) */
-            const uint8_t *codes = g + 16;
-            const __m256i ones = _mm256_set1_epi8(1);
-            __m256i wsum = _mm256_setzero_si256();
-            const uint8_t *xu[ROW_TILE];
-            for (int r = 0; r < R; r++) xu[r] = a->qu + (r0 + r) * a->k + b * 32;
-            for (int c = 0; c < 8; c += 2) {
-                const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
-                wsum = dot_us(dot_us(wsum, ones, w0), ones, w1);
-                for (int r = 0; r < R; r++) {
-                    s0[r] = dot_us(s0[r], bcast4((const int8_t *)xu[r] + 4 * c), w0);
-                    s1[r] = dot_us(s1[r], bcast4((const int8_t *)xu[r] + 4 * c + 4), w1);
+        for (int r = 0; r < R; r++) x[r] = a->q + (r0 + r) * a->k + b * 32;
+        for (int j = 0; j < NG; j++) {
+            const uint8_t *g = gs[j] + b * GROUP * bytes;
+            /* past the task's last group it reads the next group's first blocks
+             * (or nothing: a prefetch never faults) */
+            for (int l = 0; l < GROUP * bytes; l += 64)
+                __builtin_prefetch(g + PREFETCH_BLOCKS * GROUP * bytes + l);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+            /* chunk by chunk, each unpacked chunk meeting every row: few live
+             * registers (two accumulators a row), no spills */
+            __m256i s0[ROW_TILE], s1[ROW_TILE];
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            if (type == Q8_0 && a->qu) {
+                /* VNNI: x + 128 (unsigned) times the signed codes, less 128 * sum(w)
+                 * per row (the sums by the same instruction, once per weight chunk) */
+                const uint8_t *codes = g + 16;
+                const __m256i ones = _mm256_set1_epi8(1);
+                __m256i wsum = _mm256_setzero_si256();
+                const uint8_t *xu[ROW_TILE];
+                for (int r = 0; r < R; r++) xu[r] = a->qu + (r0 + r) * a->k + b * 32;
+                for (int c = 0; c < 8; c += 2) {
+                    const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+                    wsum = dot_us(dot_us(wsum, ones, w0), ones, w1);
+                    for (int r = 0; r < R; r++) {
+                        s0[r] = dot_us(s0[r], bcast4((const int8_t *)xu[r] + 4 * c), w0);
+                        s1[r] = dot_us(s1[r], bcast4((const int8_t *)xu[r] + 4 * c + 4), w1);
+                    }
                 }
-            }
-            const __m256i offset = _mm256_slli_epi32(wsum, 7);
-            for (int r = 0; r < R; r++) s0[r] = _mm256_sub_epi32(s0[r], offset);
-        } else if (type == Q8_0) {
-            const uint8_t *codes = g + 16;
-            for (int c = 0; c < 8; c += 2) {
-                const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
-                const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
-                for (int r = 0; r < R; r++) {
-                    s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
-                    s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
+                const __m256i offset = _mm256_slli_epi32(wsum, 7);
+                for (int r = 0; r < R; r++) s0[r] = _mm256_sub_epi32(s0[r], offset);
+            } else if (type == Q8_0) {
+                const uint8_t *codes = g + 16;
+                for (int c = 0; c < 8; c += 2) {
+                    const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+                    const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+                    for (int r = 0; r < R; r++) {
+                        s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
+                        s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
+                    }
                 }
-            }
-        } else {
-            const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
+            } else {
+                const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
 #if defined(QL_VNNI)
-            for (int c = 0; c < 4; c++) {
-                const __m256i q = LOAD(codes + 32 * c);
-                const __m256i lo = _mm256_and_si256(q, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                for (int r = 0; r < R; r++) {
-                    s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
-                    s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
+                for (int c = 0; c < 4; c++) {
+                    const __m256i q = LOAD(codes + 32 * c);
+                    const __m256i lo = _mm256_and_si256(q, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
+                        s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
+                    }
                 }
-            }
 #else
-            /* AVX2: the block's eight maddubs pair sums add up in int16 and
-             * widen once. Exact: a pair is at most 2 * 15 * 127 = 3810 in
-             * magnitude, eight of them 30480 < 32767. */
-            __m256i p16[ROW_TILE];
-            for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                const __m256i q = LOAD(codes + 32 * c);
-                const __m256i lo = _mm256_and_si256(q, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                for (int r = 0; r < R; r++) {
-                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, bcast4(x[r] + 4 * c)));
-                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, bcast4(x[r] + 16 + 4 * c)));
+                /* AVX2: the block's eight maddubs pair sums add up in int16 and
+                 * widen once. Exact: a pair is at most 2 * 15 * 127 = 3810 in
+                 * magnitude, eight of them 30480 < 32767. */
+                __m256i p16[ROW_TILE];
+                for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i q = LOAD(codes + 32 * c);
+                    const __m256i lo = _mm256_and_si256(q, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, bcast4(x[r] + 4 * c)));
+                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, bcast4(x[r] + 16 + 4 * c)));
+                    }
                 }
-            }
-            for (int r = 0; r < R; r++) s0[r] = _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1));
+                for (int r = 0; r < R; r++) s0[r] = _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1));
 #endif
-        }
-        const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
-                                       : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const int64_t row = r0 + r;
-            __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
-            if (type == Q4_0) { /* codes - 8, in integers */
-                const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
-                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
             }
-            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
-            acc[r] = fmadd(_mm256_cvtepi32_ps(isum), dd, acc[r]);
-            if (type == Q4_1) accm[r] = fmadd(mw, _mm256_set1_ps(a->xs[row * a->nb + b]), accm[r]);
+            const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                           : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const int64_t row = r0 + r;
+                __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+                if (type == Q4_0) { /* codes - 8, in integers */
+                    const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
+                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
+                }
+                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[row * a->nb + b]));
+                acc[j * R + r] = fmadd(_mm256_cvtepi32_ps(isum), dd, acc[j * R + r]);
+                if (type == Q4_1)
+                    accm[j * R + r] = fmadd(mw, _mm256_set1_ps(a->xs[row * a->nb + b]), accm[j * R + r]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) res[r] = _mm256_add_ps(acc[r], accm[r]);
+    for (int i = 0; i < R * NG; i++) res[i] = _mm256_add_ps(acc[i], accm[i]);
 }
 
 #else /* portable */
@@ -576,18 +583,48 @@ AI void dot_any(const int type, const int R, const uint8_t *w, int64_t n, int64_
 }
 #endif
 
+#if defined(QL_AVX2)
+/* Stores group results res[j * R + r] (+ bias) at features os[j]. */
+AI void store_groups(const int R, const int NG, const __m256 *res, const int64_t *os,
+                     const float *bias, float *y, int64_t ys, int64_t r0) {
+    for (int j = 0; j < NG; j++) {
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + os[j]) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(y + (r0 + r) * ys + os[j], _mm256_add_ps(res[j * R + r], bv));
+    }
+}
+#endif
+
 /* Rows [r0, r0 + R) against output features [o0, o1). */
 AI void tile(const int type, const int R, const uint8_t *w, int64_t n, const acts *a, int64_t r0,
              int64_t o0, int64_t o1, const float *bias, float *y, int64_t ys) {
     int64_t o = o0;
 #if defined(QL_AVX2)
     const int64_t row_bytes = a->nb * BYTES[type];
-    const int64_t grouped = grouped_rows(type, n);
-    for (; o + GROUP <= o1 && o + GROUP <= grouped; o += GROUP) {
+    const int64_t end = o1 < grouped_rows(type, n) ? o1 : grouped_rows(type, n);
+    const int64_t groups = end > o ? (end - o) / GROUP : 0;
+    if (R == 1 && groups >= STREAMS) {
+        /* STREAMS runs of the task's groups, walked side by side; the
+         * remainder's groups one at a time */
+        const int64_t run = groups / STREAMS;
+        for (int64_t i = 0; i < run; i++) {
+            const uint8_t *gs[STREAMS];
+            int64_t os[STREAMS];
+            for (int j = 0; j < STREAMS; j++) {
+                os[j] = o + (j * run + i) * GROUP;
+                gs[j] = w + os[j] * row_bytes;
+            }
+            __m256 res[STREAMS];
+            group_32(type, 1, STREAMS, gs, a, r0, res);
+            store_groups(1, STREAMS, res, os, bias, y, ys, r0);
+        }
+        o += STREAMS * run * GROUP;
+    }
+    for (; o + GROUP <= end; o += GROUP) {
+        const uint8_t *g = w + o * row_bytes;
         __m256 res[ROW_TILE];
-        group_32(type, R, w + o * row_bytes, a, r0, res);
-        const __m256 bv = bias ? _mm256_loadu_ps(bias + o) : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * ys + o, _mm256_add_ps(res[r], bv));
+        group_32(type, R, 1, &g, a, r0, res);
+        store_groups(R, 1, res, &o, bias, y, ys, r0);
     }
 #endif
     for (; o < o1; o++) {
