@@ -93,6 +93,25 @@ def test_kernel_splits_across_threads(kernel) -> None:
     assert torch.equal(got, want)  # the same arithmetic per task, whichever thread runs it
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (12, 6)])
+def test_kv_heads_read_together_give_each_task_s_result(heads, kv_heads) -> None:
+    """A task range's consecutive kv heads of one sequence run side by side
+    (paged_decode.c decode_heads, at most MAX_HEADS = 4 at a time); ranges
+    that cut a sequence's heads anywhere, or take them two at a time, give
+    the same bits as one call over every task."""
+    base = load_paged_decode(heads, kv_heads, 64, 1)
+    assert base is not None
+    decodes = [40, 90, 3, 17]
+    spec, batch, q, k, v, kv = case(16, heads, kv_heads, 64, None, torch.float32, [], decodes)
+    want = attend(spec, base, batch, q, k, v, kv)
+    tasks = len(decodes) * kv_heads
+    for threads in (3, 5, tasks // 2):  # bounds from linspace: uneven cuts, then pairs
+        split = PagedDecodeKernel(base.library, threads=threads)
+        assert torch.equal(attend(spec, split, batch, q, k, v, kv), want), threads
+    # and against torch's attention, to the usual tolerance
+    torch.testing.assert_close(want, attend(spec, None, batch, q, k, v, kv), **tol(torch.float32))
+
+
 @pytest.mark.skipif(not c_build.torch_uses_openmp(), reason="torch without OpenMP")
 def test_openmp_build_runs_in_torchs_runtime(kernel) -> None:
     """With several threads the kernel is the OpenMP build, sharing torch's

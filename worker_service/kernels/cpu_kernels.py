@@ -48,6 +48,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _INT, _INT],
     "gelu_tanh_and_mul": [_P, _P, _I64, _INT, _INT],
     "token_logprobs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
+    "temperature_draw": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P],
 }
 
 
@@ -189,6 +190,37 @@ class CpuKernels(TorchKernels):
             out.data_ptr(), lse.data_ptr(), self.threads,
         )  # fmt: skip
         return out, lse
+
+    def temperature_draw(
+        self, logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor | None:
+        """(S,) int64 tokens drawn from softmax(logits[rows] / temperature) by
+        inverse CDF at u (filters.draw without filters, within a few ulp of
+        its probabilities), for float32 CPU logits (N, V) with unit column
+        stride; None for anything else, or when a row has a NaN or an
+        infinite maximum (the caller's torch ops run then, with their rules)."""
+        if not (
+            logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.dim() == 2
+            and logits.stride(1) == 1
+        ):
+            return None
+        rows = rows.to(dtype=torch.long).contiguous()
+        temperature = temperature.to(dtype=torch.float32).contiguous()
+        u = u.to(dtype=torch.float32).contiguous()
+        n, vocab = rows.numel(), logits.shape[1]
+        if temperature.numel() != n or u.numel() != n or vocab == 0:
+            return None
+        out = torch.empty(n, dtype=torch.long)
+        scratch = torch.empty(vocab, dtype=torch.float32)
+        self._lib.temperature_draw(
+            logits.data_ptr(), logits.stride(0), vocab, rows.data_ptr(), n,
+            temperature.data_ptr(), u.data_ptr(), scratch.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if n and bool((out < 0).any()):
+            return None
+        return out
 
 
 def load_cpu_kernels(threads: int | None = None) -> CpuKernels | None:

@@ -19,7 +19,9 @@ sorted order, and the draw walks the vocabulary in id order: the same
 definition whether the filters come from a sort (the torch kernels, CPU) or
 from FlashInfer's threshold-search kernels (CUDA), so for one u both paths
 pick the same token, float rounding at a knife edge aside. The filters are the
-``Kernels``' (worker_service/kernels/); the draw is ours on every device.
+``Kernels``' (worker_service/kernels/); the draw is ours on every device. On
+the CPU, a step whose drawn rows use no filter draws in one C pass a row
+(cpu_ops.c temperature_draw, the same definition; sampler.py).
 
 Uniforms: a seeded request's u is a pure function of (seed, step) computed on
 the host with SplitMix64 (Steele, Lea & Flood 2014; the generator behind
@@ -74,6 +76,12 @@ def filter_arrays(
     p = np.clip(np.array(top_p, np.float32), 0.0, 1.0)
     m = np.clip(np.array(min_p, np.float32), 0.0, 1.0)
     return k, p, m
+
+
+def any_filter(host: tuple[np.ndarray, np.ndarray, np.ndarray], vocab: int) -> bool:
+    """Whether any drawn row uses top-k, top-p or min-p (``filter_arrays``' output)."""
+    k, p, m = host
+    return bool((k < vocab).any() or (p < 1).any() or (m > 0).any())
 
 
 def sampling_filters(

@@ -33,19 +33,19 @@ DEFAULT_CHUNK_ROWS = 1024
 
 
 @functools.cache
-def _cpu_ops() -> CpuKernels | None:
-    """The C small ops (for their token_logprobs), built once; None where they
-    cannot be (no compiler)."""
+def cpu_ops() -> CpuKernels | None:
+    """The C small ops (their token_logprobs here, temperature_draw for the
+    sampler), built once; None where they cannot be (no compiler)."""
     from worker_service.kernels.cpu_kernels import load_cpu_kernels
 
     return load_cpu_kernels()
 
 
 def prepare(device: torch.device) -> None:
-    """Build (or load) the CPU's C logprobs now, at start, so that no step
-    waits for the compiler (the sampler calls this)."""
+    """Build (or load) the CPU's C logprobs and draw now, at start, so that no
+    step waits for the compiler (the sampler calls this)."""
     if device.type == "cpu":
-        _cpu_ops()
+        cpu_ops()
 
 
 @dataclass
@@ -85,7 +85,7 @@ def logprob_tensors(
     if ids2.dim() != 2 or ids2.shape[0] != n:
         raise ValueError(f"ids {tuple(ids.shape)} do not match logits {tuple(logits.shape)}")
     top_n = min(max(top_n, 0), vocab)
-    if logits.device.type == "cpu" and n and (ops := _cpu_ops()) is not None:
+    if logits.device.type == "cpu" and n and (ops := cpu_ops()) is not None:
         done = ops.token_logprobs(logits, ids2)
         if done is not None:
             out, lse = done

@@ -129,13 +129,19 @@ class Sampler:
             [s.min_p for s in specs],
             raw.shape[1],
         )
+        temperatures = np.array([s.temperature for s in specs], np.float32)
+        uniforms = self._uniforms([rows[i] for i in drawn]).numpy()
+        if dev.type == "cpu" and not filters.any_filter(host, raw.shape[1]):
+            tokens = self._cpu_draw(processed, drawn, temperatures, uniforms)
+            if tokens is not None:
+                if greedy:
+                    g = torch.tensor(greedy, dtype=torch.long)
+                    chosen[g] = processed.index_select(0, g).argmax(dim=-1)
+                chosen[torch.tensor(drawn, dtype=torch.long)] = tokens
+                return chosen
         # Indices and parameters go up in one pinned, non-blocking copy per dtype.
         g, d, top_k = to_device([np.array(greedy, np.int64), np.array(drawn, np.int64), k], dev)
-        temperature, top_p, min_p, u = to_device(
-            [np.array([s.temperature for s in specs], np.float32), p, m]
-            + [self._uniforms([rows[i] for i in drawn]).numpy()],
-            dev,
-        )
+        temperature, top_p, min_p, u = to_device([temperatures, p, m, uniforms], dev)
         if greedy:
             chosen[g] = processed.index_select(0, g).argmax(dim=-1)
         chosen[d] = filters.draw(
@@ -146,6 +152,26 @@ class Sampler:
             kernels=self.kernels,
         )
         return chosen
+
+    def _cpu_draw(
+        self,
+        processed: torch.Tensor,
+        drawn: list[int],
+        temperatures: np.ndarray,
+        uniforms: np.ndarray,
+    ) -> torch.Tensor | None:
+        """The drawn rows' tokens from the C draw (temperature only, float32 CPU
+        logits), or None where it does not apply (no compiler, a NaN or
+        infinite row): filters.draw then runs, with its rules."""
+        ops = logprobs.cpu_ops()
+        if ops is None:
+            return None
+        return ops.temperature_draw(
+            processed,
+            torch.tensor(drawn, dtype=torch.long),
+            torch.from_numpy(temperatures),
+            torch.from_numpy(uniforms),
+        )
 
     def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
         """(S,) float32 on the CPU: one u in [0, 1) per drawn row."""

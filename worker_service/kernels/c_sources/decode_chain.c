@@ -237,12 +237,13 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
                                    qkv_width, m->kv_heads, D, s->cos_sin, 1);
                 store_row(m, s, cache, t);
             }
+            /* a row's kv heads in one call: its pages read contiguously */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < n * m->kv_heads; t++) {
+            for (int64_t t = 0; t < n; t++) {
                 const int st = ((attn_range_fn)m->attn_range)(
                     s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens, s->attn_indptr,
                     s->page_ids, m->page_size, m->heads, m->kv_heads, D, m->window, m->scale,
-                    0.0f, 1.0f, NULL, t, t + 1);
+                    0.0f, 1.0f, NULL, t * m->kv_heads, (t + 1) * m->kv_heads);
                 if (st != 0) {
 #pragma omp atomic write
                     status = st;
