@@ -178,10 +178,15 @@ static void quant_rows_of(const ChainModel *m, const ChainStep *s, const ChainLi
         ((quant_row_fn)m->quant_row)(256, xr, s->rows, l->in_features, r, acts + s->acts_bytes);
 }
 
-/* Output features a projection task takes: about 4 tasks a thread, whole
- * groups of 8 (ql_matmul_part's unit), at least FEATURE_CHUNK. */
-static int64_t part_chunk(const ChainModel *m, const ChainPart *p) {
-    const int64_t per = 4 * (m->team > 1 ? m->team : 1);
+/* Output features a projection task takes: whole groups of 8
+ * (ql_matmul_part's unit), at least FEATURE_CHUNK; about 4 tasks a thread
+ * (a thread that loses its core delays one of them, not its whole share),
+ * but one a thread at one row: a one-row product walks its weights as
+ * several long streams (quant_linear.c STREAMS), and short tasks cut them
+ * short (a one-row step's chain 5.1-5.2 -> 4.5-4.6 ms on the 2-core
+ * machine, alternating; served TPOT 9.5-9.6 -> 9.0-9.5 ms). */
+static int64_t part_chunk(const ChainModel *m, const ChainPart *p, int64_t rows) {
+    const int64_t per = (rows == 1 ? 1 : 4) * (m->team > 1 ? m->team : 1);
     const int64_t chunk = (p->out_features / per) & ~(int64_t)7;
     return chunk < FEATURE_CHUNK ? FEATURE_CHUNK : chunk;
 }
@@ -192,7 +197,7 @@ static void team_linear(const ChainModel *m, const ChainStep *s, const ChainLine
                         int *status) {
     int64_t chunks[MAX_PARTS], counts[MAX_PARTS], total = 0;
     for (int p = 0; p < l->nparts; p++) {
-        chunks[p] = part_chunk(m, &l->parts[p]);
+        chunks[p] = part_chunk(m, &l->parts[p], s->rows);
         total += counts[p] = (l->parts[p].out_features + chunks[p] - 1) / chunks[p];
     }
 #pragma omp for schedule(dynamic, 1)
