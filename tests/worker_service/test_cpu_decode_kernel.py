@@ -6,6 +6,8 @@ fallbacks when it cannot be built or does not fit the model."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -110,6 +112,76 @@ def test_kv_heads_read_together_give_each_task_s_result(heads, kv_heads) -> None
         assert torch.equal(attend(spec, split, batch, q, k, v, kv), want), threads
     # and against torch's attention, to the usual tolerance
     torch.testing.assert_close(want, attend(spec, None, batch, q, k, v, kv), **tol(torch.float32))
+
+
+class PiecesKernel(PagedDecodeKernel):
+    """Each row as the decode chain's team runs it at one row:
+    paged_decode_piece's four phases in turn, each cut into `parts` pieces."""
+
+    def __init__(self, library, parts: int) -> None:
+        super().__init__(library, 1)
+        self.parts = parts
+        lib = ctypes.CDLL(str(library))
+        self._piece = lib.paged_decode_piece
+        self._piece.restype = ctypes.c_int
+        self._piece.argtypes = [
+            *cpu_paged_kernel._ARGTYPES[:-2],
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._floats = lib.paged_decode_piece_floats
+        self._floats.restype = ctypes.c_int64
+        self._floats.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+
+    def __call__(self, q, cache, out, *, layout, window, scale, soft_cap=None, sinks=None,
+                 kv_scales=(1.0, 1.0)) -> None:  # fmt: skip
+        _, heads, head_dim = q.shape
+        page_size, kv_heads = cache.shape[2], cache.shape[3]
+        for seq in range(layout.num_rows):
+            scratch = torch.full(
+                (self._floats(heads, head_dim, int(layout.lens[seq])),), float("nan")
+            )
+            for phase in range(4):
+                for part in range(self.parts):
+                    status = self._piece(
+                        q.data_ptr(), cpu_paged_kernel.DTYPE_CODES[q.dtype], cache.data_ptr(),
+                        cpu_paged_kernel.CACHE_DTYPE_CODES[cache.dtype], out.data_ptr(),
+                        layout.rows_p, layout.lens_p, layout.indptr_p, layout.pages_p,
+                        page_size, heads, kv_heads, head_dim, window or 0,
+                        scale * kv_scales[0], soft_cap or 0.0, kv_scales[1],
+                        None if sinks is None else sinks.data_ptr(),
+                        seq, phase, part, self.parts, scratch.data_ptr(),
+                    )  # fmt: skip
+                    assert status == 0
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(
+    ("page_size", "heads", "kv_heads", "head_dim"),
+    [(16, 9, 3, 64), (4, 8, 2, 128), (16, 6, 1, 32), (3, 10, 2, 16), (16, 12, 6, 64)],
+)
+def test_pieces_over_a_team_are_the_whole_row_s_bits(
+    page_size, heads, kv_heads, head_dim, window, dtype, parts
+) -> None:
+    """The decode chain's team shares one row's attention (paged_decode_piece:
+    scores by keys, the softmax by heads, the values by the row's two key
+    halves, the outputs by heads): the same bits as the row run whole, odd
+    and even spans, one-key rows, windows, more kv heads than are read
+    together."""
+    base = load_paged_decode(heads, kv_heads, head_dim, 1)
+    assert base is not None
+    decodes = [1, 2, page_size, page_size + 1, 37, 150]
+    spec, batch, q, k, v, kv = case(
+        page_size, heads, kv_heads, head_dim, window, dtype, [], decodes
+    )
+    want = attend(spec, base, batch, q, k, v, kv)
+    got = attend(spec, PiecesKernel(base.library, parts), batch, q, k, v, kv)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not c_build.torch_uses_openmp(), reason="torch without OpenMP")

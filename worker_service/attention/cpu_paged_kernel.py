@@ -101,6 +101,9 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         fn.argtypes = _ARGTYPES
         self._fn = fn
+        # paged_decode_piece's address: the decode chain's team calls it (one
+        # row's attention in pieces over its threads)
+        self.piece_address = ctypes.cast(lib.paged_decode_piece, ctypes.c_void_p).value or 0
         self.library = library
         self.threads = max(1, threads)
         self.openmp = bool(lib.paged_decode_openmp())

@@ -84,6 +84,7 @@ class ChainModel(ctypes.Structure):
         ("attn_range", _P),
         ("team", _I32),
         ("block_of", _I32 * 8),
+        ("attn_piece", _P),
     ]
 
 

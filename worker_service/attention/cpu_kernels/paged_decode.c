@@ -158,6 +158,7 @@ static inline const float *float_row(float *scratch, const void *base, int64_t i
 }
 
 enum { MAX_GROUP = 16, MAX_CHUNKS = 256 / VW }; /* head_dim up to 256 */
+enum { MAX_HEADS = 4 }; /* kv heads read side by side */
 
 /* Asks for the cache lines of the next page's rows (keys or values; `width`
  * floats of each row from `index`: the heads a pass reads) while this one is
@@ -172,57 +173,59 @@ static inline void prefetch_page(const void *cache, int64_t index, int page_size
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + slot * stride + b, 0, 0);
 }
 
-/* The tasks (seq, kvh0) .. (seq, kvh0 + nh - 1): nh kv heads of one sequence
- * side by side. A page's rows hold every kv head's key (then value) next to
- * each other, so reading the heads together reads each page's keys and values
- * as two contiguous runs, where one head alone reads short runs a stride
- * apart: on the 2-core machine a layer's keys and values at context 450 took
- * ~80 us per head-by-head pass and ~53 us contiguous, on one thread. Each
- * head's arithmetic is its own task's, in the same order (the dot products
- * key by key, the softmax, the weighted values key by key): the results do
- * not depend on how the tasks are grouped. Inlined into a copy per common
- * (group, chunks) pair, so those loops have constant bounds. */
-enum { MAX_HEADS = 4 }; /* kv heads read together */
+/* The pieces of one sequence's attention, shared by the whole-task path
+ * (decode_heads) and the team's pieces (paged_decode_piece): scores key by
+ * key, the softmax head by head, the weighted values vector chunk by vector
+ * chunk over every key in order. A piece's result does not depend on how the
+ * work is cut, so the two paths agree bit for bit. A row's scores lie at
+ * scores[q_head * span + i], i the key's index in the row's span. */
+typedef struct {
+    int64_t len, first, span, q_row;
+    const int32_t *pages;
+} RowSpan;
 
-static inline __attribute__((always_inline)) void decode_heads(
-    const int group, const int chunks, const int64_t seq, const int kvh0, const int nh,
-    const void *q, const int q_dtype, const void *cache, const int cache_dtype, void *out,
-    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
-    const int page_size, const int heads, const int kv_heads, const int head_dim,
-    const int window, const float scale, const float soft_cap, const float v_scale,
-    const float *sinks, float *scores, float *row) {
-    const int64_t slot_stride = (int64_t)kv_heads * head_dim;       /* next position in a page */
-    const int64_t half_stride = (int64_t)page_size * slot_stride;   /* keys -> values */
-    const int64_t page_stride = 2 * half_stride;
+static inline RowSpan row_span(int64_t seq, const int64_t *rows, const int64_t *lens,
+                               const int64_t *indptr, const int32_t *page_ids, int heads,
+                               int window) {
+    RowSpan r;
+    r.len = lens[seq];
+    r.first = (window > 0 && r.len > window) ? r.len - window : 0;
+    r.span = r.len - r.first;
+    r.pages = page_ids + indptr[seq];
+    r.q_row = rows[seq] * heads;
+    return r;
+}
+
+/* Scores of keys [i0, i1) of the span for kv heads [kvh0, kvh0 + nh), nh <=
+ * MAX_HEADS, read side by side: a page slot holds every kv head's key next
+ * to each other, so the heads together read a page's keys as one contiguous
+ * run, where one head alone reads short runs a stride apart (a layer's pages
+ * at context 450: ~80 -> ~53 us of reads on one thread, 2-core machine). */
+static inline __attribute__((always_inline)) void heads_scores(
+    const int group, const int chunks, const RowSpan *r, const int kvh0, const int nh,
+    const int64_t i0, const int64_t i1, const void *q, const int q_dtype, const void *cache,
+    const int cache_dtype, const int page_size, const int kv_heads, const int head_dim,
+    const float scale, const float soft_cap, float *scores, float *row) {
+    const int64_t slot_stride = (int64_t)kv_heads * head_dim;
+    const int64_t page_stride = 2 * (int64_t)page_size * slot_stride;
+    const int64_t head0 = (int64_t)kvh0 * head_dim;
     vec qs[MAX_HEADS][MAX_GROUP][MAX_CHUNKS];
-    vec acc[MAX_HEADS][MAX_GROUP][MAX_CHUNKS];
-    float inv_sum[MAX_HEADS][MAX_GROUP];
-
-    const int64_t len = lens[seq];
-    const int64_t first = (window > 0 && len > window) ? len - window : 0;
-    const int64_t span = len - first;
-    const int32_t *pages = page_ids + indptr[seq];
-    const int64_t q_row = rows[seq] * heads;
-    const int64_t head0 = (int64_t)kvh0 * head_dim; /* the first head's offset in a row */
-    const int run = nh * head_dim;                  /* the heads' floats in a row */
-
     for (int h = 0; h < nh; h++)
         for (int g = 0; g < group; g++) {
-            const int64_t qi = (q_row + (int64_t)(kvh0 + h) * group + g) * head_dim;
+            const int64_t qi = (r->q_row + (int64_t)(kvh0 + h) * group + g) * head_dim;
             const float *qg = float_row(row, q, qi, head_dim, q_dtype);
             for (int c = 0; c < chunks; c++) qs[h][g][c] = *(const vec *)(qg + VW * c) * scale;
         }
-
-    /* scores = scale * q . k, page by page */
-    const int64_t first_page = first / page_size;
-    for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
-        const int64_t base = (int64_t)pages[pg] * page_stride + head0;
-        const int from = pg == first_page ? (int)(first % page_size) : 0;
-        const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
-        if ((pg + 1) * page_size < len)
-            prefetch_page(cache, (int64_t)pages[pg + 1] * page_stride + head0, page_size,
-                          slot_stride, run, cache_dtype);
-        for (int slot = from; slot < to; slot++, i++) {
+    const int64_t p0 = r->first + i0, p1 = r->first + i1;
+    for (int64_t pg = p0 / page_size; pg * page_size < p1; pg++) {
+        const int64_t base = (int64_t)r->pages[pg] * page_stride + head0;
+        const int from = pg * page_size < p0 ? (int)(p0 - pg * page_size) : 0;
+        const int to = (pg + 1) * page_size <= p1 ? page_size : (int)(p1 - pg * page_size);
+        if ((pg + 1) * page_size < p1)
+            prefetch_page(cache, (int64_t)r->pages[pg + 1] * page_stride + head0, page_size,
+                          slot_stride, nh * head_dim, cache_dtype);
+        for (int slot = from; slot < to; slot++) {
+            const int64_t i = pg * page_size + slot - r->first;
             for (int h = 0; h < nh; h++) {
                 const float *k = float_row(row, cache, base + slot * slot_stride + h * head_dim,
                                            head_dim, cache_dtype);
@@ -231,52 +234,78 @@ static inline __attribute__((always_inline)) void decode_heads(
                 for (int g = 0; g < group; g++) {
                     vec dot = qs[h][g][0] * kc[0];
                     for (int c = 1; c < chunks; c++) dot += qs[h][g][c] * kc[c];
-                    scores[((int64_t)h * group + g) * span + i] = vsum(dot);
+                    scores[((int64_t)(kvh0 + h) * group + g) * r->span + i] = vsum(dot);
                 }
             }
         }
     }
     if (soft_cap > 0.0f) {
         const float inv_cap = 1.0f / soft_cap;
-        const int64_t n = (int64_t)nh * group * span;
+        for (int h = 0; h < nh; h++)
+            for (int g = 0; g < group; g++) {
+                float *sg = scores + ((int64_t)(kvh0 + h) * group + g) * r->span;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) scores[i] = soft_cap * tanh_approx(scores[i] * inv_cap);
-    }
-    /* softmax per query head; a sink joins the maximum and the denominator */
-    for (int h = 0; h < nh; h++)
-        for (int g = 0; g < group; g++) {
-            float *s = scores + ((int64_t)h * group + g) * span;
-            const float sink = sinks ? sinks[(kvh0 + h) * group + g] : 0.0f;
-            float m = s[0];
-            for (int64_t i = 1; i < span; i++) m = s[i] > m ? s[i] : m;
-            if (sinks && sink > m) m = sink;
-            float sum = sinks ? exp_nonpositive(sink - m) : 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < span; i++) {
-                s[i] = exp_nonpositive(s[i] - m);
-                sum += s[i];
+                for (int64_t i = i0; i < i1; i++) sg[i] = soft_cap * tanh_approx(sg[i] * inv_cap);
             }
-            inv_sum[h][g] = v_scale / sum;
-        }
-    /* out = softmax . v */
+    }
+}
+
+/* Query head qh's softmax over its span's scores, in place; returns v_scale /
+ * the denominator (a sink joins the maximum and the denominator). The sum
+ * runs in VW lanes from the row's first key, whatever the buffer's address. */
+static inline float head_softmax(float *s, const int64_t span, const float *sinks, const int qh,
+                                 const float v_scale) {
+    const float sink = sinks ? sinks[qh] : 0.0f;
+    float m = s[0];
+    for (int64_t i = 1; i < span; i++) m = s[i] > m ? s[i] : m;
+    if (sinks && sink > m) m = sink;
+#pragma omp simd
+    for (int64_t i = 0; i < span; i++) s[i] = exp_nonpositive(s[i] - m);
+    vec lanes = (vec){0};
+    int64_t i = 0;
+    for (; i + VW <= span; i += VW) lanes += *(const vec *)(s + i);
+    float sum = vsum(lanes);
+    for (; i < span; i++) sum += s[i];
+    if (sinks) sum += exp_nonpositive(sink - m);
+    return v_scale / sum;
+}
+
+/* The weighted values of keys [i0, i1) of the span for kv heads [kvh0, kvh0 +
+ * nh), key by key in order, into part[q_head * head_dim + d]. A row's output
+ * is the sum of two such parts, keys [0, span / 2) and [span / 2, span),
+ * times the softmax's factor (head_output): a definition that lets two
+ * threads share one row's values and stays the same however the work is
+ * run. */
+static inline __attribute__((always_inline)) void heads_values(
+    const int group, const int chunks, const RowSpan *r, const int kvh0, const int nh,
+    const int64_t i0, const int64_t i1, const void *cache, const int cache_dtype,
+    const int page_size, const int kv_heads, const int head_dim, const float *scores,
+    float *part, float *row) {
+    const int64_t slot_stride = (int64_t)kv_heads * head_dim;
+    const int64_t half_stride = (int64_t)page_size * slot_stride;
+    const int64_t page_stride = 2 * half_stride;
+    const int64_t head0 = (int64_t)kvh0 * head_dim;
+    vec acc[MAX_HEADS][MAX_GROUP][MAX_CHUNKS];
     for (int h = 0; h < nh; h++)
         for (int g = 0; g < group; g++)
             for (int c = 0; c < chunks; c++) acc[h][g][c] = (vec){0};
-    for (int64_t pg = first_page, i = 0; pg * page_size < len; pg++) {
-        const int64_t base = (int64_t)pages[pg] * page_stride + half_stride + head0;
-        const int from = pg == first_page ? (int)(first % page_size) : 0;
-        const int to = (pg + 1) * page_size <= len ? page_size : (int)(len - pg * page_size);
-        if ((pg + 1) * page_size < len)
-            prefetch_page(cache, (int64_t)pages[pg + 1] * page_stride + half_stride + head0,
-                          page_size, slot_stride, run, cache_dtype);
-        for (int slot = from; slot < to; slot++, i++) {
+    const int64_t p0 = r->first + i0, p1 = r->first + i1;
+    for (int64_t pg = p0 / page_size; pg * page_size < p1; pg++) {
+        const int64_t base = (int64_t)r->pages[pg] * page_stride + half_stride + head0;
+        const int from = pg * page_size < p0 ? (int)(p0 - pg * page_size) : 0;
+        const int to = (pg + 1) * page_size <= p1 ? page_size : (int)(p1 - pg * page_size);
+        if ((pg + 1) * page_size < p1)
+            prefetch_page(cache, (int64_t)r->pages[pg + 1] * page_stride + half_stride + head0,
+                          page_size, slot_stride, nh * head_dim, cache_dtype);
+        for (int slot = from; slot < to; slot++) {
+            const int64_t i = pg * page_size + slot - r->first;
             for (int h = 0; h < nh; h++) {
                 const float *v = float_row(row, cache, base + slot * slot_stride + h * head_dim,
                                            head_dim, cache_dtype);
                 vec vc[MAX_CHUNKS];
                 for (int c = 0; c < chunks; c++) vc[c] = *(const vec *)(v + VW * c);
                 for (int g = 0; g < group; g++) {
-                    const float w = scores[((int64_t)h * group + g) * span + i];
+                    const float w = scores[((int64_t)(kvh0 + h) * group + g) * r->span + i];
                     for (int c = 0; c < chunks; c++) acc[h][g][c] += w * vc[c];
                 }
             }
@@ -284,17 +313,129 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
     for (int h = 0; h < nh; h++)
         for (int g = 0; g < group; g++) {
-            const int64_t o = (q_row + (int64_t)(kvh0 + h) * group + g) * head_dim;
-            for (int c = 0; c < chunks; c++) {
-                const vec a = acc[h][g][c] * inv_sum[h][g];
-                if (q_dtype == DT_F32) {
-                    *(vec *)((float *)out + o + VW * c) = a;
-                } else {
-                    uint16_t *dst = (uint16_t *)out + o + VW * c;
-                    for (int i = 0; i < VW; i++) dst[i] = float_to_bf16(a[i]);
-                }
-            }
+            float *dst = part + (int64_t)((kvh0 + h) * group + g) * head_dim;
+            for (int c = 0; c < chunks; c++) *(vec *)(dst + VW * c) = acc[h][g][c];
         }
+}
+
+/* Query head qh's output row: (lo + hi) * inv[qh], lo and hi its two parts. */
+static inline void head_output(const int qh, const int chunks, const int head_dim,
+                               const float *lo, const float *hi, const float *inv,
+                               const int q_dtype, void *out, const int64_t q_row) {
+    const int64_t o = (q_row + qh) * head_dim;
+    const float *a0 = lo + (int64_t)qh * head_dim, *a1 = hi + (int64_t)qh * head_dim;
+    for (int c = 0; c < chunks; c++) {
+        const vec a = (*(const vec *)(a0 + VW * c) + *(const vec *)(a1 + VW * c)) * inv[qh];
+        if (q_dtype == DT_F32) {
+            *(vec *)((float *)out + o + VW * c) = a;
+        } else {
+            uint16_t *dst = (uint16_t *)out + o + VW * c;
+            for (int i = 0; i < VW; i++) dst[i] = float_to_bf16(a[i]);
+        }
+    }
+}
+
+/* The tasks (seq, kvh0) .. (seq, kvh0 + nh - 1), nh <= MAX_HEADS: those kv
+ * heads of one sequence side by side, whole. scores: (heads, span) floats;
+ * inv: (heads,); parts: (2, heads, head_dim). */
+static inline __attribute__((always_inline)) void decode_heads(
+    const int group, const int chunks, const int64_t seq, const int kvh0, const int nh,
+    const void *q, const int q_dtype, const void *cache, const int cache_dtype, void *out,
+    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
+    const int page_size, const int heads, const int kv_heads, const int head_dim,
+    const int window, const float scale, const float soft_cap, const float v_scale,
+    const float *sinks, float *scores, float *inv, float *parts, float *row) {
+    const RowSpan r = row_span(seq, rows, lens, indptr, page_ids, heads, window);
+    heads_scores(group, chunks, &r, kvh0, nh, 0, r.span, q, q_dtype, cache, cache_dtype,
+                 page_size, kv_heads, head_dim, scale, soft_cap, scores, row);
+    for (int qh = kvh0 * group; qh < (kvh0 + nh) * group; qh++)
+        inv[qh] = head_softmax(scores + (int64_t)qh * r.span, r.span, sinks, qh, v_scale);
+    float *lo = parts, *hi = parts + (int64_t)heads * head_dim;
+    heads_values(group, chunks, &r, kvh0, nh, 0, r.span / 2, cache, cache_dtype, page_size,
+                 kv_heads, head_dim, scores, lo, row);
+    heads_values(group, chunks, &r, kvh0, nh, r.span / 2, r.span, cache, cache_dtype,
+                 page_size, kv_heads, head_dim, scores, hi, row);
+    for (int qh = kvh0 * group; qh < (kvh0 + nh) * group; qh++)
+        head_output(qh, chunks, head_dim, lo, hi, inv, q_dtype, out, r.q_row);
+}
+
+/* CALL with G and C the (group, chunks) pair, constants for the model's own
+ * shape (-DGROUP=..., -DCHUNKS=... at build time): a copy with constant loop
+ * bounds, about 4x faster than the general one. */
+#if defined(GROUP) && defined(CHUNKS)
+#define SHAPED(G_, C_, CALL)                                                  \
+    do {                                                                      \
+        if ((G_) == GROUP && (C_) == CHUNKS * 16 / VW) {                      \
+            const int G = GROUP, C = CHUNKS * 16 / VW;                        \
+            CALL;                                                             \
+        } else {                                                              \
+            const int G = (G_), C = (C_);                                     \
+            CALL;                                                             \
+        }                                                                     \
+    } while (0)
+#else
+#define SHAPED(G_, C_, CALL)                                                  \
+    do {                                                                      \
+        const int G = (G_), C = (C_);                                         \
+        CALL;                                                                 \
+    } while (0)
+#endif
+
+/* One piece of sequence `seq`'s attention, for a team of threads on fewer
+ * rows than threads (decode_chain.c). Phase 0: the scores of keys part /
+ * parts of the span; 1: the softmax of query heads part / parts; 2: the
+ * weighted values of key half `part` (parts 0 and 1 only: the row's
+ * definition has two halves); 3: the output rows of query heads part /
+ * parts. Each phase needs the one before complete (the caller's barrier);
+ * together they are decode_heads' arithmetic for every kv head, bit for bit.
+ * scratch: (heads, len) scores, then (heads,) factors, then (2, heads,
+ * head_dim) value parts: paged_decode_piece_floats(...) floats. Returns 0,
+ * or -2 for a shape the kernel does not handle. */
+int64_t paged_decode_piece_floats(int heads, int head_dim, int64_t len) {
+    return (int64_t)heads * (len + 1 + 2 * (int64_t)head_dim);
+}
+
+int paged_decode_piece(
+    const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
+    const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
+    int page_size, int heads, int kv_heads, int head_dim, int window, float scale,
+    float soft_cap, float v_scale, const float *sinks, int64_t seq, int phase, int part,
+    int parts, float *scratch) {
+    const int group = heads / kv_heads;
+    const int chunks = head_dim / VW;
+    if (head_dim % 16 != 0 || chunks > MAX_CHUNKS || group > MAX_GROUP || group < 1) return -2;
+    const RowSpan r = row_span(seq, rows, lens, indptr, page_ids, heads, window);
+    float *scores = scratch, *inv = scratch + (int64_t)heads * r.len;
+    float *lo = inv + heads, *hi = lo + (int64_t)heads * head_dim;
+    float row[256];
+    const int qh0 = (int)((int64_t)heads * part / parts);
+    const int qh1 = (int)((int64_t)heads * (part + 1) / parts);
+    if (phase == 1) {
+        for (int qh = qh0; qh < qh1; qh++)
+            inv[qh] = head_softmax(scores + (int64_t)qh * r.span, r.span, sinks, qh, v_scale);
+        return 0;
+    }
+    if (phase == 3) {
+        for (int qh = qh0; qh < qh1; qh++)
+            head_output(qh, chunks, head_dim, lo, hi, inv, q_dtype, out, r.q_row);
+        return 0;
+    }
+    if (phase == 2 && part > 1) return 0;
+    for (int kvh0 = 0; kvh0 < kv_heads; kvh0 += MAX_HEADS) {
+        const int nh = kv_heads - kvh0 < MAX_HEADS ? kv_heads - kvh0 : MAX_HEADS;
+        if (phase == 0) {
+            const int64_t i0 = r.span * part / parts, i1 = r.span * (part + 1) / parts;
+            SHAPED(group, chunks,
+                   heads_scores(G, C, &r, kvh0, nh, i0, i1, q, q_dtype, cache, cache_dtype,
+                                page_size, kv_heads, head_dim, scale, soft_cap, scores, row));
+        } else {
+            const int64_t i0 = part == 0 ? 0 : r.span / 2, i1 = part == 0 ? r.span / 2 : r.span;
+            SHAPED(group, chunks,
+                   heads_values(G, C, &r, kvh0, nh, i0, i1, cache, cache_dtype, page_size,
+                                kv_heads, head_dim, scores, part == 0 ? lo : hi, row));
+        }
+    }
+    return 0;
 }
 
 /* Returns 0; -1 when a scratch allocation fails; -2 for a shape it does not
@@ -324,13 +465,16 @@ int paged_decode(
         int64_t len = lens[t / kv_heads];
         if (len > max_len) max_len = len;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(MAX_HEADS * group * max_len));
+    float *scores = malloc(sizeof(float) * (size_t)(heads * max_len));
+    float *inv = malloc(sizeof(float) * (size_t)(heads + 2 * heads * head_dim));
     float *row = malloc(sizeof(float) * (size_t)head_dim);
-    if (!scores || !row) {
+    if (!scores || !inv || !row) {
         free(scores);
+        free(inv);
         free(row);
         return -1;
     }
+    float *parts = inv + heads;
     /* consecutive tasks of one sequence go together, MAX_HEADS at a time */
     for (int64_t task = task_begin; task < task_end;) {
         const int64_t seq = task / kv_heads;
@@ -338,22 +482,13 @@ int paged_decode(
         int64_t nh = kv_heads - kvh;
         if (nh > task_end - task) nh = task_end - task;
         if (nh > MAX_HEADS) nh = MAX_HEADS;
-#define TASK(G, C)                                                                              \
-    decode_heads(G, C, seq, kvh, (int)nh, q, q_dtype, cache, cache_dtype, out, rows, lens,     \
-                 indptr, page_ids, page_size, heads, kv_heads, head_dim, window, scale,        \
-                 soft_cap, v_scale, sinks, scores, row)
-        /* The model's own shape (-DGROUP=..., -DCHUNKS=... at build time) gets a
-         * copy with constant loop bounds: about 4x faster than the general one.
-         * One copy per build keeps the build near a second. */
-#if defined(GROUP) && defined(CHUNKS)
-        if (group == GROUP && chunks == CHUNKS * 16 / VW)
-            TASK(GROUP, CHUNKS * 16 / VW);
-        else
-#endif
-            TASK(group, chunks);
-#undef TASK
+        SHAPED(group, chunks,
+               decode_heads(G, C, seq, kvh, (int)nh, q, q_dtype, cache, cache_dtype, out, rows,
+                            lens, indptr, page_ids, page_size, heads, kv_heads, head_dim,
+                            window, scale, soft_cap, v_scale, sinks, scores, inv, parts, row));
         task += nh;
     }
+    free(inv);
     free(scores);
     free(row);
     return 0;

@@ -23,6 +23,7 @@
  * Plain C, called through ctypes; built by models/cpu_decode_chain.py. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -50,6 +51,12 @@ typedef void (*quant_row_fn)(int block, const float *x, int64_t rows, int64_t k,
 typedef int (*quant_part_fn)(int type, const void *scratch, int64_t rows, int64_t k,
                              const void *w, int64_t n, int64_t o0, int64_t o1, const float *bias,
                              float *y, int64_t ys);
+typedef int (*attn_piece_fn)(const void *q, int q_dtype, const void *cache, int cache_dtype,
+                             void *out, const int64_t *rows, const int64_t *lens,
+                             const int64_t *indptr, const int32_t *page_ids, int page_size,
+                             int heads, int kv_heads, int head_dim, int window, float scale,
+                             float soft_cap, float v_scale, const float *sinks, int64_t seq,
+                             int phase, int part, int parts, float *scratch);
 typedef int (*attn_range_fn)(const void *q, int q_dtype, const void *cache, int cache_dtype,
                              void *out, const int64_t *rows, const int64_t *lens,
                              const int64_t *indptr, const int32_t *page_ids, int page_size,
@@ -95,6 +102,7 @@ typedef struct {
     void *quant_row, *quant_part, *attn_range;
     int32_t team;           /* threads of the region; 0: the op-by-op path */
     int32_t block_of[8];    /* quant type code -> its block (32 or 256) */
+    void *attn_piece;       /* paged_decode_piece: one row's attention over the team */
 } ChainModel;
 
 /* The per-step arguments: the rows' positions and KV slots, the attention's
@@ -227,6 +235,16 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
     const int64_t q_width = (int64_t)m->heads * D, kv_width = (int64_t)m->kv_heads * D;
     const int64_t qkv_width = q_width + 2 * kv_width;
     int status = 0;
+    /* one row on a team: its attention in pieces over the team (scores by
+     * keys, softmax by heads, values by key halves, outputs by heads), four
+     * barriers instead of one thread reading the layer's keys and values
+     * alone */
+    float *scratch = NULL; /* paged_decode_piece's: (heads, len + 1 + 2 head_dim) floats */
+    if (n == 1 && m->team > 1 && m->attn_piece != NULL) {
+        scratch = malloc(sizeof(float) * (size_t)m->heads *
+                         (size_t)(s->attn_lens[0] + 1 + 2 * (int64_t)D));
+        if (scratch == NULL) return -1;
+    }
 #pragma omp parallel num_threads(m->team)
     {
 #pragma omp for schedule(static)
@@ -242,6 +260,22 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
                                    qkv_width, m->kv_heads, D, s->cos_sin, 1);
                 store_row(m, s, cache, t);
             }
+            if (scratch != NULL) {
+                for (int phase = 0; phase < 4; phase++) {
+#pragma omp for schedule(static)
+                    for (int part = 0; part < m->team; part++) {
+                        const int st = ((attn_piece_fn)m->attn_piece)(
+                            s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens,
+                            s->attn_indptr, s->page_ids, m->page_size, m->heads, m->kv_heads,
+                            D, m->window, m->scale, 0.0f, 1.0f, NULL, 0, phase, part, m->team,
+                            scratch);
+                        if (st != 0) {
+#pragma omp atomic write
+                            status = st;
+                        }
+                    }
+                }
+            } else
             /* a row's kv heads in one call: its pages read contiguously */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < n; t++) {
@@ -280,6 +314,7 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
             }
         }
     }
+    free(scratch);
     return status;
 }
 
