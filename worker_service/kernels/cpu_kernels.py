@@ -49,6 +49,7 @@ _SIGNATURES = {
     "gelu_tanh_and_mul": [_P, _P, _I64, _INT, _INT],
     "token_logprobs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
     "temperature_draw": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P],
+    "temperature_draw_scratch_floats": [_I64],
 }
 
 
@@ -77,6 +78,7 @@ class CpuKernels(TorchKernels):
             fn = getattr(lib, fn_name)
             fn.restype = None
             fn.argtypes = argtypes
+        lib.temperature_draw_scratch_floats.restype = ctypes.c_int64
         self._lib = lib
         self.library = library
         self.threads = max(1, threads)
@@ -213,7 +215,7 @@ class CpuKernels(TorchKernels):
         if temperature.numel() != n or u.numel() != n or vocab == 0:
             return None
         out = torch.empty(n, dtype=torch.long)
-        scratch = torch.empty(vocab, dtype=torch.float32)
+        scratch = torch.empty(self._lib.temperature_draw_scratch_floats(vocab), dtype=torch.float32)
         self._lib.temperature_draw(
             logits.data_ptr(), logits.stride(0), vocab, rows.data_ptr(), n,
             temperature.data_ptr(), u.data_ptr(), scratch.data_ptr(), out.data_ptr(),

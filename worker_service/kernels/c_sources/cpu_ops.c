@@ -172,16 +172,28 @@ void token_logprobs(const float *x, int64_t rows, int64_t vocab, int64_t xs, con
 /* The sampler's draw for rows that only scale by a temperature (no top-k,
  * top-p or min-p; sampling/filters.py draw's definition): for each listed row
  * of x (row stride xs), probabilities softmax(x / t[j]), their cumulative sums
- * accumulated in double and stored as float (torch's CPU cumsum), and the
+ * accumulated in double and rounded to float (torch's CPU cumsum), and the
  * first id whose cumulative mass exceeds u[j] times the total, at most the
- * first id that reaches the total. The exponentials are this file's, so a
- * draw whose u falls within a few ulp of a boundary may pick the neighbour of
- * torch's token: the same distribution. `scratch` holds vocab floats. out[j]
- * is -1 for a row with a NaN or an infinite maximum (the caller's torch ops
- * keep their rules for those). One thread: a 49k vocabulary in about a
- * hundred microseconds, where torch's ops and allocations took about 600. */
+ * last id with mass. The exponentials are this file's and the
+ * double sums go by blocks of DRAW_BLOCK ids (a block's sum, then the blocks
+ * in order), so a draw whose u falls within rounding of a boundary may pick
+ * the neighbour of torch's token: the same distribution. Only the block
+ * holding the answer is walked id by id. `scratch` holds vocab floats plus
+ * vocab / DRAW_BLOCK + 1 doubles. out[j] is -1 for a row with a NaN or an
+ * infinite maximum (the caller's torch ops keep their rules for those). One
+ * thread: a 49k vocabulary in a few tens of microseconds, where torch's ops
+ * and allocations took about 600. */
+enum { DRAW_BLOCK = 64 };
+
+int64_t temperature_draw_scratch_floats(int64_t vocab) {
+    return vocab + 2 * (vocab / DRAW_BLOCK + 1) + 2;
+}
+
 void temperature_draw(const float *x, int64_t xs, int64_t vocab, const int64_t *rows, int64_t n,
                       const float *t, const float *u, float *scratch, int64_t *out) {
+    const int64_t blocks = (vocab + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    /* the block sums, 8-byte aligned after the probabilities */
+    double *bsum = (double *)(scratch + ((vocab + 1) & ~(int64_t)1));
     for (int64_t j = 0; j < n; j++) {
         const float *row = x + rows[j] * xs;
         const float tj = t[j];
@@ -204,25 +216,36 @@ void temperature_draw(const float *x, int64_t xs, int64_t vocab, const int64_t *
             scratch[i] = e;
             s += e;
         }
-        double c = 0.0;
-        for (int64_t i = 0; i < vocab; i++) {
-            c += (double)(scratch[i] / s);
-            scratch[i] = (float)c;
+        const float inv = 1.0f / s;
+        double total = 0.0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t end = (b + 1) * DRAW_BLOCK < vocab ? (b + 1) * DRAW_BLOCK : vocab;
+            double c = 0.0;
+#pragma omp simd reduction(+ : c)
+            for (int64_t i = b * DRAW_BLOCK; i < end; i++) c += (double)(scratch[i] * inv);
+            bsum[b] = c;
+            total += c;
         }
-        const float total = scratch[vocab - 1], target = u[j] * total;
-        /* first cum > target (searchsorted right), first cum >= total (left) */
-        int64_t lo = 0, hi = vocab;
-        while (lo < hi) {
-            const int64_t mid = lo + (hi - lo) / 2;
-            if (scratch[mid] > target) hi = mid;
-            else lo = mid + 1;
+        const float total_f = (float)total, target = u[j] * total_f;
+        /* the last id with mass: the answer when u * total rounds to the
+         * total or past what the id-by-id sums reach */
+        int64_t pick = vocab - 1;
+        while (pick > 0 && !(scratch[pick] * inv > 0.0f)) pick--;
+        if (target < total_f) {
+            /* the first block whose end's cumulative mass exceeds the
+             * target, then ids one by one (a cumulative sum rises only at an
+             * id with mass, so the id found has mass) */
+            double c = 0.0;
+            int64_t b = 0;
+            for (; b < blocks - 1 && (float)(c + bsum[b]) <= target; b++) c += bsum[b];
+            for (int64_t i = b * DRAW_BLOCK; i < vocab; i++) {
+                c += (double)(scratch[i] * inv);
+                if ((float)c > target) {
+                    pick = i < pick ? i : pick;
+                    break;
+                }
+            }
         }
-        int64_t a = 0, b = vocab;
-        while (a < b) {
-            const int64_t mid = a + (b - a) / 2;
-            if (scratch[mid] >= total) b = mid;
-            else a = mid + 1;
-        }
-        out[j] = lo < a ? lo : a;
+        out[j] = pick;
     }
 }
