@@ -38,7 +38,9 @@ neither (radix_node.py):
   it by), and a load's last node is locked on the device. A write-through's
   node is not (``plan_writes`` says why).
 - *insert* over a host-only node takes the caller's pages as its device copy
-  (the caller computed the same tokens), as SGLang's does.
+  (the caller computed the same tokens), as SGLang's does; over an unlocked
+  device node holding other pages it takes the caller's and frees its own
+  (``_swap``), so no request pins a duplicate of an unlocked node.
 - *worker loss*: the host pool is the worker's, so ``reset`` drops both
   tiers, every copy in flight and the host pool's holders.
 
@@ -237,8 +239,11 @@ class HiRadixCache(RadixCache):
         swa: array | None = None,
     ) -> InsertResult:
         """As RadixCache.insert; where a node is host-only the caller's pages
-        become its device copy (they hold the same tokens' KV), so
-        ``prefix_len`` is the part that was on the device before."""
+        become its device copy (they hold the same tokens' KV); where an
+        unlocked node holds other pages, they are swapped for the caller's
+        (``_swap``): ``dup_pages`` names only duplicates of locked nodes.
+        ``prefix_len`` ends where the cache first took a page of the caller's
+        for a node it held (the caller must not keep those as its own)."""
         if swa is not None:
             raise RadixCacheError("the host tier does not serve sliding-window models")
         key = as_id_array(key)
@@ -277,7 +282,12 @@ class HiRadixCache(RadixCache):
                 self._adopt(child, mine)
             else:
                 if mine != child.pages:
-                    dup += differing_pages(mine, child.pages)
+                    if child.lock_ref:
+                        dup += differing_pages(mine, child.pages)
+                    else:
+                        if before < 0:
+                            before = pos
+                        self._swap(child, mine)
                 self._hit(child)
             pos += m
             node = child
@@ -292,6 +302,17 @@ class HiRadixCache(RadixCache):
         self.evictable_pages += len(pages)
         if self.events is not None:
             log_node_stored(self.events, node, self.page_size, Medium.DEVICE)
+
+    def _swap(self, node: RadixNode, pages: array) -> None:
+        """Unlocked ``node`` takes the caller's copies of its tokens' KV and
+        frees its own, so the caller holds no duplicate. Nobody reads the
+        node's pages (no lock), and a plan already sent that did reads them
+        before any later plan writes the freed pages. Without it a request
+        whose chunk the cache meanwhile got elsewhere (a host hit another
+        request loaded while it computed) pinned both copies: alone in a
+        small pool, it could not continue and was aborted out of memory."""
+        self.pool.release(differing_pages(node.pages, pages))
+        node.pages = pages
 
     # ----------------------------------------------------- device eviction
     def unlock(self, node: RadixNode) -> None:

@@ -379,3 +379,22 @@ def test_the_adder_plans_no_load_for_a_request_it_does_not_admit():
     assert adder.add_one_req(r) is AddResult.NO_TOKEN and not adder.admitted
     assert kv.cache.transfers.take(1) == (None, None)
     assert kv.pool.num_free == 11 and kv.cache.protected_pages == 0
+
+
+def test_insert_over_an_unlocked_node_with_other_pages_swaps_them():
+    cache = tiered(hits=None)
+    node = put(cache, [1, 2, 3, 4])
+    theirs = list(node.pages)
+    mine = cache.pool.alloc(4)
+    result = cache.insert([1, 2, 3, 4], mine)
+    # The node now holds the caller's copies and its own are free: nobody
+    # pins both (a locked node keeps its pages, the caller's are duplicates).
+    assert list(node.pages) == list(mine) and not result.dup_pages and result.prefix_len == 0
+    assert all(cache.pool.refcount(p) == 0 for p in theirs)
+    check(cache)
+    cache.lock(node)
+    again = cache.pool.alloc(4)
+    result = cache.insert([1, 2, 3, 4], again)
+    assert list(result.dup_pages) == list(again) and result.prefix_len == 4
+    cache.pool.release(result.dup_pages)
+    check(cache)
