@@ -29,8 +29,10 @@ between the worker's device pool and its host pool:
 - ``loads``: host page -> device page (a host-only prefix a request of this
   plan reads).
 
-What the worker must guarantee: it applies a plan's write-backs, then its
-loads, then runs its forward, and plans in order. So every write-back has
+What the worker must guarantee: it applies a plan's write-backs (in list
+order: a host page freed and reused while the plan was built may be written
+twice, the later copy the one kept), then its loads, then runs its forward,
+and plans in order. So every write-back has
 read its device page before this plan's loads or forward write any page (a
 device page the scheduler freed by planning its write-back may be handed to
 a load or a new table in the same plan), every load has filled its device

@@ -221,7 +221,16 @@ class PrefillAdder:
             prefix += load
             cur_rem -= load
             extend -= load
+        if host:
             paged_extend = self._ceil_paged(extend)
+            if (
+                not load  # a declined hit is computed: the input budget again
+                and self.rem_chunk_tokens is None
+                and self.admitted
+                and paged_extend >= self.rem_input_tokens
+            ):
+                cache.unlock(req.match_node)
+                return AddResult.OTHER
         physical_end = prefix + (max(cur_rem, 0) // self.page_size) * self.page_size
         fits = req.num_tokens <= physical_end
         if fits and (chunk is None or paged_extend <= chunk):
