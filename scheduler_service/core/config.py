@@ -15,6 +15,8 @@ from common.settings import setting
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 RETRACTION_POLICIES = ("length", "priority")
+# The host tier's write policies (SGLang's --hicache-write-policy names).
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission assumes a request
 # needs at most this many more tokens, so huge max_new_tokens do not starve it.
@@ -39,6 +41,18 @@ class SchedulerConfig:
     vocab_size: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
     enable_kv_events: bool = False
+    # The host tier (kv/hiradix_cache.py): the worker's host pool in pages
+    # (0: no host tier; every path then runs as without one) and SGLang's
+    # write policy. Not flags yet: they come with the worker's host pool.
+    hicache_host_pages: int = 0
+    hicache_write_policy: str = "write_through"
+    # write_through_selective copies a node to the host once matches and
+    # inserts reached it this many times (SGLang's threshold; write_through
+    # is 1, write_back never copies on hits).
+    hicache_write_through_threshold: int = 2
+    # A host hit shorter than this many tokens is computed, not loaded
+    # (SGLang's load_back_threshold).
+    hicache_load_back_threshold: int = 10
 
     # The scheduling knobs (flags of radixserve-scheduler and radixserve serve).
     schedule_policy: str = setting(
@@ -147,6 +161,13 @@ class SchedulerConfig:
             )
         if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
             raise ValueError("--retraction-policy priority needs --enable-priority-scheduling")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(
+                f"unknown hicache write policy {self.hicache_write_policy!r}; choose one of "
+                f"{HICACHE_WRITE_POLICIES}"
+            )
+        if self.hicache_host_pages < 0 or self.hicache_write_through_threshold < 1:
+            raise ValueError("hicache_host_pages must be >= 0 and the threshold >= 1")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -170,6 +191,15 @@ class SchedulerConfig:
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size "
                 f"({self.page_size}), or None to disable chunking"
             )
+
+    @property
+    def hicache_hits_to_write(self) -> int | None:
+        """Hits after which a node is copied to the host (None: only when
+        the device evicts it, write_back)."""
+        policy = self.hicache_write_policy
+        if policy == "write_back":
+            return None
+        return 1 if policy == "write_through" else self.hicache_write_through_threshold
 
     @property
     def priority_sign(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 ID_TYPE = "i"  # 32-bit signed: token ids and page ids
 
@@ -50,3 +51,16 @@ def zero_pages(n: int) -> array:
 
 
 _ID_SIZE = array(ID_TYPE).itemsize
+
+
+@dataclass(slots=True)
+class PageCopies:
+    """Page copies between two of the worker's pools (the host tier's
+    write-backs and loads, plan.py): page ``src[i]`` of one pool is copied
+    to page ``dst[i]`` of the other, whole pages, every layer."""
+
+    src: array
+    dst: array
+
+    def __len__(self) -> int:
+        return len(self.src)

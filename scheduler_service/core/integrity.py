@@ -62,8 +62,9 @@ def check_scheduler_integrity(
         if req.place not in ON_WORKER and req.adapter_slot:
             raise AssertionError(f"{req.place.value} request {req.rid} holds adapter slot")
     locks = sum(c.lock_ref for root in kv.cache.roots() for c in root.children.values())
+    locking += kv.cache.transfer_locks  # host-tier copies in flight (kv/host_transfers.py)
     if locks != locking:
-        raise AssertionError(f"cache holds {locks} request locks, requests hold {locking}")
+        raise AssertionError(f"cache holds {locks} locks, requests and copies hold {locking}")
     kv.pool.check_integrity(holders)
     if kv.sliding is not None:
         kv.sliding.check_integrity(swa_holders, swa_tree)

@@ -21,6 +21,26 @@ its parts have the worker protocol's names:
 Every position p the plan computes is written at slot p % page_size of page
 table[p // page_size].
 
+With the host tier (kv/hiradix_cache.py) a plan also carries page copies
+between the worker's device pool and its host pool:
+
+- ``write_backs``: device page -> host page (a node copied to the host:
+  write-through, or written back as the device evicts it);
+- ``loads``: host page -> device page (a host-only prefix a request of this
+  plan reads).
+
+What the worker must guarantee: it applies a plan's write-backs (in list
+order: a host page freed and reused while the plan was built may be written
+twice, the later copy the one kept), then its loads, then runs its forward,
+and plans in order. So every write-back has
+read its device page before this plan's loads or forward write any page (a
+device page the scheduler freed by planning its write-back may be handed to
+a load or a new table in the same plan), every load has filled its device
+page before the forward reads it, and a host page is read by a load only
+after the write-back that filled it (same plan or earlier). Nothing of
+either crosses into the next plan: the next plan may reuse any page freed
+here.
+
 A plan is also the scheduler's record of itself until its result comes
 back (``Scheduler.in_flight()``): each ``PlanEntry`` names its request and the
 request's epoch when planned, so a result for a request that moved on since
@@ -34,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 from scheduler_service.core.embedding import EmbedOptions
+from scheduler_service.core.ids import PageCopies
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 
@@ -151,6 +172,11 @@ class StepPlan:
     # When the plan was sent (ns since the epoch; set by the engine): the
     # start of its requests' prefill spans.
     sent_ns: int = 0
+    # The host tier (module docstring): device -> host copies, then host ->
+    # device copies, both before the forward. None: no copies (always so
+    # without a host tier).
+    write_backs: PageCopies | None = None
+    loads: PageCopies | None = None
 
     @property
     def entries(self) -> list[PlanEntry]:

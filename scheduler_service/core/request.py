@@ -189,6 +189,10 @@ class Request:
     match_node: Any = None
     match_len: int = 0
     match_swa: array | None = None
+    # The host tier: tokens past match_len whose KV is only on the host, and
+    # the deepest node of the whole match (kv/hiradix_cache.py).
+    match_host_len: int = 0
+    match_host_node: Any = None
     # Speculative decoding state (core/spec_state.SpecState) while the
     # request may draft; None: it never drafts (off, opted out, grammar).
     spec: Any = None

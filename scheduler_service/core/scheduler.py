@@ -44,6 +44,7 @@ from scheduler_service.core.decode import (
 )
 from scheduler_service.core.intake import Submission, check_new_request, leader_planned
 from scheduler_service.core.integrity import check_scheduler_integrity
+from scheduler_service.core.kv.hiradix_cache import HiRadixCache
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
@@ -124,7 +125,20 @@ class Scheduler:
             if swa_window <= 0:
                 raise ValueError("a sliding pool needs the sliding layers' window")
             self.sliding = SlidingPages(num_swa_pages, config.page_size, swa_window)
-        self.cache = RadixCache(
+        # The host tier (kv/hiradix_cache.py): None when off.
+        self.hicache: HiRadixCache | None = None
+        if config.hicache_host_pages > 0:
+            if self.sliding is not None:
+                raise ValueError("the host tier does not serve sliding-window models yet")
+            self.hicache = HiRadixCache(
+                config.page_size,
+                self.pool,
+                PagePool(config.hicache_host_pages, config.page_size),
+                hits_to_write=config.hicache_hits_to_write,
+                load_back_threshold=config.hicache_load_back_threshold,
+                enable_events=config.enable_kv_events,
+            )
+        self.cache = self.hicache or RadixCache(
             config.page_size,
             self.pool,
             enable_events=config.enable_kv_events,
@@ -293,6 +307,8 @@ class Scheduler:
                 self.stats.spec_drains += 1
                 return None  # drain: drafts need the last sampled tokens
             self._drafting = True
+        if self.hicache is not None:  # before this plan inserts anything
+            self.hicache.plan_writes()
         if table.held:
             self._release_held()
         mixed = self.config.enable_mixed_chunk and len(table.running) > 0
@@ -335,6 +351,8 @@ class Scheduler:
                 slide(e.req)
             for e in plan.decodes:
                 slide(e.req)
+        if self.hicache is not None:
+            plan.write_backs, plan.loads = self.hicache.transfers.take(plan.step_id)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -348,9 +366,12 @@ class Scheduler:
         if not table.running and not table.waiting and table.chunked is None:
             self.new_token_ratio = self.config.start_new_token_ratio
         self._abort_unschedulable()
-        if not table.leaves:
+        tier = self.hicache
+        if not table.leaves and (tier is None or not tier.transfers.pending):
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
+        if tier is not None:  # copies planned this step ride on it
+            plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
         self._inflight.append(plan)
         return plan
 
@@ -469,6 +490,8 @@ class Scheduler:
             expected = inflight[0].step_id if inflight else None
             raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
         plan = inflight.popleft()
+        if self.hicache is not None:  # its copies are done: give back what they held
+            self.hicache.answered(plan.step_id)
         got = apply_result(
             plan,
             result,
@@ -541,7 +564,9 @@ class Scheduler:
         self._inflight.clear()
         self.adapters.reset()  # the new worker has no adapter in its slots
         self._admission_stuck = False
-        self.cache.reset()  # emits AllBlocksCleared for the cache-aware router
+        # Both tiers (the host pool is the worker's too) and every copy in
+        # flight; emits AllBlocksCleared for the cache-aware router.
+        self.cache.reset()
         self.pool.reset(num_pages)
         if self.sliding is not None:
             self.sliding.reset()

@@ -31,6 +31,7 @@ def forget_cache_reads(requests: Iterable[Request]) -> int:
         if req.place is Place.WAITING:
             req.match_pages, req.match_node, req.match_len = id_array(), None, 0
             req.match_swa = None
+            req.match_host_len, req.match_host_node = 0, None
         forgotten += req.cached_tokens
         req.cached_tokens = 0
         req.cache_hits_counted = False

@@ -24,7 +24,13 @@ It is the oracle of the scheduler's tests:
   table and a sliding pool, writes every computed position there too, and
   checks that each query's window (positions q - window < k <= q) reads
   non-null, in-range sliding pages holding the request's own tokens, so a
-  sliding page freed while still visible fails the step that reads it.
+  sliding page freed while still visible fails the step that reads it;
+- with a host pool (``num_host_pages``, the host tier) it keeps the host
+  pages' slots too and applies a plan's copies as the worker must: its
+  write-backs (device -> host), then its loads (host -> device), then the
+  forward. A load of a page no write-back filled, or filled with other
+  tokens, puts wrong tokens in the device slots and the step that reads
+  them fails.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from common.simulated_model import (
     token_of,
 )
 from scheduler_service.core.embedding import EmbedOptions
+from scheduler_service.core.ids import PageCopies
 from scheduler_service.core.plan import (
     Join,
     PlanEntry,
@@ -101,8 +108,12 @@ class SimulatedWorker:
         adapter_slots: int = 4,
         num_swa_pages: int = 0,
         swa_window: int = 0,
+        num_host_pages: int = 0,
     ) -> None:
         self.num_pages = num_pages
+        self.num_host_pages = num_host_pages
+        self.host_slots: list[int] = [-1] * (num_host_pages * page_size)
+        self.host_slot_adapter: list[str | None] = [None] * (num_host_pages * page_size)
         self.num_swa_pages = num_swa_pages
         self.swa_window = swa_window if num_swa_pages else 0
         self.swa_slots: list[int] = [-1] * (num_swa_pages * page_size)
@@ -175,6 +186,10 @@ class SimulatedWorker:
             self._assign(slot, lora_id)
         for join in plan.joins:
             self._join(join)
+        if plan.write_backs is not None:  # before the loads, which may reuse their pages
+            self._copy(plan.write_backs, to_host=True)
+        if plan.loads is not None:  # before the forward reads them
+            self._copy(plan.loads, to_host=False)
         entries = plan.entries
         adapters = {self.reqs[e.rid].adapter for e in entries if e.rid in self.reqs}
         adapters.discard(None)
@@ -245,6 +260,29 @@ class SimulatedWorker:
             if remaining > 0:
                 time.sleep(remaining)
         return StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _copy(self, copies: PageCopies, *, to_host: bool) -> None:
+        """Copy whole pages between the pools (a write-back or a load)."""
+        if len(copies.src) != len(copies.dst):
+            raise SimulatedWorkerError("a page copy without its source or destination")
+        ps = self.page_size
+        dev, dev_owner = self.slots, self.slot_adapter
+        host, host_owner = self.host_slots, self.host_slot_adapter
+        src, src_owner, dst, dst_owner = (
+            (dev, dev_owner, host, host_owner) if to_host else (host, host_owner, dev, dev_owner)
+        )
+        src_n, dst_n = (
+            (self.num_pages, self.num_host_pages)
+            if to_host
+            else (self.num_host_pages, self.num_pages)
+        )
+        for s, d in zip(copies.src, copies.dst, strict=True):
+            if not (0 <= s < src_n and 0 <= d < dst_n):
+                kind = "write-back" if to_host else "load"
+                raise SimulatedWorkerError(f"{kind} of page {s} to page {d}: outside the pools")
+            src_at, dst_at = s * ps, d * ps
+            dst[dst_at : dst_at + ps] = src[src_at : src_at + ps]
+            dst_owner[dst_at : dst_at + ps] = src_owner[src_at : src_at + ps]
 
     @staticmethod
     def _embedding(r: _SimRequest) -> list[float]:

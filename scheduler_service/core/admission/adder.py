@@ -19,7 +19,12 @@ Budgets, in tokens (pages x page_size):
   with its length. The current budget counts the smaller pool already.
 
 The adder decides; the scheduler allocates pages afterwards. Locks taken
-here on matched prefixes keep them out of the evictable budget.
+here on matched prefixes keep them out of the evictable budget. With the
+host tier (kv/hiradix_cache.py) a match's host-only part needs device pages
+like computed tokens (the total budget counts them) and no compute (the
+input and chunk budgets do not); the adder loads it only if its pages can be
+had now (the current budget) and then at once, so the pages it takes count
+for every request admitted after it.
 """
 
 from __future__ import annotations
@@ -171,9 +176,13 @@ class PrefillAdder:
     def add_one_req(self, req: Request) -> AddResult:
         """Try to admit a waiting request whose cache match is in req.match_*."""
         prefix = req.match_len
+        # The host tier: the match's host-only part takes device pages like
+        # computed tokens (in ``total``) but is not computed (SGLang's
+        # real_input_tokens), if it is loaded (below).
+        host = req.match_host_len
         extend = req.num_tokens - prefix
         total = self.admission_need(req)
-        paged_extend = self._ceil_paged(extend)
+        paged_extend = self._ceil_paged(extend - host)
         # An idle scheduler admits one request whenever it physically fits:
         # the estimate of future need must not block the only request.
         force = self.nothing_running and not self.admitted
@@ -207,6 +216,21 @@ class PrefillAdder:
             if taken:
                 swa_pages = self.kv.swa_available_pages() - taken
                 cur_rem = min(cur_rem, swa_pages * self.page_size - self.cur_rem_offset)
+        load = self._load_tokens(host, cur_rem) if host else 0
+        if load:
+            prefix += load
+            cur_rem -= load
+            extend -= load
+        if host:
+            paged_extend = self._ceil_paged(extend)
+            if (
+                not load  # a declined hit is computed: the input budget again
+                and self.rem_chunk_tokens is None
+                and self.admitted
+                and paged_extend >= self.rem_input_tokens
+            ):
+                cache.unlock(req.match_node)
+                return AddResult.OTHER
         physical_end = prefix + (max(cur_rem, 0) // self.page_size) * self.page_size
         fits = req.num_tokens <= physical_end
         if fits and (chunk is None or paged_extend <= chunk):
@@ -223,11 +247,35 @@ class PrefillAdder:
                 return AddResult.OTHER if fits else AddResult.NO_TOKEN
             self.new_chunked = req
             self._charge(end - prefix, 0)
+        if load:
+            self._load(req)
         self.kv.attach_prefix(
             req, req.match_pages, req.match_len, req.match_node, swa=req.match_swa
         )
         self.admitted.append((req, end))
         return self.budget_state()
+
+    def _load_tokens(self, host: int, cur_rem: int) -> int:
+        """Tokens of a host hit to load: all of it if its pages can be had
+        now and it is not too short to be worth a copy, else none (SGLang's
+        load back: all or nothing; a declined hit is computed)."""
+        if host > cur_rem or host < self.config.hicache_load_back_threshold:
+            return 0
+        return host
+
+    def _load(self, req: Request) -> None:
+        """Load ``req``'s host hit (its budget counted): its match grows by the
+        loaded pages, and its lock moves to the match's new end."""
+        cache = self.kv.cache
+        pages = cache.load_back(req.match_host_node, req.match_node)
+        if pages is None:
+            raise RuntimeError(f"the load of {req.rid}'s host hit lacks pages the adder counted")
+        cache.lock(req.match_host_node)
+        cache.unlock(req.match_node)
+        req.match_pages = req.match_pages + pages
+        req.match_len += len(pages) * self.page_size
+        req.match_node = req.match_host_node
+        req.match_host_len = 0
 
     # -------------------------------------------------------- preemption
     def preempt_to_schedule(self, req: Request, running: list[Request]) -> bool:

@@ -81,6 +81,7 @@ def match_prefix(cache: RadixCache, req: Request) -> None:
     m = cache.match(req.token_array(), req.extra_key, limit=req.max_prefix_len())
     req.match_pages, req.match_len, req.match_node = m.pages, m.length, m.node
     req.match_swa = m.swa
+    req.match_host_len, req.match_host_node = m.host_len, m.host_node
 
 
 def plan_admission(

@@ -5,13 +5,29 @@ cache-aware router (the SMG gateway) can mirror which prefixes this replica
 holds. A page ("block") is named by a 64-bit hash chained from the root: the
 hash of page i covers its own tokens and the hash of page i - 1, seeded by the
 cache namespace (``extra_key``), so equal hashes mean equal prefixes.
+
+With the host tier (kv/hiradix_cache.py) every stored and removed event
+names its ``medium``, as SGLang's do: a prefix whose device pages are
+evicted while a host copy stays is removed from the device and (when the
+copy is made) stored on the host; a load back stores it on the device again.
+The values are SGLang's wire strings, so a router reading either sees the
+same tiers.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections import deque
 from dataclasses import dataclass
+
+
+class Medium(str, enum.Enum):
+    """Where a block's KV lives (SGLang's StorageMedium values)."""
+
+    DEVICE = "GPU"  # the worker's KV pool (named GPU by SGLang whatever the device)
+    HOST = "CPU_PINNED"  # the worker's host pool (the host tier)
+    STORAGE = "DISK"  # a file tier behind the host tier (not built yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,11 +37,13 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_key: str | None
+    medium: Medium = Medium.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[int]
+    medium: Medium = Medium.DEVICE
 
 
 @dataclass(frozen=True, slots=True)

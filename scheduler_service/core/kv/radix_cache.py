@@ -67,6 +67,9 @@ from scheduler_service.core.kv.sliding import (
 
 
 class RadixCache:
+    # Device locks held by the host tier's copies in flight (kv/hiradix_cache.py).
+    transfer_locks = 0
+
     def __init__(
         self,
         page_size: int,
@@ -536,7 +539,7 @@ class RadixCache:
                     if not node.children and node.heap_seq not in live_seqs:
                         raise RadixCacheError(f"evictable leaf {node!r} is missing from the heap")
                 if self.events is not None:
-                    check_hashes(node)
+                    check_hashes(node, page_size)
                 if holders is not None:
                     for p in node.pages:
                         holders[p] = holders.get(p, 0) + 1

@@ -6,6 +6,11 @@ hash (or its namespace's seed) and logged as stored, a split divides the
 hashes with the pages, an evicted leaf's hashes are logged as removed, and a
 reset logs that everything is gone.
 
+With the host tier (kv/hiradix_cache.py) events name their medium: a node
+that keeps its blocks but moves between media is announced again for the
+medium it enters (``log_node_stored``) and withdrawn from the one it leaves
+(``log_removed`` with that medium).
+
 With a sliding pool a prefix is announced only while it can be reused (its
 last window's sliding pages held): a new leaf's pages are logged in runs of
 usable prefixes, and when sliding eviction makes prefixes unusable their
@@ -21,6 +26,7 @@ from scheduler_service.core.kv.events import (
     BlockRemoved,
     BlockStored,
     EventLog,
+    Medium,
     chain_page_hashes,
     namespace_seed,
 )
@@ -90,16 +96,34 @@ def split_hashes(upper: RadixNode, node: RadixNode, pages: int) -> None:
         node.hashes = node.hashes[pages:]
 
 
-def log_removed(events: EventLog, node: RadixNode) -> None:
-    """``node`` was evicted: its pages leave the cache."""
+def log_removed(events: EventLog, node: RadixNode, medium: Medium = Medium.DEVICE) -> None:
+    """``node`` was evicted: its pages leave the cache (or ``medium``)."""
     if node.hashes:
-        events.append(BlockRemoved(node.hashes.tolist()))
+        events.append(BlockRemoved(node.hashes.tolist(), medium))
+
+
+def log_node_stored(events: EventLog, node: RadixNode, page_size: int, medium: Medium) -> None:
+    """``node`` (already hashed) now also holds its blocks on ``medium``."""
+    if not node.hashes:
+        return
+    parent = node.parent
+    parent_hash = parent.hashes[-1] if parent is not None and parent.hashes else None
+    events.append(
+        BlockStored(
+            node.hashes.tolist(),
+            parent_hash,
+            node.key.tolist(),
+            page_size,
+            node.namespace,
+            medium,
+        )
+    )
 
 
 def log_cleared(events: EventLog) -> None:
     events.append(AllBlocksCleared())
 
 
-def check_hashes(node: RadixNode) -> None:
-    if node.hashes is None or len(node.hashes) != len(node.pages):
+def check_hashes(node: RadixNode, page_size: int) -> None:
+    if node.hashes is None or len(node.hashes) != len(node.key) // page_size:
         raise RadixCacheError(f"{node!r} has no block hash per page")

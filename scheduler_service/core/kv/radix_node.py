@@ -9,6 +9,12 @@ whose contents the collector never looks at. Requests keep their token ids
 and page tables in the same arrays (packed once, appended to as they grow),
 so the cache compares edges and copies page runs with C ``memcmp``/``memcpy``
 (array slices and ``==``) and never packs per call.
+
+Tiers (kv/hiradix_cache.py, off unless the host tier is on): a node's KV is
+on the device (``pages``), on the host (``host``: host page ids), or both.
+``pages`` is None for a host-only node, ``host`` None for a node without a
+host copy; never both None. A later storage tier gets a field of its own.
+Without the host tier ``host`` stays None and the other tier fields unused.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ class RadixNode:
         "children",
         "hashes",
         "heap_seq",
+        "hit_count",
+        "host",
+        "host_heap_seq",
+        "host_ref",
         "key",
         "last_access",
         "lock_ref",
@@ -60,9 +70,21 @@ class RadixNode:
         self.heap_seq = -1
         self.hashes: array | None = None
         self.namespace = namespace
+        # The host tier (kv/hiradix_cache.py): the host copy's page ids (None:
+        # no host copy); transfers in flight that read or fill it (it must
+        # stay); its host-LRU heap entry (-1: none); matches and inserts that
+        # reached it (write_through_selective).
+        self.host: array | None = None
+        self.host_ref = 0
+        self.host_heap_seq = -1
+        self.hit_count = 0
 
     def __repr__(self) -> str:
-        return f"RadixNode(len={len(self.key)}, lock={self.lock_ref}, kids={len(self.children)})"
+        tiers = ("D" if self.pages is not None else "") + ("H" if self.host is not None else "")
+        return (
+            f"RadixNode(len={len(self.key)}, lock={self.lock_ref}, kids={len(self.children)}, "
+            f"tiers={tiers})"
+        )
 
 
 class MatchResult(NamedTuple):
@@ -70,6 +92,10 @@ class MatchResult(NamedTuple):
     length: int  # tokens matched, a multiple of page_size
     node: RadixNode  # deepest node of the match (a root when nothing matched)
     swa: array | None = None  # the prefix's sliding entries (a sliding pool only)
+    # The host tier: tokens matched past ``length`` whose KV is only on the
+    # host (they must be loaded), and the deepest node of the whole match.
+    host_len: int = 0
+    host_node: RadixNode | None = None
 
 
 @dataclass(slots=True)

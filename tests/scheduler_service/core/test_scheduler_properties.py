@@ -6,7 +6,10 @@ prefixes, arrival times, lengths, aborts, extra keys, prompt logprobs), runs it 
 ``check_integrity()`` after every step and update, and checks every output
 against the oracle and that the pool ends free or cached-unlocked; the sliding-window examples run
 the same with a model shaped like Gemma 3 (a sliding pool, tiny windows),
-the simulated worker checking every query's window. The same workloads with the
+the simulated worker checking every query's window; the host-tier examples
+run them with a small device pool and a host pool (write-backs and loads
+on the plans, the simulated worker copying the pages and checking what the
+loads bring back). The same workloads with the
 results in the token column form (StepResult.tokens, the worker codec's
 form for a plain step) must give the same deltas, outputs and finishes.
 """
@@ -105,3 +108,27 @@ def test_sliding_window_workloads_with_overlap(scenario):
 @given(scenarios(pressure=True, sliding=True))
 def test_sliding_window_memory_pressure_with_overlap(scenario):
     run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(host_tier=True))
+def test_host_tier_workloads_without_overlap(scenario):
+    run_scenario(scenario, overlap=False)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(host_tier=True))
+def test_host_tier_workloads_with_overlap(scenario):
+    run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(pressure=True, host_tier=True))
+def test_host_tier_memory_pressure_with_overlap(scenario):
+    run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(pressure=True, host_tier=True))
+def test_host_tier_token_columns_decide_as_outputs_do(scenario):
+    run_both_forms(scenario)

@@ -18,6 +18,7 @@ from scheduler_service.core import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler_service.core.config import HICACHE_WRITE_POLICIES
 from scheduler_service.core.kv.events import AllBlocksCleared
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.support.sim_driver import (
@@ -82,7 +83,8 @@ def drive_with_losses(
             sched.reset_after_worker_loss(num_pages)
             sched.check_integrity()
             assert not sched.in_flight() and not sched.table.running and sched.table.chunked is None
-            worker = SimulatedWorker(num_pages, sched.pool.page_size, V)
+            host = sched.config.hicache_host_pages  # a fresh host pool too
+            worker = SimulatedWorker(num_pages, sched.pool.page_size, V, num_host_pages=host)
         collect()
         if not inflight and sched.is_idle():
             break
@@ -202,3 +204,44 @@ def test_reset_clears_the_cache_emits_the_event_and_keeps_the_output():
     assert sched.reset_after_worker_loss(24) == []
     sched.check_integrity()
     assert sched.pool.num_pages == 24 and sched.table.waiting == [r]
+
+
+def copies_in_flight(kinds: list[str]) -> LossRule:
+    """Lose the worker (same size) while a plan in flight carries host-tier
+    copies: first a load, then a write-back; ``kinds`` records each loss."""
+
+    def lose(sched: Scheduler, t: int) -> int | None:
+        want = ("loads", "write_backs")[len(kinds)] if len(kinds) < 2 else None
+        if want and any(getattr(p, want) is not None for p in sched.in_flight()):
+            kinds.append(want)
+            return sched.pool.num_pages
+        return None
+
+    return lose
+
+
+@pytest.mark.parametrize("policy", HICACHE_WRITE_POLICIES)
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_losses_while_host_copies_are_in_flight(policy, overlap):
+    """The host pool goes with the worker: every copy in flight is dropped,
+    both tiers are emptied, and the requests still end with the oracle's
+    output (the prefixes computed again, then copied and loaded again)."""
+    # Three 8-page prefixes taken in turn (fcfs) through a 24-page device
+    # pool: each is evicted to the host before it is used again.
+    prefixes = [list(range(1 + 10 * k, 33 + 10 * k)) for k in range(3)]
+    reqs = [req(f"r{i}", prefixes[i % 3] + [1 + i, 2 + i], max_new=3 + i % 4) for i in range(12)]
+    config = cfg(
+        page_size=4,
+        max_running_requests=2,
+        schedule_policy="fcfs",
+        hicache_host_pages=96,
+        hicache_write_policy=policy,
+        hicache_load_back_threshold=1,
+    )
+    sched, worker = make_pair(config, 24, V)
+    kinds: list[str] = []
+    log, losses = drive_with_losses(sched, worker, reqs, copies_in_flight(kinds), overlap)
+    check_outputs(reqs, config, V, log)
+    assert kinds == ["loads", "write_backs"] and sched.stats.worker_losses == losses == 2
+    tier = sched.hicache
+    assert tier.transfers.loaded_pages > 0 and tier.transfers.written_pages > 0

@@ -6,27 +6,40 @@ tokens that ends sequences with EOS."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
-from scheduler_service.core.config import POLICIES
+from scheduler_service.core.config import HICACHE_WRITE_POLICIES, POLICIES
 
 VOCAB = 40
 EOS = 0
 
 
 @st.composite
-def scenarios(draw, pressure: bool = False, sliding: bool = False):
+def scenarios(draw, pressure: bool = False, sliding: bool = False, host_tier: bool = False):
     """A config and workload; with ``pressure`` many long requests arrive at
     once into a pool that fits only a few, and admission over-commits. With
     ``sliding`` the model has sliding-window layers: a sixth item gives the
     sliding pool and window (``make_pair``'s keywords), the pool sometimes
-    as small as one request's chunk plus its window."""
+    as small as one request's chunk plus its window. With ``host_tier`` the
+    device pool is small and a host pool (kv/hiradix_cache.py), usually
+    several times larger, sometimes smaller, holds what it evicts, under a
+    drawn write policy."""
     page_size = draw(st.sampled_from([1, 16]))
     chunk_opts = [None, 16, 32, 64] if page_size == 16 else [None, 3, 8, 32]
     n_prefixes = draw(st.integers(1, 4))
+    # The host tier is exercised by prefixes the device evicts before they
+    # are used again: longer ones, and arrivals spread wider.
     prefixes = [
-        draw(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=3 * page_size + 5))
+        draw(
+            st.lists(
+                st.integers(1, VOCAB - 1),
+                min_size=2 * page_size if host_tier else 0,
+                max_size=(5 if host_tier else 3) * page_size + 5,
+            )
+        )
         for _ in range(n_prefixes)
     ]
     n_reqs = draw(st.integers(8, 20) if pressure else st.integers(1, 20))
@@ -65,7 +78,7 @@ def scenarios(draw, pressure: bool = False, sliding: bool = False):
             routing_key=draw(st.sampled_from([None, "x", "y"])),
             logprobs=logprobs,
         )
-        arrival = draw(st.integers(0, 4 if pressure else 40))
+        arrival = draw(st.integers(0, 4 if pressure else 120 if host_tier else 40))
         arrivals.append((arrival, req))
         if draw(st.integers(0, 9)) == 0:
             at = arrival + draw(st.integers(0, 30))
@@ -76,7 +89,7 @@ def scenarios(draw, pressure: bool = False, sliding: bool = False):
     need = max(
         -(-(len(r.prompt_ids) + r.sampling.max_new_tokens + 1) // page_size) for _, r in arrivals
     )
-    num_pages = need + draw(st.integers(0, need // 2 if pressure else 2 * need))
+    num_pages = need + draw(st.integers(0, need // 2 if pressure or host_tier else 2 * need))
     chunk = draw(st.sampled_from(chunk_opts))
     config = SchedulerConfig(
         page_size=page_size,
@@ -95,6 +108,14 @@ def scenarios(draw, pressure: bool = False, sliding: bool = False):
         new_token_ratio_decay_steps=draw(st.sampled_from([600, 10])),
         enable_kv_events=draw(st.booleans()),
     )
+    if host_tier:
+        config = dataclasses.replace(
+            config,
+            hicache_host_pages=max(1, int(num_pages * draw(st.sampled_from([0.5, 1, 3, 6])))),
+            hicache_write_policy=draw(st.sampled_from(HICACHE_WRITE_POLICIES)),
+            hicache_write_through_threshold=draw(st.integers(1, 3)),
+            hicache_load_back_threshold=draw(st.sampled_from([0, 1, 1, 10])),
+        )
     if not sliding:
         return config, num_pages, arrivals, aborts, aborted
     window = draw(st.sampled_from([2, 5, 17, 40] if page_size == 1 else [16, 20, 33, 64]))

@@ -55,6 +55,7 @@ def make_pair(
         adapter_slots=config.max_loras_per_batch,
         num_swa_pages=num_swa_pages,
         swa_window=swa_window,
+        num_host_pages=config.hicache_host_pages,
     )
     return sched, worker
 
@@ -209,6 +210,10 @@ def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
     if sliding is not None:  # every sliding page free or cached alone (page 0 is the null page)
         assert sliding.num_free + sliding.tree_only == sliding.num_pages - 1
         assert sliding.tree_only == sliding.tree_held
+    tier = sched.hicache
+    if tier is not None:  # no copy in flight or planned, nothing held for one
+        assert not tier.transfers.pending and tier.transfer_locks == 0
+        assert tier.transfers.held() == ({}, 0)
     assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
     assert not any(sched.adapters.users), f"adapter slots still used: {sched.adapters.users}"
     assert not sched.in_flight()
