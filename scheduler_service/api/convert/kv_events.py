@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from scheduler_service.core.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from scheduler_service.core.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    Medium,
+)
+
+# The core's media (SGLang's StorageMedium names) as the gateway's tiers: its
+# cache-aware routing tells a device hit from one that must be loaded.
+TIERS = {
+    Medium.DEVICE: cpb.KV_CACHE_TIER_DEVICE,
+    Medium.HOST: cpb.KV_CACHE_TIER_HOST,
+    Medium.STORAGE: cpb.KV_CACHE_TIER_DISK,
+}
 
 
 def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
@@ -18,7 +32,7 @@ def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
             )
         if e.parent_block_hash is not None:
             stored.parent_block_hash = e.parent_block_hash
-        stored.tier = cpb.KV_CACHE_TIER_DEVICE
+        stored.tier = TIERS[e.medium]
         stored.locality = cpb.KV_CACHE_LOCALITY_LOCAL
         if e.extra_key is not None:
             # The core's namespace is "lora:ID" or "lora:ID|SALT" for an
@@ -31,7 +45,7 @@ def kv_event(event_id: int, e: KvEvent) -> cpb.KvCacheEvent:
                 stored.cache_salt = salt
     elif isinstance(e, BlockRemoved):
         m.removed.block_hashes.extend(e.block_hashes)
-        m.removed.tier = cpb.KV_CACHE_TIER_DEVICE
+        m.removed.tier = TIERS[e.medium]
         m.removed.locality = cpb.KV_CACHE_LOCALITY_LOCAL
     elif isinstance(e, AllBlocksCleared):
         m.cleared.SetInParent()
