@@ -6,8 +6,6 @@ fallbacks when it cannot be built or does not fit the model."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -121,20 +119,6 @@ class PiecesKernel(PagedDecodeKernel):
     def __init__(self, library, parts: int) -> None:
         super().__init__(library, 1)
         self.parts = parts
-        lib = ctypes.CDLL(str(library))
-        self._piece = lib.paged_decode_piece
-        self._piece.restype = ctypes.c_int
-        self._piece.argtypes = [
-            *cpu_paged_kernel._ARGTYPES[:-2],
-            ctypes.c_int64,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        self._floats = lib.paged_decode_piece_floats
-        self._floats.restype = ctypes.c_int64
-        self._floats.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
 
     def __call__(self, q, cache, out, *, layout, window, scale, soft_cap=None, sinks=None,
                  kv_scales=(1.0, 1.0)) -> None:  # fmt: skip
@@ -142,11 +126,11 @@ class PiecesKernel(PagedDecodeKernel):
         page_size, kv_heads = cache.shape[2], cache.shape[3]
         for seq in range(layout.num_rows):
             scratch = torch.full(
-                (self._floats(heads, head_dim, int(layout.lens[seq])),), float("nan")
+                (self.piece_floats(heads, head_dim, int(layout.lens[seq])),), float("nan")
             )
             for phase in range(4):
                 for part in range(self.parts):
-                    status = self._piece(
+                    status = self.piece(
                         q.data_ptr(), cpu_paged_kernel.DTYPE_CODES[q.dtype], cache.data_ptr(),
                         cpu_paged_kernel.CACHE_DTYPE_CODES[cache.dtype], out.data_ptr(),
                         layout.rows_p, layout.lens_p, layout.indptr_p, layout.pages_p,

@@ -90,6 +90,16 @@ _ARGTYPES = [
 ]
 
 
+# paged_decode_piece's arguments after paged_decode's up to sinks
+_PIECE_ARGTYPES = [
+    ctypes.c_int64,  # seq
+    ctypes.c_int,  # phase
+    ctypes.c_int,  # part
+    ctypes.c_int,  # parts
+    ctypes.c_void_p,  # scratch
+]
+
+
 class PagedDecodeKernel:
     """Decode attention for the torch backend on CPU. ``threads`` > 1 splits the
     (row, kv head) tasks: over OpenMP threads in C where the library was built
@@ -101,9 +111,14 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         fn.argtypes = _ARGTYPES
         self._fn = fn
-        # paged_decode_piece's address: the decode chain's team calls it (one
-        # row's attention in pieces over its threads)
-        self.piece_address = ctypes.cast(lib.paged_decode_piece, ctypes.c_void_p).value or 0
+        # one row's attention in pieces over a team, and its scratch size (in
+        # floats): the decode chain's team calls them from C
+        self.piece = lib.paged_decode_piece
+        self.piece.restype = ctypes.c_int
+        self.piece.argtypes = [*_ARGTYPES[:-2], *_PIECE_ARGTYPES]
+        self.piece_floats = lib.paged_decode_piece_floats
+        self.piece_floats.restype = ctypes.c_int64
+        self.piece_floats.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
         self.library = library
         self.threads = max(1, threads)
         self.openmp = bool(lib.paged_decode_openmp())

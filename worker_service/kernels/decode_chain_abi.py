@@ -85,6 +85,7 @@ class ChainModel(ctypes.Structure):
         ("team", _I32),
         ("block_of", _I32 * 8),
         ("attn_piece", _P),
+        ("attn_piece_floats", _P),
     ]
 
 

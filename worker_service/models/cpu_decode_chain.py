@@ -251,7 +251,8 @@ class DecodeChain:
             # Every projection is GGUF blocks: one OpenMP region for the stack.
             m.quant_row, m.quant_part = found["ql_quantize_row"], found["ql_matmul_part"]
             m.attn_range = address(kernel._fn)
-            m.attn_piece = kernel.piece_address
+            m.attn_piece = address(kernel.piece)
+            m.attn_piece_floats = address(kernel.piece_floats)
             for code, block in quant_linear.block_codes().items():
                 m.block_of[code] = block
             self.team_threads = torch.get_num_threads() if self._lib.decode_chain_openmp() else 1

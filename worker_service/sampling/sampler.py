@@ -131,32 +131,29 @@ class Sampler:
         )
         temperatures = np.array([s.temperature for s in specs], np.float32)
         uniforms = self._uniforms([rows[i] for i in drawn]).numpy()
-        if dev.type == "cpu" and not filters.any_filter(host, raw.shape[1]):
-            tokens = self._cpu_draw(processed, drawn, temperatures, uniforms)
-            if tokens is not None:
-                if greedy:
-                    g = torch.tensor(greedy, dtype=torch.long)
-                    chosen[g] = processed.index_select(0, g).argmax(dim=-1)
-                chosen[torch.tensor(drawn, dtype=torch.long)] = tokens
-                return chosen
         # Indices and parameters go up in one pinned, non-blocking copy per dtype.
         g, d, top_k = to_device([np.array(greedy, np.int64), np.array(drawn, np.int64), k], dev)
-        temperature, top_p, min_p, u = to_device([temperatures, p, m, uniforms], dev)
+        tokens = None
+        if dev.type == "cpu" and not filters.any_filter(host, raw.shape[1]):
+            tokens = self._cpu_draw(processed, d, temperatures, uniforms)
+        if tokens is None:
+            temperature, top_p, min_p, u = to_device([temperatures, p, m, uniforms], dev)
+            tokens = filters.draw(
+                processed.index_select(0, d),
+                temperature=temperature,
+                filters=filters.sampling_filters(host, (top_k, top_p, min_p), raw.shape[1]),
+                u=u,
+                kernels=self.kernels,
+            )
         if greedy:
             chosen[g] = processed.index_select(0, g).argmax(dim=-1)
-        chosen[d] = filters.draw(
-            processed.index_select(0, d),
-            temperature=temperature,
-            filters=filters.sampling_filters(host, (top_k, top_p, min_p), raw.shape[1]),
-            u=u,
-            kernels=self.kernels,
-        )
+        chosen[d] = tokens
         return chosen
 
     def _cpu_draw(
         self,
         processed: torch.Tensor,
-        drawn: list[int],
+        drawn: torch.Tensor,
         temperatures: np.ndarray,
         uniforms: np.ndarray,
     ) -> torch.Tensor | None:
@@ -167,10 +164,7 @@ class Sampler:
         if ops is None:
             return None
         return ops.temperature_draw(
-            processed,
-            torch.tensor(drawn, dtype=torch.long),
-            torch.from_numpy(temperatures),
-            torch.from_numpy(uniforms),
+            processed, drawn, torch.from_numpy(temperatures), torch.from_numpy(uniforms)
         )
 
     def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:

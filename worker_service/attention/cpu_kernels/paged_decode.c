@@ -175,8 +175,8 @@ static inline void prefetch_page(const void *cache, int64_t index, int page_size
 
 /* The pieces of one sequence's attention, shared by the whole-task path
  * (decode_heads) and the team's pieces (paged_decode_piece): scores key by
- * key, the softmax head by head, the weighted values vector chunk by vector
- * chunk over every key in order. A piece's result does not depend on how the
+ * key, the softmax head by head, the weighted values of each key half key by
+ * key, the output head by head. A piece's result does not depend on how the
  * work is cut, so the two paths agree bit for bit. A row's scores lie at
  * scores[q_head * span + i], i the key's index in the row's span. */
 typedef struct {
@@ -335,28 +335,46 @@ static inline void head_output(const int qh, const int chunks, const int head_di
     }
 }
 
+/* The scratch both paths use for rows of up to `len` keys: (heads, len)
+ * scores, then (heads,) softmax factors, then the two key halves' (heads,
+ * head_dim) weighted values. */
+typedef struct {
+    float *scores, *inv, *lo, *hi;
+} Scratch;
+
+int64_t paged_decode_piece_floats(int heads, int head_dim, int64_t len) {
+    return (int64_t)heads * (len + 1 + 2 * (int64_t)head_dim);
+}
+
+static inline Scratch scratch_at(float *base, int heads, int head_dim, int64_t len) {
+    Scratch w;
+    w.scores = base;
+    w.inv = base + (int64_t)heads * len;
+    w.lo = w.inv + heads;
+    w.hi = w.lo + (int64_t)heads * head_dim;
+    return w;
+}
+
 /* The tasks (seq, kvh0) .. (seq, kvh0 + nh - 1), nh <= MAX_HEADS: those kv
- * heads of one sequence side by side, whole. scores: (heads, span) floats;
- * inv: (heads,); parts: (2, heads, head_dim). */
+ * heads of one sequence side by side, whole. */
 static inline __attribute__((always_inline)) void decode_heads(
     const int group, const int chunks, const int64_t seq, const int kvh0, const int nh,
     const void *q, const int q_dtype, const void *cache, const int cache_dtype, void *out,
     const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
     const int page_size, const int heads, const int kv_heads, const int head_dim,
     const int window, const float scale, const float soft_cap, const float v_scale,
-    const float *sinks, float *scores, float *inv, float *parts, float *row) {
+    const float *sinks, const Scratch *w, float *row) {
     const RowSpan r = row_span(seq, rows, lens, indptr, page_ids, heads, window);
     heads_scores(group, chunks, &r, kvh0, nh, 0, r.span, q, q_dtype, cache, cache_dtype,
-                 page_size, kv_heads, head_dim, scale, soft_cap, scores, row);
+                 page_size, kv_heads, head_dim, scale, soft_cap, w->scores, row);
     for (int qh = kvh0 * group; qh < (kvh0 + nh) * group; qh++)
-        inv[qh] = head_softmax(scores + (int64_t)qh * r.span, r.span, sinks, qh, v_scale);
-    float *lo = parts, *hi = parts + (int64_t)heads * head_dim;
+        w->inv[qh] = head_softmax(w->scores + (int64_t)qh * r.span, r.span, sinks, qh, v_scale);
     heads_values(group, chunks, &r, kvh0, nh, 0, r.span / 2, cache, cache_dtype, page_size,
-                 kv_heads, head_dim, scores, lo, row);
+                 kv_heads, head_dim, w->scores, w->lo, row);
     heads_values(group, chunks, &r, kvh0, nh, r.span / 2, r.span, cache, cache_dtype,
-                 page_size, kv_heads, head_dim, scores, hi, row);
+                 page_size, kv_heads, head_dim, w->scores, w->hi, row);
     for (int qh = kvh0 * group; qh < (kvh0 + nh) * group; qh++)
-        head_output(qh, chunks, head_dim, lo, hi, inv, q_dtype, out, r.q_row);
+        head_output(qh, chunks, head_dim, w->lo, w->hi, w->inv, q_dtype, out, r.q_row);
 }
 
 /* CALL with G and C the (group, chunks) pair, constants for the model's own
@@ -388,13 +406,9 @@ static inline __attribute__((always_inline)) void decode_heads(
  * definition has two halves); 3: the output rows of query heads part /
  * parts. Each phase needs the one before complete (the caller's barrier);
  * together they are decode_heads' arithmetic for every kv head, bit for bit.
- * scratch: (heads, len) scores, then (heads,) factors, then (2, heads,
- * head_dim) value parts: paged_decode_piece_floats(...) floats. Returns 0,
- * or -2 for a shape the kernel does not handle. */
-int64_t paged_decode_piece_floats(int heads, int head_dim, int64_t len) {
-    return (int64_t)heads * (len + 1 + 2 * (int64_t)head_dim);
-}
-
+ * scratch: paged_decode_piece_floats(heads, head_dim, len) floats (the
+ * layout scratch_at names). Returns 0, or -2 for a shape the kernel does
+ * not handle. */
 int paged_decode_piece(
     const void *q, int q_dtype, const void *cache, int cache_dtype, void *out,
     const int64_t *rows, const int64_t *lens, const int64_t *indptr, const int32_t *page_ids,
@@ -405,8 +419,8 @@ int paged_decode_piece(
     const int chunks = head_dim / VW;
     if (head_dim % 16 != 0 || chunks > MAX_CHUNKS || group > MAX_GROUP || group < 1) return -2;
     const RowSpan r = row_span(seq, rows, lens, indptr, page_ids, heads, window);
-    float *scores = scratch, *inv = scratch + (int64_t)heads * r.len;
-    float *lo = inv + heads, *hi = lo + (int64_t)heads * head_dim;
+    const Scratch w = scratch_at(scratch, heads, head_dim, r.len);
+    float *scores = w.scores, *inv = w.inv;
     float row[256];
     const int qh0 = (int)((int64_t)heads * part / parts);
     const int qh1 = (int)((int64_t)heads * (part + 1) / parts);
@@ -417,7 +431,7 @@ int paged_decode_piece(
     }
     if (phase == 3) {
         for (int qh = qh0; qh < qh1; qh++)
-            head_output(qh, chunks, head_dim, lo, hi, inv, q_dtype, out, r.q_row);
+            head_output(qh, chunks, head_dim, w.lo, w.hi, inv, q_dtype, out, r.q_row);
         return 0;
     }
     if (phase == 2 && part > 1) return 0;
@@ -432,7 +446,7 @@ int paged_decode_piece(
             const int64_t i0 = part == 0 ? 0 : r.span / 2, i1 = part == 0 ? r.span / 2 : r.span;
             SHAPED(group, chunks,
                    heads_values(G, C, &r, kvh0, nh, i0, i1, cache, cache_dtype, page_size,
-                                kv_heads, head_dim, scores, part == 0 ? lo : hi, row));
+                                kv_heads, head_dim, scores, part == 0 ? w.lo : w.hi, row));
         }
     }
     return 0;
@@ -465,16 +479,14 @@ int paged_decode(
         int64_t len = lens[t / kv_heads];
         if (len > max_len) max_len = len;
     }
-    float *scores = malloc(sizeof(float) * (size_t)(heads * max_len));
-    float *inv = malloc(sizeof(float) * (size_t)(heads + 2 * heads * head_dim));
+    float *base = malloc(sizeof(float) * (size_t)paged_decode_piece_floats(heads, head_dim, max_len));
     float *row = malloc(sizeof(float) * (size_t)head_dim);
-    if (!scores || !inv || !row) {
-        free(scores);
-        free(inv);
+    if (!base || !row) {
+        free(base);
         free(row);
         return -1;
     }
-    float *parts = inv + heads;
+    const Scratch w = scratch_at(base, heads, head_dim, max_len);
     /* consecutive tasks of one sequence go together, MAX_HEADS at a time */
     for (int64_t task = task_begin; task < task_end;) {
         const int64_t seq = task / kv_heads;
@@ -485,11 +497,10 @@ int paged_decode(
         SHAPED(group, chunks,
                decode_heads(G, C, seq, kvh, (int)nh, q, q_dtype, cache, cache_dtype, out, rows,
                             lens, indptr, page_ids, page_size, heads, kv_heads, head_dim,
-                            window, scale, soft_cap, v_scale, sinks, scores, inv, parts, row));
+                            window, scale, soft_cap, v_scale, sinks, &w, row));
         task += nh;
     }
-    free(inv);
-    free(scores);
+    free(base);
     free(row);
     return 0;
 }

@@ -227,10 +227,7 @@ void temperature_draw(const float *x, int64_t xs, int64_t vocab, const int64_t *
             total += c;
         }
         const float total_f = (float)total, target = u[j] * total_f;
-        /* the last id with mass: the answer when u * total rounds to the
-         * total or past what the id-by-id sums reach */
-        int64_t pick = vocab - 1;
-        while (pick > 0 && !(scratch[pick] * inv > 0.0f)) pick--;
+        int64_t pick = -1;
         if (target < total_f) {
             /* the first block whose end's cumulative mass exceeds the
              * target, then ids one by one (a cumulative sum rises only at an
@@ -238,13 +235,16 @@ void temperature_draw(const float *x, int64_t xs, int64_t vocab, const int64_t *
             double c = 0.0;
             int64_t b = 0;
             for (; b < blocks - 1 && (float)(c + bsum[b]) <= target; b++) c += bsum[b];
-            for (int64_t i = b * DRAW_BLOCK; i < vocab; i++) {
+            for (int64_t i = b * DRAW_BLOCK; i < vocab && pick < 0; i++) {
                 c += (double)(scratch[i] * inv);
-                if ((float)c > target) {
-                    pick = i < pick ? i : pick;
-                    break;
-                }
+                if ((float)c > target) pick = i;
             }
+        }
+        if (pick < 0) {
+            /* u * total rounded to the total, or past what the id-by-id
+             * sums reach: the last id with mass */
+            pick = vocab - 1;
+            while (pick > 0 && !(scratch[pick] * inv > 0.0f)) pick--;
         }
         out[j] = pick;
     }

@@ -57,6 +57,7 @@ typedef int (*attn_piece_fn)(const void *q, int q_dtype, const void *cache, int 
                              int heads, int kv_heads, int head_dim, int window, float scale,
                              float soft_cap, float v_scale, const float *sinks, int64_t seq,
                              int phase, int part, int parts, float *scratch);
+typedef int64_t (*attn_piece_floats_fn)(int heads, int head_dim, int64_t len);
 typedef int (*attn_range_fn)(const void *q, int q_dtype, const void *cache, int cache_dtype,
                              void *out, const int64_t *rows, const int64_t *lens,
                              const int64_t *indptr, const int32_t *page_ids, int page_size,
@@ -103,6 +104,7 @@ typedef struct {
     int32_t team;           /* threads of the region; 0: the op-by-op path */
     int32_t block_of[8];    /* quant type code -> its block (32 or 256) */
     void *attn_piece;       /* paged_decode_piece: one row's attention over the team */
+    void *attn_piece_floats; /* paged_decode_piece_floats: the pieces' scratch size */
 } ChainModel;
 
 /* The per-step arguments: the rows' positions and KV slots, the attention's
@@ -239,10 +241,11 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
      * keys, softmax by heads, values by key halves, outputs by heads), four
      * barriers instead of one thread reading the layer's keys and values
      * alone */
-    float *scratch = NULL; /* paged_decode_piece's: (heads, len + 1 + 2 head_dim) floats */
+    float *scratch = NULL;
     if (n == 1 && m->team > 1 && m->attn_piece != NULL) {
-        scratch = malloc(sizeof(float) * (size_t)m->heads *
-                         (size_t)(s->attn_lens[0] + 1 + 2 * (int64_t)D));
+        const int64_t floats =
+            ((attn_piece_floats_fn)m->attn_piece_floats)(m->heads, D, s->attn_lens[0]);
+        scratch = malloc(sizeof(float) * (size_t)floats);
         if (scratch == NULL) return -1;
     }
 #pragma omp parallel num_threads(m->team)

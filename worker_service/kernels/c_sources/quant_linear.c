@@ -380,6 +380,75 @@ AI __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* The integer sums of one weight block of a group (g: its scales, then its
+ * codes; see "layout") against R rows' activation blocks x[r] (xu[r]: the
+ * same + 128, VNNI's Q8_0 only): isum[r], one lane a feature. */
+AI void block_isums(const int type, const int R, const uint8_t *g, const int8_t *const *x,
+                    const uint8_t *const *xu, __m256i *isum) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    /* chunk by chunk, each unpacked chunk meeting every row: few live
+     * registers (two accumulators a row), no spills */
+    __m256i s0[ROW_TILE], s1[ROW_TILE];
+    for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+    if (type == Q8_0 && xu[0] != NULL) {
+        /* VNNI: x + 128 (unsigned) times the signed codes, less 128 * sum(w)
+         * per row (the sums by the same instruction, once per weight chunk) */
+        const uint8_t *codes = g + 16;
+        const __m256i ones = _mm256_set1_epi8(1);
+        __m256i wsum = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c += 2) {
+            const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+            wsum = dot_us(dot_us(wsum, ones, w0), ones, w1);
+            for (int r = 0; r < R; r++) {
+                s0[r] = dot_us(s0[r], bcast4((const int8_t *)xu[r] + 4 * c), w0);
+                s1[r] = dot_us(s1[r], bcast4((const int8_t *)xu[r] + 4 * c + 4), w1);
+            }
+        }
+        const __m256i offset = _mm256_slli_epi32(wsum, 7);
+        for (int r = 0; r < R; r++) s0[r] = _mm256_sub_epi32(s0[r], offset);
+    } else if (type == Q8_0) {
+        const uint8_t *codes = g + 16;
+        for (int c = 0; c < 8; c += 2) {
+            const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
+            const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+            for (int r = 0; r < R; r++) {
+                s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
+                s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
+            }
+        }
+    } else {
+        const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
+#if defined(QL_VNNI)
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = LOAD(codes + 32 * c);
+            const __m256i lo = _mm256_and_si256(q, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            for (int r = 0; r < R; r++) {
+                s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
+                s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
+            }
+        }
+#else
+        /* AVX2: the block's eight maddubs pair sums add up in int16 and
+         * widen once. Exact: a pair is at most 2 * 15 * 127 = 3810 in
+         * magnitude, eight of them 30480 < 32767. */
+        __m256i p16[ROW_TILE];
+        for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = LOAD(codes + 32 * c);
+            const __m256i lo = _mm256_and_si256(q, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            for (int r = 0; r < R; r++) {
+                p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, bcast4(x[r] + 4 * c)));
+                p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, bcast4(x[r] + 16 + 4 * c)));
+            }
+        }
+        for (int r = 0; r < R; r++) s0[r] = _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1));
+#endif
+    }
+    for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(s0[r], s1[r]);
+}
+
 /* NG groups of GROUP output features each (interleaved, see "layout") against
  * R activation rows, block by block in step: res[j * R + r] is group j's 8
  * features for row r. Several groups at once are several weight streams
@@ -389,12 +458,15 @@ AI __m256i bcast4(const int8_t *p) {
 AI void group_32(const int type, const int R, const int NG, const uint8_t *const *gs,
                  const acts *a, int64_t r0, __m256 *res) {
     const int bytes = BYTES[type];
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[ROW_TILE * STREAMS], accm[ROW_TILE * STREAMS];
     for (int i = 0; i < R * NG; i++) acc[i] = accm[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const int8_t *x[ROW_TILE];
-        for (int r = 0; r < R; r++) x[r] = a->q + (r0 + r) * a->k + b * 32;
+        const uint8_t *xu[ROW_TILE];
+        for (int r = 0; r < R; r++) {
+            x[r] = a->q + (r0 + r) * a->k + b * 32;
+            xu[r] = a->qu ? a->qu + (r0 + r) * a->k + b * 32 : NULL;
+        }
         for (int j = 0; j < NG; j++) {
             const uint8_t *g = gs[j] + b * GROUP * bytes;
             /* past the task's last group it reads the next group's first blocks
@@ -402,73 +474,13 @@ AI void group_32(const int type, const int R, const int NG, const uint8_t *const
             for (int l = 0; l < GROUP * bytes; l += 64)
                 __builtin_prefetch(g + PREFETCH_BLOCKS * GROUP * bytes + l);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-            /* chunk by chunk, each unpacked chunk meeting every row: few live
-             * registers (two accumulators a row), no spills */
-            __m256i s0[ROW_TILE], s1[ROW_TILE];
-            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
-            if (type == Q8_0 && a->qu) {
-                /* VNNI: x + 128 (unsigned) times the signed codes, less 128 * sum(w)
-                 * per row (the sums by the same instruction, once per weight chunk) */
-                const uint8_t *codes = g + 16;
-                const __m256i ones = _mm256_set1_epi8(1);
-                __m256i wsum = _mm256_setzero_si256();
-                const uint8_t *xu[ROW_TILE];
-                for (int r = 0; r < R; r++) xu[r] = a->qu + (r0 + r) * a->k + b * 32;
-                for (int c = 0; c < 8; c += 2) {
-                    const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
-                    wsum = dot_us(dot_us(wsum, ones, w0), ones, w1);
-                    for (int r = 0; r < R; r++) {
-                        s0[r] = dot_us(s0[r], bcast4((const int8_t *)xu[r] + 4 * c), w0);
-                        s1[r] = dot_us(s1[r], bcast4((const int8_t *)xu[r] + 4 * c + 4), w1);
-                    }
-                }
-                const __m256i offset = _mm256_slli_epi32(wsum, 7);
-                for (int r = 0; r < R; r++) s0[r] = _mm256_sub_epi32(s0[r], offset);
-            } else if (type == Q8_0) {
-                const uint8_t *codes = g + 16;
-                for (int c = 0; c < 8; c += 2) {
-                    const __m256i w0 = LOAD(codes + 32 * c), w1 = LOAD(codes + 32 * c + 32);
-                    const __m256i u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
-                    for (int r = 0; r < R; r++) {
-                        s0[r] = dot_us(s0[r], u0, _mm256_sign_epi8(bcast4(x[r] + 4 * c), w0));
-                        s1[r] = dot_us(s1[r], u1, _mm256_sign_epi8(bcast4(x[r] + 4 * c + 4), w1));
-                    }
-                }
-            } else {
-                const uint8_t *codes = g + (type == Q4_1 ? 32 : 16);
-#if defined(QL_VNNI)
-                for (int c = 0; c < 4; c++) {
-                    const __m256i q = LOAD(codes + 32 * c);
-                    const __m256i lo = _mm256_and_si256(q, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                    for (int r = 0; r < R; r++) {
-                        s0[r] = dot_us(s0[r], lo, bcast4(x[r] + 4 * c));
-                        s1[r] = dot_us(s1[r], hi, bcast4(x[r] + 16 + 4 * c));
-                    }
-                }
-#else
-                /* AVX2: the block's eight maddubs pair sums add up in int16 and
-                 * widen once. Exact: a pair is at most 2 * 15 * 127 = 3810 in
-                 * magnitude, eight of them 30480 < 32767. */
-                __m256i p16[ROW_TILE];
-                for (int r = 0; r < R; r++) p16[r] = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    const __m256i q = LOAD(codes + 32 * c);
-                    const __m256i lo = _mm256_and_si256(q, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                    for (int r = 0; r < R; r++) {
-                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, bcast4(x[r] + 4 * c)));
-                        p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, bcast4(x[r] + 16 + 4 * c)));
-                    }
-                }
-                for (int r = 0; r < R; r++) s0[r] = _mm256_madd_epi16(p16[r], _mm256_set1_epi16(1));
-#endif
-            }
+            __m256i isums[ROW_TILE];
+            block_isums(type, R, g, x, xu, isums);
             const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
                                            : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
                 const int64_t row = r0 + r;
-                __m256i isum = _mm256_add_epi32(s0[r], s1[r]);
+                __m256i isum = isums[r];
                 if (type == Q4_0) { /* codes - 8, in integers */
                     const int32_t *s16 = a->s16 + row * (a->k / 16) + 2 * b;
                     isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
