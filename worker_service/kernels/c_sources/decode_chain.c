@@ -22,11 +22,19 @@
  *
  * Plain C, called through ctypes; built by models/cpu_decode_chain.py. */
 
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPIN_PAUSE() _mm_pause()
+#else
+#define SPIN_PAUSE() ((void)0)
 #endif
 
 typedef void (*skinny_fn)(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
@@ -165,10 +173,57 @@ static void store_row(const ChainModel *m, const ChainStep *s, float *cache, int
  * share out (a one-row step ran slower on two threads than on one). Here the
  * team enters once. Each op is split into independent pieces (output
  * features of a projection, (row, kv head) tasks of attention, rows of the
- * small ops) taken by the team's threads, with one barrier between dependent
- * ops. Every piece is the very function the op-by-op path calls, on a part of
- * its data; no result depends on the split, so the two paths agree bit for
- * bit (test_cpu_decode_chain.py). */
+ * small ops) taken by the team's threads. Every piece is the very function
+ * the op-by-op path calls, on a part of its data; no result depends on the
+ * split or on which thread takes a piece, so the two paths agree bit for bit
+ * (test_cpu_decode_chain.py).
+ *
+ * Between dependent ops there is no barrier but a phase: every thread walks
+ * the same sequence of phases; in each it takes pieces from the phase's
+ * counter until none is left, then waits until every piece is done (not
+ * until every thread has arrived). A thread that lost its core to another
+ * process (the scheduler, the API, the gateway: on a 2-core machine each
+ * token wakes them all) holds up a phase only while it holds one of its
+ * pieces; its partner takes the rest and goes on, and the late thread, once
+ * back, finds the phases it missed done and catches up. With OpenMP's
+ * barriers the partner waited at every barrier until it was back. */
+
+typedef struct {
+    _Atomic int64_t next; /* the next piece to take */
+    _Atomic int64_t done; /* pieces finished */
+    char pad[64 - 2 * sizeof(int64_t)];
+} Phase;
+
+typedef struct {
+    Phase *phases; /* zeroed at the step's start, one per dependent op */
+    int64_t count;
+} Phases;
+
+static inline int64_t take(Phase *p) {
+    return atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+}
+
+static inline void finish(Phase *p) {
+    atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+}
+
+/* Until the phase's ``n`` pieces are done: spin a while, then yield the core
+ * (the thread holding the last piece may be waiting for one). */
+static void wait_done(Phase *p, int64_t n) {
+    for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < n; spins++) {
+        if (spins < 2000) SPIN_PAUSE();
+        else sched_yield();
+    }
+}
+
+/* This thread's next phase (every thread calls it in the same order). */
+static inline Phase *phase_at(const Phases *ph, int64_t *k) {
+    return &ph->phases[*k < ph->count ? (*k)++ : ph->count - 1];
+}
+
+/* Pieces 0..n-1 of phase P, each run once by whichever thread takes it; the
+ * loop's increment marks a piece done (also after a continue). */
+#define PIECES(P, t, n) for (int64_t t = take(P); t < (n); finish(P), t = take(P))
 
 enum { FEATURE_CHUNK = 16 }; /* output features a projection task takes at least */
 
@@ -201,17 +256,20 @@ static int64_t part_chunk(const ChainModel *m, const ChainPart *p, int64_t rows)
     return chunk < FEATURE_CHUNK ? FEATURE_CHUNK : chunk;
 }
 
+static void set_status(int *status, int st) {
+    if (st != 0) atomic_store_explicit((_Atomic int *)status, st, memory_order_relaxed);
+}
+
 /* y = x W^T (+ bias): the linear's output features over the team (x already
- * quantized). Ends with the team's barrier. */
+ * quantized), as one phase. */
 static void team_linear(const ChainModel *m, const ChainStep *s, const ChainLinear *l, float *y,
-                        int *status) {
+                        Phase *P, int *status) {
     int64_t chunks[MAX_PARTS], counts[MAX_PARTS], total = 0;
     for (int p = 0; p < l->nparts; p++) {
         chunks[p] = part_chunk(m, &l->parts[p], s->rows);
         total += counts[p] = (l->parts[p].out_features + chunks[p] - 1) / chunks[p];
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < total; t++) {
+    PIECES(P, t, total) {
         int p = 0;
         int64_t i = t;
         while (i >= counts[p]) i -= counts[p++];
@@ -221,15 +279,17 @@ static void team_linear(const ChainModel *m, const ChainStep *s, const ChainLine
         const void *acts = (const char *)s->acts +
                            (m->block_of[part->qtype] == 32 ? 0 : s->acts_bytes);
         const float *bias = l->bias != NULL ? l->bias + part->col : NULL;
-        const int st = ((quant_part_fn)m->quant_part)(part->qtype, acts, s->rows, l->in_features,
-                                                      part->weight, n, o0, o1, bias,
-                                                      y + part->col, l->out_total);
-        if (st != 0) {
-#pragma omp atomic write
-            *status = st;
-        }
+        set_status(status, ((quant_part_fn)m->quant_part)(part->qtype, acts, s->rows,
+                                                          l->in_features, part->weight, n, o0,
+                                                          o1, bias, y + part->col,
+                                                          l->out_total));
     }
+    wait_done(P, total);
 }
+
+/* Phases a step walks: one before the layers, at most 13 a layer (4 of them
+ * the one-row attention's). */
+enum { PHASES_PER_LAYER = 13 };
 
 static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
     const int64_t n = s->rows;
@@ -239,7 +299,7 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
     int status = 0;
     /* one row on a team: its attention in pieces over the team (scores by
      * keys, softmax by heads, values by key halves, outputs by heads), four
-     * barriers instead of one thread reading the layer's keys and values
+     * phases instead of one thread reading the layer's keys and values
      * alone */
     float *scratch = NULL;
     if (n == 1 && m->team > 1 && m->attn_piece != NULL) {
@@ -248,75 +308,88 @@ static int decode_chain_team(const ChainModel *m, const ChainStep *s) {
         scratch = malloc(sizeof(float) * (size_t)floats);
         if (scratch == NULL) return -1;
     }
+    Phases ph = {NULL, 1 + (int64_t)m->num_layers * PHASES_PER_LAYER};
+    ph.phases = aligned_alloc(64, sizeof(Phase) * (size_t)ph.count);
+    if (ph.phases == NULL) {
+        free(scratch);
+        return -1;
+    }
+    memset(ph.phases, 0, sizeof(Phase) * (size_t)ph.count);
 #pragma omp parallel num_threads(m->team)
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) quant_rows_of(m, s, &m->layers[0].qkv, s->x, r);
+        int64_t k = 0; /* this thread's phase */
+        Phase *P = phase_at(&ph, &k);
+        PIECES(P, r, n) quant_rows_of(m, s, &m->layers[0].qkv, s->x, r);
+        wait_done(P, n);
         for (int i = 0; i < m->num_layers; i++) {
             const ChainLayer *L = &m->layers[i];
             float *cache = (float *)L->cache;
-            team_linear(m, s, &L->qkv, s->qkv, &status);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < n; t++) {
+            team_linear(m, s, &L->qkv, s->qkv, phase_at(&ph, &k), &status);
+            P = phase_at(&ph, &k);
+            PIECES(P, t, n) {
                 float *row = s->qkv + t * qkv_width;
                 ((rope_fn)m->rope)(s->positions + t, 1, row, qkv_width, m->heads, row + q_width,
                                    qkv_width, m->kv_heads, D, s->cos_sin, 1);
                 store_row(m, s, cache, t);
             }
+            wait_done(P, n);
             if (scratch != NULL) {
                 for (int phase = 0; phase < 4; phase++) {
-#pragma omp for schedule(static)
-                    for (int part = 0; part < m->team; part++) {
-                        const int st = ((attn_piece_fn)m->attn_piece)(
-                            s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens,
-                            s->attn_indptr, s->page_ids, m->page_size, m->heads, m->kv_heads,
-                            D, m->window, m->scale, 0.0f, 1.0f, NULL, 0, phase, part, m->team,
-                            scratch);
-                        if (st != 0) {
-#pragma omp atomic write
-                            status = st;
-                        }
+                    P = phase_at(&ph, &k);
+                    PIECES(P, part, m->team) {
+                        set_status(&status,
+                                   ((attn_piece_fn)m->attn_piece)(
+                                       s->q, 0, cache, 0, s->attn_out, s->attn_rows,
+                                       s->attn_lens, s->attn_indptr, s->page_ids, m->page_size,
+                                       m->heads, m->kv_heads, D, m->window, m->scale, 0.0f,
+                                       1.0f, NULL, 0, phase, (int)part, m->team, scratch));
                     }
+                    wait_done(P, m->team);
                 }
-            } else
-            /* a row's kv heads in one call: its pages read contiguously */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < n; t++) {
-                const int st = ((attn_range_fn)m->attn_range)(
-                    s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens, s->attn_indptr,
-                    s->page_ids, m->page_size, m->heads, m->kv_heads, D, m->window, m->scale,
-                    0.0f, 1.0f, NULL, t * m->kv_heads, (t + 1) * m->kv_heads);
-                if (st != 0) {
-#pragma omp atomic write
-                    status = st;
+            } else {
+                /* a row's kv heads in one call: its pages read contiguously */
+                P = phase_at(&ph, &k);
+                PIECES(P, t, n) {
+                    set_status(&status,
+                               ((attn_range_fn)m->attn_range)(
+                                   s->q, 0, cache, 0, s->attn_out, s->attn_rows, s->attn_lens,
+                                   s->attn_indptr, s->page_ids, m->page_size, m->heads,
+                                   m->kv_heads, D, m->window, m->scale, 0.0f, 1.0f, NULL,
+                                   t * m->kv_heads, (t + 1) * m->kv_heads));
                 }
+                wait_done(P, n);
             }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) quant_rows_of(m, s, &L->o, s->attn_out, r);
-            team_linear(m, s, &L->o, s->tmp, &status);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
+            P = phase_at(&ph, &k);
+            PIECES(P, r, n) quant_rows_of(m, s, &L->o, s->attn_out, r);
+            wait_done(P, n);
+            team_linear(m, s, &L->o, s->tmp, phase_at(&ph, &k), &status);
+            P = phase_at(&ph, &k);
+            PIECES(P, r, n) {
                 ((add_rmsnorm_fn)m->add_rmsnorm)(s->tmp + r * H, s->residual + r * H,
                                                  L->post_norm, 1, H, m->eps, 1);
                 quant_rows_of(m, s, &L->gate_up, s->tmp, r);
             }
-            team_linear(m, s, &L->gate_up, s->gate_up, &status);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
+            wait_done(P, n);
+            team_linear(m, s, &L->gate_up, s->gate_up, phase_at(&ph, &k), &status);
+            P = phase_at(&ph, &k);
+            PIECES(P, r, n) {
                 ((silu_fn)m->silu)(s->gate_up + r * 2 * (int64_t)m->inter,
                                    s->act + r * (int64_t)m->inter, 1, m->inter, 1);
                 quant_rows_of(m, s, &L->down, s->act, r);
             }
-            team_linear(m, s, &L->down, s->x, &status);
+            wait_done(P, n);
+            team_linear(m, s, &L->down, s->x, phase_at(&ph, &k), &status);
             const ChainLinear *next = i + 1 < m->num_layers ? &m->layers[i + 1].qkv : NULL;
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
+            P = phase_at(&ph, &k);
+            PIECES(P, r, n) {
                 ((add_rmsnorm_fn)m->add_rmsnorm)(s->x + r * H, s->residual + r * H,
                                                  L->next_norm, 1, H, m->eps, 1);
                 if (next != NULL) quant_rows_of(m, s, next, s->x, r);
             }
+            wait_done(P, n);
         }
     }
+    free(ph.phases);
     free(scratch);
     return status;
 }
