@@ -3,7 +3,7 @@ names none that does not exist.
 
 The section's fenced blocks are the file tree: one entry a line, indented two
 spaces per folder, the entry's name first (a folder's ends in ``/``), then
-its description. Listed: every ``.py``, ``.c`` and ``.proto`` file under the
+its description. Listed: every ``.py``, ``.c``, ``.h`` and ``.proto`` file under the
 packages, but generated stubs (``*_pb2*``); an ``__init__.py`` may be listed
 (where it holds code), and must exist if it is.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 PACKAGES = ("scheduler_service", "worker_service", "common", "clients", "observability", "protos")
-SOURCE_SUFFIXES = (".py", ".c", ".proto")
+SOURCE_SUFFIXES = (".py", ".c", ".h", ".proto")
 _ENTRY = re.compile(r"(?P<indent> *)(?P<name>\S+)(?: +\S.*)?")
 
 

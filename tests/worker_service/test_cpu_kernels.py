@@ -6,6 +6,8 @@ choice ``select_kernels`` makes."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -140,3 +142,20 @@ def test_a_failed_openmp_build_falls_back_to_one_thread(monkeypatch, tmp_path) -
     want = REF.add_rmsnorm(x.clone(), residual.clone(), weight[0], 1e-6)
     got = kernels.add_rmsnorm(x, residual, weight[0], 1e-6)
     close(got[0], want[0])
+
+
+def test_a_changed_header_rebuilds(tmp_path) -> None:
+    """A build's key covers the local headers the source includes (and
+    theirs): editing one builds a new library instead of loading the old."""
+    from worker_service.kernels.c_build import CFLAGS, build_library
+
+    (tmp_path / "inner.h").write_text("enum { VALUE = 1 };\n")
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    source = tmp_path / "lib.c"
+    source.write_text('#include "outer.h"\nint value(void) { return VALUE; }\n')
+    first = build_library(source, list(CFLAGS), "lib", tmp_path / "built")
+    assert build_library(source, list(CFLAGS), "lib", tmp_path / "built") == first
+    (tmp_path / "inner.h").write_text("enum { VALUE = 2 };\n")
+    second = build_library(source, list(CFLAGS), "lib", tmp_path / "built")
+    assert second != first
+    assert ctypes.CDLL(str(first)).value() == 1 and ctypes.CDLL(str(second)).value() == 2

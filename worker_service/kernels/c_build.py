@@ -2,9 +2,10 @@
 (attention/cpu_kernels/) and the small ops (kernels/c_sources/).
 
 Built for the machine (-march=native) on first use and cached, keyed by the
-source, the flags, the compiler's version and the CPU's feature flags, so a
-build never runs on a CPU it was not made for. OpenMP builds (-fopenmp) run
-in torch's own pool: their libgomp.so.1 resolves to the copy torch already
+source and the local headers it includes (``#include "x.h"``, beside it), the
+flags, the compiler's version and the CPU's feature flags, so a build never
+runs on a CPU it was not made for. OpenMP builds (-fopenmp) run in torch's own
+pool: their libgomp.so.1 resolves to the copy torch already
 loaded (``loaded_libgomp`` checks that there is one).
 """
 
@@ -88,6 +89,26 @@ def one_openmp_runtime(what: str) -> bool:
     return False
 
 
+def _local_includes(source: Path, seen: set[Path] | None = None) -> list[Path]:
+    """The headers ``source`` includes by quoted name (beside it), and theirs,
+    in include order, each once."""
+    seen = set() if seen is None else seen
+    found = []
+    for line in source.read_text(encoding="utf-8").splitlines():
+        words = line.strip().split()
+        if len(words) >= 2 and words[0] == "#include" and words[1].startswith('"'):
+            header = (source.parent / words[1].strip('"')).resolve()
+            if header not in seen:
+                seen.add(header)
+                found += [header, *_local_includes(header, seen)]
+    return found
+
+
+def source_bytes(source: Path) -> bytes:
+    """What a build's key hashes of the sources: the file and its local headers."""
+    return b"".join(p.read_bytes() for p in [source, *_local_includes(source)])
+
+
 def build_library(source: Path, flags: list[str], stem: str, directory: Path | None = None) -> Path:
     """Compile ``source`` with ``flags`` (or find it built) into
     ``<directory>/<stem>-<key>.so``; raises RuntimeError when there is no
@@ -97,7 +118,7 @@ def build_library(source: Path, flags: list[str], stem: str, directory: Path | N
         raise RuntimeError("no C compiler ($CC, cc or gcc) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     key = hashlib.sha256(
-        source.read_bytes()
+        source_bytes(source)
         + " ".join(flags).encode()
         + version.stdout.encode()
         + _cpu_identity().encode()
