@@ -291,6 +291,13 @@ def working_set_main(args: argparse.Namespace) -> int:
             f"{size['conversations_for_4x_pool']}"
         )
     print(f"{line}; {describe(args)}")
+    pool, longest = size.get("device_pool_tokens"), size["longest_conversation_tokens"]
+    if pool and longest > pool:
+        print(
+            f"a whole conversation ({longest} tokens) does not fit the pool: its last turns "
+            "will be refused (fewer turns, shorter questions or answers, or a larger pool)",
+            file=sys.stderr,
+        )
     print(strict_json(size))
     return 0
 

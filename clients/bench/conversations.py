@@ -237,6 +237,12 @@ def distinct_prefix_tokens(sequences: Iterable[Sequence[int]]) -> int:
 def planned_working_set(plans: Sequence[ConversationPlan], fmt: ChatFormat) -> int:
     """The distinct prefix tokens of the whole workload, every answer taken
     at its full ``output_len`` (an upper bound where answers end at EOS)."""
+    return distinct_prefix_tokens(planned_sequences(plans, fmt))
+
+
+def planned_sequences(plans: Sequence[ConversationPlan], fmt: ChatFormat) -> list[list[int]]:
+    """Each conversation's tokens at its end, every answer ``output_len``
+    stand-in ids long (ids no tokenizer has, so no two answers match)."""
     sequences = []
     for p in plans:
         filler = [-1 - p.index] * p.output_len  # no real id: no two answers share
@@ -247,4 +253,4 @@ def planned_working_set(plans: Sequence[ConversationPlan], fmt: ChatFormat) -> i
             history.append((q_prev, ""))
             ids += filler + fmt.ids(fmt.suffix(p.system, history, q))
         sequences.append(ids + filler)
-    return distinct_prefix_tokens(sequences)
+    return sequences

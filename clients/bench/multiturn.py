@@ -13,8 +13,9 @@ from clients.bench.conversations import (
     ChatFormat,
     Conversation,
     ConversationPlan,
+    distinct_prefix_tokens,
     plan_conversations,
-    planned_working_set,
+    planned_sequences,
 )
 from clients.bench.drivers import Driver, RadixDriver
 from clients.bench.flags import sampling_mode
@@ -76,9 +77,14 @@ async def working_set_report(args: argparse.Namespace, driver: Driver) -> dict:
     pool and the conversations that would make it ``target`` x the pool."""
     tokenizer = await driver.tokenizer()
     fmt = ChatFormat(tokenizer, chat=not args.skip_chat_template)
-    ws = planned_working_set(plans(args, tokenizer), fmt)
+    sequences = planned_sequences(plans(args, tokenizer), fmt)
+    ws = distinct_prefix_tokens(sequences)
     pool = await pool_tokens(driver)
-    out: dict = {"working_set_tokens": ws, "device_pool_tokens": pool}
+    out: dict = {
+        "working_set_tokens": ws,
+        "longest_conversation_tokens": max(len(s) for s in sequences),
+        "device_pool_tokens": pool,
+    }
     if pool:
         out["working_set_over_pool"] = ws / pool
         per_conversation = ws / args.mt_conversations
