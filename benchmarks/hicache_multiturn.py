@@ -26,7 +26,7 @@ working set is about R x the pool; without it ``--conversations`` is used
 and the ratio is printed.
 
     python benchmarks/hicache_multiturn.py --repeats 3 --target-ratio 4 \\
-        --serve-args="--kv-memory 96MiB" \\
+        --serve-args="--kv-memory 256MiB" \\
         --on-args="--enable-hierarchical-cache --hicache-ratio 4" \\
         --bench-args="--mt-turns 6 --mt-question-len 192 --mt-output-len 64 \\
                       --mt-system-prompt-len 512 --mt-think-time-s 0.5"
