@@ -203,6 +203,43 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
             ("radixserve_worker_scheduler_connected", "worker {{instance}} from a scheduler"),
         ],
     ),
+    # The host KV tier (hierarchical cache, issue 34): what moves between
+    # the device pool and the worker's host pool, how long it takes, and how
+    # full the host pool is (zero series while the tier is off).
+    ("Host KV tier", "row", "", []),
+    (
+        "Host tier tokens/s",
+        "timeseries",
+        "short",
+        [
+            (f"sum({rate('radixserve_hicache_loaded_tokens_total')})", "loaded (host to device)"),
+            (f"sum({rate('radixserve_hicache_written_tokens_total')})", "written (device to host)"),
+        ],
+    ),
+    (
+        "Host tier bytes/s",
+        "timeseries",
+        "Bps",
+        [
+            (f"sum({rate('radixserve_hicache_loaded_bytes_total')})", "loaded"),
+            (f"sum({rate('radixserve_hicache_written_bytes_total')})", "written"),
+        ],
+    ),
+    (
+        "Host tier transfer time",
+        "timeseries",
+        "s",
+        [
+            *percentiles("radixserve_hicache_transfer_seconds"),
+            (mean("radixserve_hicache_transfer_seconds"), "mean"),
+        ],
+    ),
+    (
+        "Host pages used",
+        "timeseries",
+        "short",
+        [("sum(radixserve_hicache_host_pages_used)", "host pages used")],
+    ),
     ("Errors", "row", "", []),
     (
         "Request errors/s by code",

@@ -158,10 +158,13 @@ async def prompts_only(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
+    """The workload through a driver; a multi-turn run's requests are built
+    as it goes (none returned)."""
     driver = make_driver(args)
     try:
         vocab = args.vocab_size or await driver.vocab_size()
-        requests = await prepare(args, driver, vocab)
+        multiturn = args.dataset == "multiturn"
+        requests = [] if multiturn else await prepare(args, driver, vocab)
         if args.warmup_requests:
             rng = random.Random(-1)
             warm = [
@@ -171,6 +174,10 @@ async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
             await run_workload(driver, warm, progress=False)
         if args.flush_cache and isinstance(driver, RadixDriver):
             await driver.flush_cache()
+        if multiturn:
+            from clients.bench.multiturn import run_multiturn
+
+            return requests, await run_multiturn(args, driver)
         replay = args.dataset == "trace" and requests[0].arrival_s is not None
         replay = replay and math.isinf(args.request_rate) and args.max_concurrency is None
         run = await run_workload(
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(r.prompt_ids) for r in requests)
         print(f"{len(requests)} prompts, {tokens} prompt tokens; {describe(args)}")
         return 0
+    if args.mt_working_set:
+        return working_set_main(args)
     if args.compare_openai or args.compare_speculative:
         return compare_main(args)
     try:
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixserve-bench: {e}", file=sys.stderr)
         return 2
     runs = {args.backend: (run.records, run.duration_s)}
-    summaries = {args.backend: summarize(run.records, run.duration_s)}
+    summaries = {args.backend: summarize(run.records, run.duration_s) | run.extra}
     report: dict = {
         "config": {k: v for k, v in vars(args).items() if k != "api_key"},
         "workload": describe(args),
@@ -236,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     report["results"] = summaries
     print(table(summaries, report.get("ratios")))
     print(f"workload: {report['workload']}")
+    if run.extra:
+        from clients.bench.multiturn import figures_line
+
+        print(figures_line(run.extra))
     if "agreement" in report:
         a = report["agreement"]
         print(
@@ -252,6 +265,41 @@ def main(argv: list[str] | None = None) -> int:
     last = {"results": summaries, **{k: report[k] for k in ("ratios",) if k in report}}
     print(strict_json(last))
     return 0 if summaries[args.backend]["completed"] else 1
+
+
+def working_set_main(args: argparse.Namespace) -> int:
+    """--mt-working-set: the multi-turn workload's size against the server's pool."""
+    from clients.bench.multiturn import working_set_report
+
+    async def report() -> dict:
+        driver = make_driver(args)
+        try:
+            return await working_set_report(args, driver)
+        finally:
+            await driver.close()
+
+    try:
+        size = asyncio.run(report())
+    except (WorkloadError, OSError) as e:
+        print(f"radixserve-bench: {e}", file=sys.stderr)
+        return 2
+    line = f"working set: {size['working_set_tokens']} distinct prefix tokens"
+    if size.get("device_pool_tokens"):
+        line += (
+            f"; device KV pool: {size['device_pool_tokens']} tokens; ratio "
+            f"{size['working_set_over_pool']:.2f}x; about 4x the pool: --mt-conversations "
+            f"{size['conversations_for_4x_pool']}"
+        )
+    print(f"{line}; {describe(args)}")
+    pool, longest = size.get("device_pool_tokens"), size["longest_conversation_tokens"]
+    if pool and longest > pool:
+        print(
+            f"a whole conversation ({longest} tokens) does not fit the pool: its last turns "
+            "will be refused (fewer turns, shorter questions or answers, or a larger pool)",
+            file=sys.stderr,
+        )
+    print(strict_json(size))
+    return 0
 
 
 def compare_main(args: argparse.Namespace) -> int:

@@ -85,7 +85,7 @@ def run_alternating(
         got = {}
         for name in order:
             _, run = asyncio.run(serve_run(repeat_args(sides[name], i)))
-            got[name] = summarize(run.records, run.duration_s)
+            got[name] = summarize(run.records, run.duration_s) | run.extra
             summaries[name].append(got[name])
             last[name] = (run.records, run.duration_s)
         per_repeat.append(ratios(got[args.backend], got[PEER]))

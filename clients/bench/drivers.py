@@ -91,6 +91,17 @@ class RadixDriver:
         )
         return info.vocab_size or None
 
+    async def pool_tokens(self) -> int | None:
+        """The KV pool in tokens (GetServerInfo's max_total_num_tokens; None
+        from a server that does not say)."""
+        try:
+            info = await self.client.stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=30, metadata=self.client.metadata
+            )
+        except grpc.RpcError:
+            return None
+        return info.max_total_num_tokens or None
+
     async def tokenizer(self) -> TokenizerBundle:
         """The server's own (GetTokenizer): text prompts become the ids it reads."""
         try:
@@ -137,7 +148,8 @@ class OpenAIDriver:
     as its text and a token workload's ids as the text ``tokenizer`` decodes
     them to (the server re-tokenizes it: its usage block's ``prompt_tokens``
     is what is reported). Chunks carry text, not
-    ids: each chunk with text counts as one token, and the usage block's
+    ids (the record keeps the text: a conversation's next turn appends it):
+    each chunk with text counts as one token, and the usage block's
     ``completion_tokens`` corrects the count (extra tokens are dated at the
     last chunk)."""
 
@@ -194,8 +206,10 @@ class OpenAIDriver:
                 if event.get("error"):
                     raise RuntimeError(str(event["error"]))
                 now = time.perf_counter() - t0
-                if any(c.get("text") for c in event.get("choices") or ()):
+                piece = "".join(c.get("text") or "" for c in event.get("choices") or ())
+                if piece:
                     record.token_times.append(now)
+                    record.output_text += piece
                 usage = event.get("usage") or usage
         if usage:
             n = usage.get("completion_tokens") or 0

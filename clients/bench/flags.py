@@ -13,11 +13,14 @@ import argparse
 import math
 import os
 
+from clients.bench.multiturn_flags import add_multiturn_flags, check_multiturn, describe_multiturn
 from clients.bench.sampling import SamplingMode
 
 # Datasets whose prompts are words (they need the model's tokenizer); a
-# user's chat ends at EOS, so these honour it unless --ignore-eos.
+# user's chat ends at EOS, so these (and the multi-turn chat) honour it
+# unless --ignore-eos.
 TEXT_DATASETS = ("text", "jsonl")
+CHAT_DATASETS = (*TEXT_DATASETS, "multiturn")
 DEFAULT_PROMPTS = {"random": 1000, "text": 256, "quote": 1000}
 
 
@@ -46,7 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument(
         "--dataset",
-        choices=["generated-shared-prefix", "random", "quote", "trace", "text", "jsonl"],
+        choices=[
+            "generated-shared-prefix",
+            "random",
+            "quote",
+            "trace",
+            "text",
+            "jsonl",
+            "multiturn",
+        ],
         default=None,
         help="default: trace when --trace is given, text with --compare-openai, else "
         "generated-shared-prefix (random token ids, like random)",
@@ -168,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="generate every output token past EOS (default: yes for token-id datasets, "
-        "no for text and jsonl, whose chats end at EOS)",
+        "no for text, jsonl and multiturn, whose chats end at EOS)",
     )
     m.add_argument(
         "--no-request-seeds",
@@ -248,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a warm cache) instead of fresh ones (seed + i)",
     )
 
+    add_multiturn_flags(p)
+
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None)
     o.add_argument("--plots-dir", default=None)
@@ -274,7 +287,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.temperature is None:
         args.temperature = 1.0 if args.compare_openai else 0.0
     if args.ignore_eos is None:
-        args.ignore_eos = args.dataset not in TEXT_DATASETS
+        args.ignore_eos = args.dataset not in CHAT_DATASETS
     if args.temperature < 0 or not math.isfinite(args.temperature):
         p.error("--temperature must be a number >= 0")
     if not 0.0 < args.top_p <= 1.0:
@@ -316,6 +329,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--repeats must be at least 1")
     if args.vocab_size is not None and args.vocab_size < 2:
         p.error("--vocab-size must be at least 2")
+    check_multiturn(p, args)
 
 
 def sampling_mode(args: argparse.Namespace) -> SamplingMode:
@@ -339,6 +353,8 @@ def describe(args: argparse.Namespace) -> str:
             f"{args.text_input_len} tokens with a question, "
             f"{args.text_questions_per_passage} per passage"
         )
+    elif args.dataset == "multiturn":
+        what = describe_multiturn(args)
     elif args.dataset == "jsonl":
         what = f"jsonl: prompts of {args.dataset_path}"
     elif args.dataset in ("random", "generated-shared-prefix", "trace"):

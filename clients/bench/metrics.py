@@ -47,6 +47,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
         "input_tokens": prompt,
         "output_tokens": output,
         "cached_tokens": cached,
+        # What the server computed of the prompts (the rest it read from its cache).
+        "prefill_tokens": prompt - cached,
         "input_tokens_per_s": per_s(prompt),
         "output_tokens_per_s": per_s(output),
         "total_tokens_per_s": per_s(prompt + output),

@@ -43,6 +43,7 @@ class RequestRecord:
     # accepted tokens.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    output_text: str = ""  # when the driver sees text (an OpenAI endpoint)
 
     @property
     def ok(self) -> bool:

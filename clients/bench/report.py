@@ -18,6 +18,7 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("input tokens/s", ("input_tokens_per_s",), "{:.1f}"),
     ("output tokens/s", ("output_tokens_per_s",), "{:.1f}"),
     ("total tokens/s", ("total_tokens_per_s",), "{:.1f}"),
+    ("prefill tokens computed", ("prefill_tokens",), "{:.0f}"),
     ("cache hit rate", ("cache_hit_rate",), "{:.3f}"),
     ("mean concurrency", ("mean_concurrency",), "{:.1f}"),
     ("drafted tokens (speculative)", ("spec_draft_tokens",), "{:.0f}"),

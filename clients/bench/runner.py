@@ -7,7 +7,7 @@ import asyncio
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -19,6 +19,9 @@ from clients.bench.records import BenchRequest, RequestRecord
 class Run:
     records: list[RequestRecord]
     duration_s: float  # first send to last token (or error)
+    # Figures of the workload beyond the records' (the multi-turn runner's
+    # turns and working set), merged into the run's summary.
+    extra: dict = field(default_factory=dict)
 
 
 def arrival_times(
@@ -40,7 +43,7 @@ def arrival_times(
     return out
 
 
-def _error_text(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {e.details()}"
     return f"{type(e).__name__}: {e}"
@@ -76,7 +79,7 @@ async def run_workload(
             if not record.token_times and record.error is None:
                 record.error = "the server returned no tokens"
         except Exception as e:  # recorded; one failure does not end the run
-            record.error = _error_text(e)
+            record.error = error_text(e)
         finally:
             if slots is not None:
                 slots.release()

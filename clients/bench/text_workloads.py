@@ -135,6 +135,21 @@ def _passage_ids(
     return tokenizer.tokenizer.encode("\n\n".join(chosen), add_special_tokens=False).ids
 
 
+def passage_text(
+    tokenizer: TokenizerBundle,
+    paragraphs: list[str],
+    start: int,
+    budget: int,
+    *,
+    para_len: dict[int, int],
+) -> str:
+    """Prose of paragraphs start, start + 1, ... cut at a word boundary to
+    at most ``budget`` tokens (the multi-turn workload's questions and
+    system prompt)."""
+    ids = _passage_ids(tokenizer, paragraphs, start, budget, para_len=para_len)
+    return _cut(tokenizer, ids, min(budget, len(ids)))
+
+
 def _fit(
     prompter: Prompter, passage_ids: list[int], questions: list[str], budget: int
 ) -> list[tuple[str, str, list[int]]]:

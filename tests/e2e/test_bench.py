@@ -206,6 +206,34 @@ def test_smollm2_with_the_hf_baseline_in_the_same_run(smollm2_address, tmp_path)
     assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:8] == PNG
 
 
+def test_multiturn_chat_on_the_default_model_reads_each_history_from_the_cache(
+    smollm2_address, tmp_path
+):
+    """Two conversations of three turns on the real model: every turn after
+    the first finds its history (the earlier prompts and the model's own
+    answers, as token ids) in the prefix cache, the pool being far larger."""
+    out = tmp_path / "mt.json"
+    r = bench(
+        "--address", smollm2_address, "--dataset", "multiturn",
+        "--mt-conversations", "2", "--mt-turns", "3", "--mt-question-len", "48",
+        "--mt-output-len", "6", "--mt-system-prompt-len", "64", "--mt-think-time-s", "0.05",
+        "--ignore-eos", "--flush-cache", "--output-json", str(out),
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "turns completed 6/6, conversations completed 2/2" in r.stdout
+    s = json.loads(out.read_text())["results"]["radixserve"]
+    assert (s["completed"], s["output_tokens"]) == (6, 36)
+    # Turn t reads turn t - 1's prompt and answer (all but a partial page):
+    # well over half of all prompt tokens are cached.
+    assert s["cache_hit_rate"] > 0.5, s
+    assert s["prefill_tokens"] == s["input_tokens"] - s["cached_tokens"]
+    assert s["device_pool_tokens"] > s["working_set_tokens"] > s["input_tokens"] / 3
+    assert s["working_set_over_pool"] == pytest.approx(
+        s["working_set_tokens"] / s["device_pool_tokens"]
+    )
+
+
 def test_openai_backend_through_the_gateway(gateway, tmp_path):
     base, model = gateway
     out = tmp_path / "report.json"

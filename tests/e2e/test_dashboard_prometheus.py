@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -34,6 +35,28 @@ RATE_INTERVAL = "20s"
 LOAD_S = 15.0
 CLIENTS = 8  # streams at a time; 64 pages of 16 tokens hold about 4 of them
 SHARED = list(range(1000, 1032))  # a prompt prefix every other request shares
+
+
+# Metrics the dashboard queries before any service exports them: the host KV
+# tier's (issue 34), whose worker half lands separately. A query of only these
+# must still parse, and may return no series only while no target exports the
+# metric; once one does, its name must leave this set (the test says so). If
+# they are exported only with the tier on, start the worker here with it on.
+NOT_YET_EXPORTED = frozenset(
+    {
+        "radixserve_hicache_loaded_tokens_total",
+        "radixserve_hicache_written_tokens_total",
+        "radixserve_hicache_loaded_bytes_total",
+        "radixserve_hicache_written_bytes_total",
+        "radixserve_hicache_transfer_seconds",
+        "radixserve_hicache_host_pages_used",
+    }
+)
+
+
+def metric_bases(expr: str) -> set[str]:
+    """The radixserve metrics a query reads (histograms by their base name)."""
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\bradixserve_\w+", expr)}
 
 
 def prometheus_binary() -> str:
@@ -225,6 +248,10 @@ def test_every_dashboard_query_returns_series_from_prometheus(tmp_path):
                 expr: query(prom, expr.replace("$__rate_interval", RATE_INTERVAL), at)
                 for expr in exprs
             }
+            exported = {
+                re.sub(r"_(bucket|sum|count)$", "", name)
+                for name in get(f"{prom}/api/v1/label/__name__/values")["data"]
+            }
             checks = {
                 expr: query(prom, expr, at)
                 for expr in (
@@ -242,10 +269,16 @@ def test_every_dashboard_query_returns_series_from_prometheus(tmp_path):
         if r.get("status") != "success":
             failed.append(f"{expr}\n    error: {r.get('errorType')}: {r.get('error')}")
         elif not r["data"]["result"]:
-            failed.append(f"{expr}\n    no series")
+            pending = metric_bases(expr)
+            if pending and pending <= NOT_YET_EXPORTED - exported:
+                print(f"{expr}\n    no series: not exported yet (NOT_YET_EXPORTED)")
+            else:
+                failed.append(f"{expr}\n    no series")
         else:
             values = [x["value"][1] for x in r["data"]["result"]]
             print(f"{expr}\n    {values}")
+    stale = sorted(NOT_YET_EXPORTED & exported)
+    assert not stale, f"exported now: remove {stale} from NOT_YET_EXPORTED"
     assert seen.get("invalid") == "INVALID_ARGUMENT" and seen.get("abort") is True, seen
     assert seen["finished"] > CLIENTS, seen
     assert not failed, f"{len(failed)} of {len(results) + len(checks)} queries failed:\n" + (

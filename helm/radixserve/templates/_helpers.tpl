@@ -180,3 +180,18 @@ securityContext:
 {{- define "radixserve.workerGraceSeconds" -}}
 {{- add (include "radixserve.workerDrainSeconds" . | int) 15 }}
 {{- end }}
+
+{{/* "true" when the worker pods mount the host KV tier's file volume (the
+     tier on, its file tier on); fails when its path is where the LoRA
+     adapters are mounted, or when the tier is on with no host pool size. */}}
+{{- define "radixserve.hicacheFileTier" -}}
+{{- if and .Values.hicache.enabled (le (float64 .Values.hicache.ratio) 0.0) (le (float64 .Values.hicache.sizeGiB) 0.0) }}
+{{- fail "hicache.ratio must be above 0 (or hicache.sizeGiB set)" }}
+{{- end }}
+{{- if and .Values.hicache.enabled .Values.hicache.fileTier.enabled }}
+{{- if eq (trimSuffix "/" .Values.hicache.fileTier.path) (trimSuffix "/" .Values.lora.mountPath) }}
+{{- fail "hicache.fileTier.path is lora.mountPath: mount them apart" }}
+{{- end }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
