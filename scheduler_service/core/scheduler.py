@@ -583,11 +583,13 @@ class Scheduler:
         )
         return lost
 
-    def resize_pool(self, num_pages: int, num_swa_pages: int = 0) -> None:
+    def resize_pool(self, num_pages: int, num_swa_pages: int = 0, num_host_pages: int = 0) -> None:
         """Take the page counts of the worker group that came back; only while
         nothing holds KV (between reset_after_worker_loss and the next step).
         ``num_swa_pages``: its sliding pool (0: none), which it must have
-        exactly when this scheduler has one."""
+        exactly when this scheduler has one; ``num_host_pages``: its host
+        pool, which it must have when this scheduler has a host tier (one this
+        scheduler does not use is harmless: it is sent no copies)."""
         if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
         if (num_swa_pages > 0) != (self.sliding is not None):
@@ -595,9 +597,16 @@ class Scheduler:
                 f"the worker group came back with {num_swa_pages} sliding pages; "
                 f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
             )
+        if self.hicache is not None and num_host_pages < 1:
+            raise RuntimeError(
+                "the worker group came back without a host KV pool; this scheduler "
+                "plans host copies (restart it to serve without the host tier)"
+            )
         self.pool.reset(num_pages)
         if self.sliding is not None:
             self.sliding.reset(num_swa_pages)
+        if self.hicache is not None:
+            self.hicache.host_pool.reset(num_host_pages)
 
     # ========================================================== invariants
     def check_integrity(self) -> None:
