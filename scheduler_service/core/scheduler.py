@@ -352,7 +352,7 @@ class Scheduler:
             for e in plan.decodes:
                 slide(e.req)
         if self.hicache is not None:
-            plan.write_backs, plan.loads = self.hicache.transfers.take(plan.step_id)
+            self._take_copies(plan, self.hicache)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -371,9 +371,19 @@ class Scheduler:
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
         if tier is not None:  # copies planned this step ride on it
-            plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+            self._take_copies(plan, tier)
         self._inflight.append(plan)
         return plan
+
+    def _take_copies(self, plan: StepPlan, tier: HiRadixCache) -> None:
+        """The host copies planned since the last plan ride on ``plan``; their
+        tokens are counted (stats: host hits loaded, tokens written)."""
+        plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+        page = self.config.page_size
+        if plan.write_backs is not None:
+            self.stats.hicache_written_tokens += len(plan.write_backs) * page
+        if plan.loads is not None:
+            self.stats.hicache_loaded_tokens += len(plan.loads) * page
 
     def _release_held(self) -> None:
         table = self.table

@@ -398,7 +398,6 @@ class Engine:
             self._queue_time_changed = False
             queue_time = self.queue_time.snapshot()
         recovery = self.recovery
-        tier = sched.hicache
         return ipc.Load(
             running=running,
             waiting=waiting,
@@ -426,6 +425,6 @@ class Engine:
             adapter_slots_used=figures.adapter_slots_used,
             adapter_slots_total=figures.adapter_slots_total,
             spec_rows=stats.spec_rows,
-            hicache_loaded_tokens=tier.transfers.loaded_pages * page if tier else 0,
-            hicache_written_tokens=tier.transfers.written_pages * page if tier else 0,
+            hicache_loaded_tokens=stats.hicache_loaded_tokens,
+            hicache_written_tokens=stats.hicache_written_tokens,
         )

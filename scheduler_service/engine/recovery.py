@@ -188,7 +188,7 @@ class WorkerRecovery:
             self.group.drop_streams()
             return False
         num_pages = sched.kv_snapshot()[2]
-        if info.num_pages != num_pages or info.num_swa_pages or sched.hicache is not None:
+        if info.num_pages != num_pages or info.num_swa_pages or config.hicache_host_pages:
             logger.info(
                 "the worker group's KV pool sizes",
                 pages=info.num_pages,
