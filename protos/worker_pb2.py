@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14radixserve.worker.v1\"\x10\n\x0eGetInfoRequest\"\x87\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x17\n\x0fmax_context_len\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18< \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18= \x01(\rH\x01\x88\x01\x01\x12\x46\n\x11sampling_defaults\x18> \x01(\x0b\x32+.radixserve.worker.v1.ModelSamplingDefaults\x12.\n\x07pooling\x18\x1e \x01(\x0e\x32\x1d.radixserve.worker.v1.Pooling\x12\x11\n\tnormalize\x18\x1f \x01(\x08\x12\x12\n\nnum_labels\x18\x46 \x01(\r\x12\x0e\n\x06labels\x18G \x03(\t\x12\x18\n\x10score_activation\x18H \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x83\x02\n\x15ModelSamplingDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x11\n\x0f_max_new_tokens\"\xe7\x02\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.radixserve.worker.v1.ModelInfo\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\rsession_epoch\x18\t \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x32 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x33 \x01(\x04\x12\x13\n\x0bgraph_bytes\x18\x34 \x01(\x04\x12\x17\n\x0fgrammar_backend\x18\x35 \x01(\t\x12\x15\n\rnum_swa_pages\x18\x36 \x01(\r\x12\x12\n\nswa_window\x18\x37 \x01(\r\"0\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x83\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12.\n\x07grammar\x18\x0e \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\x12\x1b\n\x13reasoning_end_token\x18( \x01(\rB\x07\n\x05_seed\"H\n\x07Grammar\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.radixserve.worker.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"G\n\x15\x43ompileGrammarRequest\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\";\n\x16\x43ompileGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x12\n\ncompile_ms\x18\x02 \x01(\x02\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"[\n\x13LoadAdapterResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x15UnloadAdapterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x0b\x41\x64\x61pterSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"x\n\x0eLogprobOptions\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x02 \x01(\x05\x12\x18\n\x10top_logprobs_num\x18\x03 \x01(\r\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xe0\x02\n\x04Join\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.radixserve.worker.v1.SamplingParams\x12\x36\n\x08logprobs\x18\x04 \x01(\x0b\x32$.radixserve.worker.v1.LogprobOptions\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nprefix_ids\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x31\n\x05trace\x18\x08 \x01(\x0b\x32\".radixserve.worker.v1.TraceContext\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\t \x01(\r\x12.\n\x07pooling\x18\x1e \x01(\x0e\x32\x1d.radixserve.worker.v1.Pooling\x12\x11\n\tnormalize\x18\x1f \x01(\x08\"\xb1\x01\n\x06\x45xtend\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\nnext_token\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdraft_len\x18\x07 \x01(\r\x12\x15\n\rnew_swa_pages\x18\x08 \x03(\rB\r\n\x0b_next_token\"\x8c\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.radixserve.worker.v1.ForwardMode\x12\x0e\n\x06leaves\x18\x03 \x03(\r\x12)\n\x05joins\x18\x04 \x03(\x0b\x32\x1a.radixserve.worker.v1.Join\x12-\n\x07\x65xtends\x18\x05 \x03(\x0b\x32\x1c.radixserve.worker.v1.Extend\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_positions\x18\x07 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_new_pages\x18\x08 \x03(\r\x12\x38\n\radapter_slots\x18\t \x03(\x0b\x32!.radixserve.worker.v1.AdapterSlot\x12\x32\n\x07session\x18\n \x01(\x0b\x32!.radixserve.worker.v1.SessionOpen\x12\x1c\n\x14\x64\x65\x63ode_new_swa_pages\x18\x0b \x03(\r\"|\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cids_logprobs\x18\x06 \x03(\x02\"\x8b\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x12\n\ntop_counts\x18\x06 \x03(\r\x12\x0f\n\x07top_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x12\n\nids_counts\x18\t \x03(\r\x12\x14\n\x0cids_logprobs\x18\n \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.radixserve.worker.v1.PromptLogprobs\x12\x12\n\nforward_ms\x18\x0c \x01(\x02\x12\x0f\n\x07idle_ms\x18\r \x01(\x02\x12\x15\n\rgrammar_ended\x18\x0e \x03(\r\x12\x14\n\x0ctoken_counts\x18\x0f \x03(\r\x12\x33\n\nembeddings\x18\x1e \x03(\x0b\x32\x1f.radixserve.worker.v1.Embedding\")\n\tEmbedding\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x15\n\x13GetTokenizerRequest\".\n\x0eTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_LAST\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02*\x8d\x01\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46ORWARD_MODE_PREFILL\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04*\x92\x01\n\x0bGrammarKind\x12\x15\n\x11GRAMMAR_KIND_NONE\x10\x00\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x1f\n\x1bGRAMMAR_KIND_STRUCTURAL_TAG\x10\x04\x32\xca\x04\n\x06Worker\x12Q\n\x07GetInfo\x12$.radixserve.worker.v1.GetInfoRequest\x1a .radixserve.worker.v1.WorkerInfo\x12O\n\x07\x45xecute\x12\x1e.radixserve.worker.v1.StepPlan\x1a .radixserve.worker.v1.StepResult(\x01\x30\x01\x12\x61\n\x0cGetTokenizer\x12).radixserve.worker.v1.GetTokenizerRequest\x1a$.radixserve.worker.v1.TokenizerChunk0\x01\x12k\n\x0e\x43ompileGrammar\x12+.radixserve.worker.v1.CompileGrammarRequest\x1a,.radixserve.worker.v1.CompileGrammarResponse\x12\x62\n\x0bLoadAdapter\x12(.radixserve.worker.v1.LoadAdapterRequest\x1a).radixserve.worker.v1.LoadAdapterResponse\x12h\n\rUnloadAdapter\x12*.radixserve.worker.v1.UnloadAdapterRequest\x1a+.radixserve.worker.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x14radixserve.worker.v1\"\x10\n\x0eGetInfoRequest\"\x87\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x17\n\x0fmax_context_len\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x19\n\x0c\x62os_token_id\x18< \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18= \x01(\rH\x01\x88\x01\x01\x12\x46\n\x11sampling_defaults\x18> \x01(\x0b\x32+.radixserve.worker.v1.ModelSamplingDefaults\x12.\n\x07pooling\x18\x1e \x01(\x0e\x32\x1d.radixserve.worker.v1.Pooling\x12\x11\n\tnormalize\x18\x1f \x01(\x08\x12\x12\n\nnum_labels\x18\x46 \x01(\r\x12\x0e\n\x06labels\x18G \x03(\t\x12\x18\n\x10score_activation\x18H \x01(\tB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"\x83\x02\n\x15ModelSamplingDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x11\n\x0f_max_new_tokens\"\xff\x02\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.radixserve.worker.v1.ModelInfo\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\rsession_epoch\x18\t \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x32 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x33 \x01(\x04\x12\x13\n\x0bgraph_bytes\x18\x34 \x01(\x04\x12\x17\n\x0fgrammar_backend\x18\x35 \x01(\t\x12\x15\n\rnum_swa_pages\x18\x36 \x01(\r\x12\x12\n\nswa_window\x18\x37 \x01(\r\x12\x16\n\x0enum_host_pages\x18\x38 \x01(\r\"0\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x83\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0elogit_bias_ids\x18\x0b \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0c \x03(\x02\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12.\n\x07grammar\x18\x0e \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\x12\x1b\n\x13reasoning_end_token\x18( \x01(\rB\x07\n\x05_seed\"H\n\x07Grammar\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.radixserve.worker.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\"G\n\x15\x43ompileGrammarRequest\x12.\n\x07grammar\x18\x01 \x01(\x0b\x32\x1d.radixserve.worker.v1.Grammar\";\n\x16\x43ompileGrammarResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x12\n\ncompile_ms\x18\x02 \x01(\x02\"B\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08max_rank\x18\x03 \x01(\r\"[\n\x13LoadAdapterResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x0f\n\x07load_ms\x18\x04 \x01(\x02\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"&\n\x15UnloadAdapterResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x0b\x41\x64\x61pterSlot\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"x\n\x0eLogprobOptions\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x02 \x01(\x05\x12\x18\n\x10top_logprobs_num\x18\x03 \x01(\r\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\r\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xe0\x02\n\x04Join\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.radixserve.worker.v1.SamplingParams\x12\x36\n\x08logprobs\x18\x04 \x01(\x0b\x32$.radixserve.worker.v1.LogprobOptions\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nprefix_ids\x18\x06 \x03(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x31\n\x05trace\x18\x08 \x01(\x0b\x32\".radixserve.worker.v1.TraceContext\x12\x14\n\x0c\x61\x64\x61pter_slot\x18\t \x01(\r\x12.\n\x07pooling\x18\x1e \x01(\x0e\x32\x1d.radixserve.worker.v1.Pooling\x12\x11\n\tnormalize\x18\x1f \x01(\x08\"\xb1\x01\n\x06\x45xtend\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x17\n\nnext_token\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdraft_len\x18\x07 \x01(\r\x12\x15\n\rnew_swa_pages\x18\x08 \x03(\rB\r\n\x0b_next_token\"\x80\x04\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.radixserve.worker.v1.ForwardMode\x12\x0e\n\x06leaves\x18\x03 \x03(\r\x12)\n\x05joins\x18\x04 \x03(\x0b\x32\x1a.radixserve.worker.v1.Join\x12-\n\x07\x65xtends\x18\x05 \x03(\x0b\x32\x1c.radixserve.worker.v1.Extend\x12\x14\n\x0c\x64\x65\x63ode_slots\x18\x06 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_positions\x18\x07 \x03(\r\x12\x18\n\x10\x64\x65\x63ode_new_pages\x18\x08 \x03(\r\x12\x38\n\radapter_slots\x18\t \x03(\x0b\x32!.radixserve.worker.v1.AdapterSlot\x12\x32\n\x07session\x18\n \x01(\x0b\x32!.radixserve.worker.v1.SessionOpen\x12\x1c\n\x14\x64\x65\x63ode_new_swa_pages\x18\x0b \x03(\r\x12\x1f\n\x17write_back_device_pages\x18\x0c \x03(\r\x12\x1d\n\x15write_back_host_pages\x18\r \x03(\r\x12\x17\n\x0fload_host_pages\x18\x0e \x03(\r\x12\x19\n\x11load_device_pages\x18\x0f \x03(\r\"|\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x14\n\x0cids_logprobs\x18\x06 \x03(\x02\"\x8b\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x12\n\ntop_counts\x18\x06 \x03(\r\x12\x0f\n\x07top_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x12\n\nids_counts\x18\t \x03(\r\x12\x14\n\x0cids_logprobs\x18\n \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.radixserve.worker.v1.PromptLogprobs\x12\x12\n\nforward_ms\x18\x0c \x01(\x02\x12\x0f\n\x07idle_ms\x18\r \x01(\x02\x12\x15\n\rgrammar_ended\x18\x0e \x03(\r\x12\x14\n\x0ctoken_counts\x18\x0f \x03(\r\x12\x33\n\nembeddings\x18\x1e \x03(\x0b\x32\x1f.radixserve.worker.v1.Embedding\")\n\tEmbedding\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\x15\n\x13GetTokenizerRequest\".\n\x0eTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t*?\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_LAST\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02*\x8d\x01\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46ORWARD_MODE_PREFILL\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04*\x92\x01\n\x0bGrammarKind\x12\x15\n\x11GRAMMAR_KIND_NONE\x10\x00\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x1f\n\x1bGRAMMAR_KIND_STRUCTURAL_TAG\x10\x04\x32\xca\x04\n\x06Worker\x12Q\n\x07GetInfo\x12$.radixserve.worker.v1.GetInfoRequest\x1a .radixserve.worker.v1.WorkerInfo\x12O\n\x07\x45xecute\x12\x1e.radixserve.worker.v1.StepPlan\x1a .radixserve.worker.v1.StepResult(\x01\x30\x01\x12\x61\n\x0cGetTokenizer\x12).radixserve.worker.v1.GetTokenizerRequest\x1a$.radixserve.worker.v1.TokenizerChunk0\x01\x12k\n\x0e\x43ompileGrammar\x12+.radixserve.worker.v1.CompileGrammarRequest\x1a,.radixserve.worker.v1.CompileGrammarResponse\x12\x62\n\x0bLoadAdapter\x12(.radixserve.worker.v1.LoadAdapterRequest\x1a).radixserve.worker.v1.LoadAdapterResponse\x12h\n\rUnloadAdapter\x12*.radixserve.worker.v1.UnloadAdapterRequest\x1a+.radixserve.worker.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOLING']._serialized_start=3890
-  _globals['_POOLING']._serialized_end=3953
-  _globals['_FORWARDMODE']._serialized_start=3956
-  _globals['_FORWARDMODE']._serialized_end=4097
-  _globals['_GRAMMARKIND']._serialized_start=4100
-  _globals['_GRAMMARKIND']._serialized_end=4246
+  _globals['_POOLING']._serialized_start=4030
+  _globals['_POOLING']._serialized_end=4093
+  _globals['_FORWARDMODE']._serialized_start=4096
+  _globals['_FORWARDMODE']._serialized_end=4237
+  _globals['_GRAMMARKIND']._serialized_start=4240
+  _globals['_GRAMMARKIND']._serialized_end=4386
   _globals['_GETINFOREQUEST']._serialized_start=45
   _globals['_GETINFOREQUEST']._serialized_end=61
   _globals['_MODELINFO']._serialized_start=64
@@ -44,47 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSAMPLINGDEFAULTS']._serialized_start=586
   _globals['_MODELSAMPLINGDEFAULTS']._serialized_end=845
   _globals['_WORKERINFO']._serialized_start=848
-  _globals['_WORKERINFO']._serialized_end=1207
-  _globals['_SESSIONOPEN']._serialized_start=1209
-  _globals['_SESSIONOPEN']._serialized_end=1257
-  _globals['_SAMPLINGPARAMS']._serialized_start=1260
-  _globals['_SAMPLINGPARAMS']._serialized_end=1647
-  _globals['_GRAMMAR']._serialized_start=1649
-  _globals['_GRAMMAR']._serialized_end=1721
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1723
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1794
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1796
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1855
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1857
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1923
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1925
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2016
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2018
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2054
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2056
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2094
-  _globals['_ADAPTERSLOT']._serialized_start=2096
-  _globals['_ADAPTERSLOT']._serialized_end=2137
-  _globals['_LOGPROBOPTIONS']._serialized_start=2139
-  _globals['_LOGPROBOPTIONS']._serialized_end=2259
-  _globals['_TRACECONTEXT']._serialized_start=2261
-  _globals['_TRACECONTEXT']._serialized_end=2316
-  _globals['_JOIN']._serialized_start=2319
-  _globals['_JOIN']._serialized_end=2671
-  _globals['_EXTEND']._serialized_start=2674
-  _globals['_EXTEND']._serialized_end=2851
-  _globals['_STEPPLAN']._serialized_start=2854
-  _globals['_STEPPLAN']._serialized_end=3250
-  _globals['_PROMPTLOGPROBS']._serialized_start=3252
-  _globals['_PROMPTLOGPROBS']._serialized_end=3376
-  _globals['_STEPRESULT']._serialized_start=3379
-  _globals['_STEPRESULT']._serialized_end=3774
-  _globals['_EMBEDDING']._serialized_start=3776
-  _globals['_EMBEDDING']._serialized_end=3817
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=3819
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=3840
-  _globals['_TOKENIZERCHUNK']._serialized_start=3842
-  _globals['_TOKENIZERCHUNK']._serialized_end=3888
-  _globals['_WORKER']._serialized_start=4249
-  _globals['_WORKER']._serialized_end=4835
+  _globals['_WORKERINFO']._serialized_end=1231
+  _globals['_SESSIONOPEN']._serialized_start=1233
+  _globals['_SESSIONOPEN']._serialized_end=1281
+  _globals['_SAMPLINGPARAMS']._serialized_start=1284
+  _globals['_SAMPLINGPARAMS']._serialized_end=1671
+  _globals['_GRAMMAR']._serialized_start=1673
+  _globals['_GRAMMAR']._serialized_end=1745
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1747
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1818
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1820
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1879
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1881
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1947
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1949
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2040
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2042
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2078
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2080
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2118
+  _globals['_ADAPTERSLOT']._serialized_start=2120
+  _globals['_ADAPTERSLOT']._serialized_end=2161
+  _globals['_LOGPROBOPTIONS']._serialized_start=2163
+  _globals['_LOGPROBOPTIONS']._serialized_end=2283
+  _globals['_TRACECONTEXT']._serialized_start=2285
+  _globals['_TRACECONTEXT']._serialized_end=2340
+  _globals['_JOIN']._serialized_start=2343
+  _globals['_JOIN']._serialized_end=2695
+  _globals['_EXTEND']._serialized_start=2698
+  _globals['_EXTEND']._serialized_end=2875
+  _globals['_STEPPLAN']._serialized_start=2878
+  _globals['_STEPPLAN']._serialized_end=3390
+  _globals['_PROMPTLOGPROBS']._serialized_start=3392
+  _globals['_PROMPTLOGPROBS']._serialized_end=3516
+  _globals['_STEPRESULT']._serialized_start=3519
+  _globals['_STEPRESULT']._serialized_end=3914
+  _globals['_EMBEDDING']._serialized_start=3916
+  _globals['_EMBEDDING']._serialized_end=3957
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=3959
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=3980
+  _globals['_TOKENIZERCHUNK']._serialized_start=3982
+  _globals['_TOKENIZERCHUNK']._serialized_end=4028
+  _globals['_WORKER']._serialized_start=4389
+  _globals['_WORKER']._serialized_end=4975
 # @@protoc_insertion_point(module_scope)

@@ -105,7 +105,7 @@ class ModelSamplingDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window")
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window", "num_host_pages")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class WorkerInfo(_message.Message):
     GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
     SWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: ModelInfo
     page_size: int
@@ -136,7 +137,8 @@ class WorkerInfo(_message.Message):
     grammar_backend: str
     num_swa_pages: int
     swa_window: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ...) -> None: ...
+    num_host_pages: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ..., num_host_pages: _Optional[int] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "epoch")
@@ -311,7 +313,7 @@ class Extend(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ..., draft_len: _Optional[int] = ..., new_swa_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session", "decode_new_swa_pages")
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session", "decode_new_swa_pages", "write_back_device_pages", "write_back_host_pages", "load_host_pages", "load_device_pages")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +325,10 @@ class StepPlan(_message.Message):
     ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     DECODE_NEW_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BACK_DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BACK_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     mode: ForwardMode
     leaves: _containers.RepeatedScalarFieldContainer[int]
@@ -334,7 +340,11 @@ class StepPlan(_message.Message):
     adapter_slots: _containers.RepeatedCompositeFieldContainer[AdapterSlot]
     session: SessionOpen
     decode_new_swa_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ..., decode_new_swa_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    write_back_device_pages: _containers.RepeatedScalarFieldContainer[int]
+    write_back_host_pages: _containers.RepeatedScalarFieldContainer[int]
+    load_host_pages: _containers.RepeatedScalarFieldContainer[int]
+    load_device_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ..., decode_new_swa_pages: _Optional[_Iterable[int]] = ..., write_back_device_pages: _Optional[_Iterable[int]] = ..., write_back_host_pages: _Optional[_Iterable[int]] = ..., load_host_pages: _Optional[_Iterable[int]] = ..., load_device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")

@@ -178,6 +178,10 @@ class Load:
     adapter_slots_used: int = 0
     adapter_slots_total: int = 0
     spec_rows: int = 0
+    # The host KV tier since start: tokens of the pages loaded from the host
+    # (host hits) and written to it, counted as planned.
+    hicache_loaded_tokens: int = 0
+    hicache_written_tokens: int = 0
 
 
 _new_delta = tuple.__new__  # DeltaOut without the Python-level __new__

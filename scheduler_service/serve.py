@@ -40,7 +40,7 @@ from scheduler_service.config import (
     service_config,
 )
 from worker_service.config import ENV_PREFIX as WORKER_ENV_PREFIX
-from worker_service.config import WorkerConfig, rank_device
+from worker_service.config import WorkerConfig, check_hicache_flags, rank_device
 
 logger = structlog.get_logger(__name__)
 
@@ -64,6 +64,9 @@ WORKER_FLAGS = frozenset(
         "pooling",
         "embed_normalize",
         "dequantize",
+        "enable_hierarchical_cache",
+        "hicache_ratio",
+        "hicache_size",
     }
 )
 WORKER_FLAG_NAMES = {"threads": "--worker-threads"}
@@ -87,6 +90,9 @@ def _worker_args(
     cmd += ["--log-level", service.log_level, "--log-format", service.log_format]
     if worker.dequantize:
         cmd += ["--dequantize"]
+    if worker.enable_hierarchical_cache:
+        cmd += ["--enable-hierarchical-cache", "--hicache-ratio", str(worker.hicache_ratio)]
+        cmd += ["--hicache-size", str(worker.hicache_size)]
     if service.api.metrics_port is not None:
         cmd += ["--metrics-port", str(service.api.metrics_port + 1 + rank)]
     if worker.tp_size > 1:
@@ -239,7 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
     # The workers' port files; the scheduler keeps its own directory.
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-serve-"))
     try:
-        workers = WorkerProcesses(build(WorkerConfig, args), service, workdir)
+        worker = build(WorkerConfig, args)
+        check_hicache_flags(worker)  # before any worker starts
+        workers = WorkerProcesses(worker, service, workdir)
         try:
             addresses = workers.addresses()
             workers.watch()

@@ -82,7 +82,7 @@ set +e
 # The files that hold gpu-marked tests (a GPU image may lack what the others import).
 GPU_TESTS=(tests/worker_service/test_flashinfer_backend.py tests/worker_service/test_gpu_worker.py
   tests/worker_service/test_fused_kernels_gpu.py tests/worker_service/test_fp8_gemm.py
-  tests/worker_service/test_flashinfer_fp8_kv_gpu.py)
+  tests/worker_service/test_flashinfer_fp8_kv_gpu.py tests/worker_service/test_host_kv_cuda_gpu.py)
 timeout "${GPU_TESTS_TIMEOUT:-150}" "$PY" -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" \
   --junitxml="$LOGS/pytest_gpu.xml" 2>&1 | tee "$LOGS/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}

@@ -18,6 +18,7 @@ from common.simulated_model import SIMULATED_VOCAB
 
 ENV_PREFIX = "RADIXSERVE_WORKER_"
 LOG_FORMATS = ("auto", "json", "console")
+HICACHE_RATIO_DEFAULT = 2.0  # SGLang's --hicache-ratio
 
 
 class _OutOfRange(argparse.ArgumentTypeError, ValueError):
@@ -86,6 +87,23 @@ class WorkerConfig:
         "a model with sliding-window layers keeps their KV in a pool of its own, from which "
         "the scheduler frees what left the window; off: one pool for every layer (SGLang's "
         "--disable-hybrid-swa-memory; for a scheduler that does not send sliding pages)",
+    )
+    enable_hierarchical_cache: bool = setting(
+        False,
+        "a host-memory KV tier under the radix cache (SGLang's HiCache): pages the device "
+        "evicts stay in host memory (pinned on CUDA) and are copied back on a hit instead "
+        "of recomputed; sized by --hicache-size or --hicache-ratio",
+    )
+    hicache_ratio: float = setting(
+        HICACHE_RATIO_DEFAULT,
+        "with --enable-hierarchical-cache: the host pool's pages as a multiple of the "
+        "device pool's (SGLang's default, 2.0)",
+    )
+    hicache_size: float = setting(
+        0.0,
+        "with --enable-hierarchical-cache: the host pool in GiB (overrides --hicache-ratio; "
+        "0: use the ratio)",
+        metavar="GIB",
     )
     tp_size: int = setting(1, "tensor-parallel ranks in the group")
     tp_rank: int = setting(0, "this worker's tensor-parallel rank")
@@ -285,4 +303,29 @@ def load_config(
         )
     if cfg.tp_size < 1 or not 0 <= cfg.tp_rank < cfg.tp_size:
         raise SystemExit(f"--tp-rank must be in [0, --tp-size) (got {cfg.tp_rank}, {cfg.tp_size})")
+    check_hicache_flags(cfg)
     return cfg
+
+
+def check_hicache_flags(cfg: WorkerConfig) -> None:
+    """The host tier's flags go together (SystemExit naming the fix)."""
+    if not cfg.enable_hierarchical_cache:
+        given = []
+        if cfg.hicache_ratio != HICACHE_RATIO_DEFAULT:
+            given.append(f"--hicache-ratio {cfg.hicache_ratio:g}")
+        if cfg.hicache_size:
+            given.append(f"--hicache-size {cfg.hicache_size:g}")
+        if given:
+            raise SystemExit(
+                f"{' and '.join(given)} size the host KV tier; add --enable-hierarchical-cache"
+            )
+        return
+    if cfg.hicache_ratio <= 0:
+        raise SystemExit(f"--hicache-ratio must be > 0 (got {cfg.hicache_ratio:g})")
+    if cfg.hicache_size < 0:
+        raise SystemExit(f"--hicache-size must be >= 0 GiB (got {cfg.hicache_size:g})")
+    if cfg.model == "simulated":
+        raise SystemExit(
+            "--enable-hierarchical-cache needs a model with KV pages to copy; the simulated "
+            "model keeps none"
+        )

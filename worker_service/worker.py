@@ -30,6 +30,12 @@ from worker_service.config import WorkerConfig
 from worker_service.device.context import resolve_device, use_device
 from worker_service.device.distributed import TensorParallel, init_tensor_parallel
 from worker_service.device.dtypes import resolve_dtype
+from worker_service.device.host_kv_pool import (
+    HostKvPool,
+    available_host_bytes,
+    host_pages,
+    refusal,
+)
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.kv_quant import KvScaleReader, kv_storage_dtype
 from worker_service.device.kv_sizing import size_kv_pools
@@ -83,6 +89,9 @@ class Worker:
     # 0, 0: one pool (no sliding layers, or --swa-memory off).
     num_swa_pages: int = 0
     swa_window: int = 0
+    # The host tier's pool (--enable-hierarchical-cache; 0: none) and its bytes.
+    num_host_pages: int = 0
+    host_kv_bytes: int = 0
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -261,6 +270,8 @@ def build_worker(cfg: WorkerConfig) -> Worker:
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token
+    if cfg.enable_hierarchical_cache:
+        compute.host_kv = _host_kv_pool(cfg, kv, num_pages, tp)
     graph_bytes = 0
     if device.type == "cuda" and graphs:
         before = torch.cuda.memory_reserved(device)
@@ -293,10 +304,12 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         grammars=grammars,
         scores_only=classifier,
         tp=tp,
+        num_host_pages=compute.host_kv.num_pages if compute.host_kv is not None else 0,
     )
     logger.info(
         "worker ready",
         pages=num_pages,
+        host_pages=runner.num_host_pages,
         swa_pages=num_swa_pages,
         swa_layers=len(pools.swa_layers),
         page_size=cfg.page_size,
@@ -325,7 +338,54 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         kv_cache_bytes=_tensor_bytes(kv.layers),
         graph_bytes=graph_bytes,
         pooling=pooling,
+        num_host_pages=runner.num_host_pages,
+        host_kv_bytes=compute.host_kv.nbytes if compute.host_kv is not None else 0,
     )
+
+
+def _host_kv_pool(cfg: WorkerConfig, kv: KvCache, num_pages: int, tp: TensorParallel) -> HostKvPool:
+    """The host tier's pool (--hicache-size GiB, else --hicache-ratio x the
+    device pool's pages; under tensor parallelism every rank takes the
+    smallest rank's count), refused by name where it cannot be."""
+    why = refusal(kv)
+    if why is not None:
+        raise SystemExit(f"--enable-hierarchical-cache: {why}")
+    per_page = kv.bytes_per_page(
+        num_layers=kv.num_layers,
+        page_size=kv.page_size,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        dtype=kv.dtype,
+    )
+    pages = host_pages(
+        device_pages=num_pages,
+        bytes_per_page=per_page,
+        ratio=cfg.hicache_ratio,
+        size_gib=cfg.hicache_size,
+    )
+    if tp.enabled:
+        pages = int(tp.all_reduce_min(torch.tensor([pages], device=kv.device)).item())
+    if pages < 1:
+        raise SystemExit(
+            f"--enable-hierarchical-cache: the host pool gets {pages} pages of {per_page} bytes "
+            "(raise --hicache-size or --hicache-ratio)"
+        )
+    available = available_host_bytes()
+    if available is not None and pages * per_page > available:
+        raise SystemExit(
+            f"--enable-hierarchical-cache: the host pool needs {pages * per_page / 2**30:.2f} GiB "
+            f"({pages} pages), but the host has {available / 2**30:.2f} GiB available (lower "
+            "--hicache-size or --hicache-ratio)"
+        )
+    pool = HostKvPool(kv, pages)
+    logger.info(
+        "host KV tier",
+        host_pages=pages,
+        device_pages=num_pages,
+        gib=round(pool.nbytes / 2**30, 3),
+        pinned=pool.cuda,
+    )
+    return pool
 
 
 @dataclass(frozen=True)

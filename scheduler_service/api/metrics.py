@@ -102,6 +102,16 @@ LOAD_COUNTERS = (
         "Drafted tokens the worker accepted (each one a forward saved).",
         "spec_accepted_tokens",
     ),
+    (
+        "radixserve_hicache_loaded_tokens",
+        "Host hits: cached tokens loaded from the host KV tier instead of computed.",
+        "hicache_loaded_tokens",
+    ),
+    (
+        "radixserve_hicache_written_tokens",
+        "Cached tokens copied from the device to the host KV tier.",
+        "hicache_written_tokens",
+    ),
 )
 
 

@@ -42,10 +42,9 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     enable_kv_events: bool = False
     # The host tier (kv/hiradix_cache.py): the worker's host pool in pages
-    # (0: no host tier; every path then runs as without one) and SGLang's
-    # write policy. Not flags yet: they come with the worker's host pool.
+    # (WorkerInfo.num_host_pages, which the worker's --enable-hierarchical-cache
+    # sizes; 0: no host tier, every path then runs as without one).
     hicache_host_pages: int = 0
-    hicache_write_policy: str = "write_through"
     # write_through_selective copies a node to the host once matches and
     # inserts reached it this many times (SGLang's threshold; write_through
     # is 1, write_back never copies on hits).
@@ -138,6 +137,15 @@ class SchedulerConfig:
         32,
         "speculative decoding: no drafts in a step while more than this many requests are "
         "running (0: no limit)",
+    )
+    # The host tier's write policy (SGLang's --hicache-write-policy and default);
+    # used when the workers keep a host pool (their --enable-hierarchical-cache).
+    hicache_write_policy: str = setting(
+        "write_through",
+        "with a host KV tier on the workers: when a cached prefix is copied to host "
+        "memory (write_through: as it enters the cache; write_through_selective: once it "
+        "was hit twice; write_back: only as the device evicts it)",
+        choices=HICACHE_WRITE_POLICIES,
     )
 
     # Fixed (SGLang's defaults).

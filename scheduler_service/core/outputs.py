@@ -97,3 +97,7 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_drains: int = 0
+    # The host tier: tokens of the pages loaded from the host (host hits) and
+    # written to it, counted as the plans carrying them are made.
+    hicache_loaded_tokens: int = 0
+    hicache_written_tokens: int = 0

@@ -352,7 +352,7 @@ class Scheduler:
             for e in plan.decodes:
                 slide(e.req)
         if self.hicache is not None:
-            plan.write_backs, plan.loads = self.hicache.transfers.take(plan.step_id)
+            self._take_copies(plan, self.hicache)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -371,9 +371,19 @@ class Scheduler:
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
         if tier is not None:  # copies planned this step ride on it
-            plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+            self._take_copies(plan, tier)
         self._inflight.append(plan)
         return plan
+
+    def _take_copies(self, plan: StepPlan, tier: HiRadixCache) -> None:
+        """The host copies planned since the last plan ride on ``plan``; their
+        tokens are counted (stats: host hits loaded, tokens written)."""
+        plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+        page = self.config.page_size
+        if plan.write_backs is not None:
+            self.stats.hicache_written_tokens += len(plan.write_backs) * page
+        if plan.loads is not None:
+            self.stats.hicache_loaded_tokens += len(plan.loads) * page
 
     def _release_held(self) -> None:
         table = self.table
@@ -583,11 +593,13 @@ class Scheduler:
         )
         return lost
 
-    def resize_pool(self, num_pages: int, num_swa_pages: int = 0) -> None:
+    def resize_pool(self, num_pages: int, num_swa_pages: int = 0, num_host_pages: int = 0) -> None:
         """Take the page counts of the worker group that came back; only while
         nothing holds KV (between reset_after_worker_loss and the next step).
         ``num_swa_pages``: its sliding pool (0: none), which it must have
-        exactly when this scheduler has one."""
+        exactly when this scheduler has one; ``num_host_pages``: its host
+        pool, which it must have when this scheduler has a host tier (one this
+        scheduler does not use is harmless: it is sent no copies)."""
         if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
         if (num_swa_pages > 0) != (self.sliding is not None):
@@ -595,9 +607,16 @@ class Scheduler:
                 f"the worker group came back with {num_swa_pages} sliding pages; "
                 f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
             )
+        if self.hicache is not None and num_host_pages < 1:
+            raise RuntimeError(
+                "the worker group came back without a host KV pool; this scheduler "
+                "plans host copies (restart it to serve without the host tier)"
+            )
         self.pool.reset(num_pages)
         if self.sliding is not None:
             self.sliding.reset(num_swa_pages)
+        if self.hicache is not None:
+            self.hicache.host_pool.reset(num_host_pages)
 
     # ========================================================== invariants
     def check_integrity(self) -> None:

@@ -425,4 +425,6 @@ class Engine:
             adapter_slots_used=figures.adapter_slots_used,
             adapter_slots_total=figures.adapter_slots_total,
             spec_rows=stats.spec_rows,
+            hicache_loaded_tokens=stats.hicache_loaded_tokens,
+            hicache_written_tokens=stats.hicache_written_tokens,
         )

@@ -94,6 +94,7 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             eos_token_ids=frozenset(model.eos_token_ids),
             context_len=model.max_context_len or None,
             enable_kv_events=True,
+            hicache_host_pages=info.num_host_pages,
         ),
         info.num_pages,
         stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,

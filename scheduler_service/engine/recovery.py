@@ -188,16 +188,19 @@ class WorkerRecovery:
             self.group.drop_streams()
             return False
         num_pages = sched.kv_snapshot()[2]
-        if info.num_pages != num_pages or info.num_swa_pages:
+        if info.num_pages != num_pages or info.num_swa_pages or config.hicache_host_pages:
             logger.info(
                 "the worker group's KV pool sizes",
                 pages=info.num_pages,
                 was=num_pages,
                 swa_pages=info.num_swa_pages,
+                host_pages=info.num_host_pages,
             )
             try:
-                sched.resize_pool(info.num_pages, info.num_swa_pages)
-            except RuntimeError as e:  # it lost (or gained) its sliding layers
+                sched.resize_pool(info.num_pages, info.num_swa_pages, info.num_host_pages)
+            except (
+                RuntimeError
+            ) as e:  # it lost (or gained) its sliding layers, or lost its host pool
                 logger.error("the worker group came back with another KV layout", error=str(e))
                 self.group.drop_streams()
                 return False

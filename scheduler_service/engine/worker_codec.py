@@ -130,6 +130,12 @@ class WorkerCodec:
                 msg.decode_new_swa_pages.extend(
                     [e.new_swa_pages[0] + 1 if e.new_swa_pages else 0 for e in decodes]
                 )
+        if plan.write_backs is not None:  # the host tier's copies: packed columns as they are
+            msg.write_back_device_pages.extend(plan.write_backs.src)
+            msg.write_back_host_pages.extend(plan.write_backs.dst)
+        if plan.loads is not None:
+            msg.load_host_pages.extend(plan.loads.src)
+            msg.load_device_pages.extend(plan.loads.dst)
         return msg
 
     def _join(self, join: Join, m: pb.Join) -> None:

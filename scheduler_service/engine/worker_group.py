@@ -245,9 +245,11 @@ class WorkerGroup:
             raise WorkerError(
                 f"workers {ranks} do not form one tensor-parallel group of {len(infos)}"
             )
-        shapes = {(i.page_size, i.num_pages, i.model.vocab_size) for i in infos}
+        shapes = {(i.page_size, i.num_pages, i.model.vocab_size, i.num_host_pages) for i in infos}
         if len(shapes) != 1:
-            raise WorkerError(f"worker ranks disagree on page size / pages / vocabulary: {shapes}")
+            raise WorkerError(
+                f"worker ranks disagree on page size / pages / vocabulary / host pages: {shapes}"
+            )
         self.ranks = [r for _, r in by_rank]
         self.info = by_rank[0][0]
         logger.info(
@@ -255,6 +257,7 @@ class WorkerGroup:
             ranks=len(self.ranks),
             model=self.info.model.name,
             pages=self.info.num_pages,
+            host_pages=self.info.num_host_pages,
             page_size=self.info.page_size,
         )
         return self.info

@@ -34,6 +34,7 @@ def _info(**declared) -> pb.ModelInfo:
         config=SimpleNamespace(page_size=4),
         num_pages=8,
         num_swa_pages=0,
+        num_host_pages=0,
         swa_window=0,
         tp=SimpleNamespace(rank=0, size=1),
         attention_backend="torch",

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from protos import worker_pb2 as pb
-from worker_service.execution.plan import AdapterSlot, Extend, ForwardMode, Join, Plan, Result
+from worker_service.execution.plan import (
+    AdapterSlot,
+    Extend,
+    ForwardMode,
+    Join,
+    PageCopies,
+    Plan,
+    Result,
+)
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
 _POOLINGS = {pb.POOLING_NONE: "", pb.POOLING_LAST: "last", pb.POOLING_MEAN: "mean"}
@@ -105,6 +115,22 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
         decode_new_pages=list(m.decode_new_pages),
         decode_new_swa_pages=list(m.decode_new_swa_pages),
         adapter_slots=[AdapterSlot(a.slot, a.name) for a in m.adapter_slots],
+        copies=_copies_from_proto(m),
+    )
+
+
+def _copies_from_proto(m: pb.StepPlan) -> PageCopies | None:
+    """The host tier's columns (validation checks their lengths and ranges);
+    None when the plan has none."""
+    if not (m.write_back_device_pages or m.write_back_host_pages) and not (
+        m.load_host_pages or m.load_device_pages
+    ):
+        return None
+    return PageCopies(
+        write_back_device=np.array(m.write_back_device_pages, dtype=np.int64),
+        write_back_host=np.array(m.write_back_host_pages, dtype=np.int64),
+        load_host=np.array(m.load_host_pages, dtype=np.int64),
+        load_device=np.array(m.load_device_pages, dtype=np.int64),
     )
 
 

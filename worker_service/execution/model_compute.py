@@ -31,11 +31,14 @@ from worker_service.attention.base import (
 )
 from worker_service.attention.layer_groups import Attention, Batches, one_batch
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
+from worker_service.device.host_kv_pool import HostKvPool
 from worker_service.device.kv_cache import KvCache
 from worker_service.device.page_table import PageTable
 from worker_service.device.transfer import HostCopy, to_device
 from worker_service.execution.cuda_graphs import DecodeGraphs, pad_verify_batch
+from worker_service.execution.layer_copy_waits import CopyGatedAttention, LayerWaits
 from worker_service.execution.model_step import ModelStep, SampleFault
+from worker_service.execution.plan import PageCopies
 from worker_service.execution.pooling import pool_embedding
 from worker_service.execution.prompt_scores import prompt_spans, score_prompt
 from worker_service.execution.step_work import SeqWork
@@ -94,6 +97,33 @@ class ModelCompute:
         # a mapping of batches (GroupedAttention).
         groups = ["full"] if kv.has_full_layers else []
         self.groups = tuple(groups + (["sliding"] if kv.swa_layers else []))
+        # The host tier's pool (device/host_kv_pool.py; None: no host tier), and
+        # on CUDA the copies the next forward's layers wait for.
+        self.host_kv: HostKvPool | None = None
+        self._copy_waits: LayerWaits | None = None
+
+    def copy_pages(self, copies: PageCopies, *, forward: bool) -> None:
+        """A plan's host-tier copies, before its forward (``forward``: the plan
+        has one; else the compute stream waits for them at once, so whatever
+        comes next is ordered after them). On the CPU they are done here."""
+        if self.host_kv is None:
+            raise ValueError("page copies, but this worker has no host KV pool")
+        self._take_copy_waits(wait=True)  # a previous plan's, if no forward took them
+        waits = self.host_kv.copy(
+            copies.write_back_device, copies.write_back_host, copies.load_host, copies.load_device
+        )
+        self._copy_waits = waits  # type: ignore[assignment]
+        if not forward:
+            self._take_copy_waits(wait=True)
+
+    def _take_copy_waits(self, *, wait: bool) -> LayerWaits | None:
+        """The pending copies' waits (cleared); ``wait``: the current stream
+        waits for all of them now."""
+        waits, self._copy_waits = self._copy_waits, None
+        if waits is not None and wait:
+            waits.wait_all()
+            return None
+        return waits
 
     @property
     def scratch_page(self) -> int | dict[str, int]:
@@ -165,6 +195,13 @@ class ModelCompute:
         sampling on the device; the host does not wait. Decode inputs still
         PENDING are gathered on the device from ``previous``'s sampled tokens."""
         device = self.device
+        # The host tier on CUDA: an eager forward's layers wait for their own
+        # pages' copies; a graph replay waits for all of them first.
+        waits = self._take_copy_waits(wait=False)
+        graphs_may_run = num_extends == 0 or any(w.draft_len for w in work[:num_extends])
+        if waits is not None and graphs_may_run:
+            waits.wait_all()
+            waits = None
         batches, input_ids = self._batch(work, num_extends, previous)
         # The group batches share their sequences and positions.
         batch = next(iter(batches.values()))
@@ -182,7 +219,10 @@ class ModelCompute:
             if replayed is not None:
                 return replayed
         self.attn.begin_step(attn_batch)  # type: ignore[arg-type]
-        hidden = self.model(input_ids, batch.positions, attn=self.attn, kv=self.kv, lora=lora)
+        attn = self.attn if waits is None else CopyGatedAttention(self.attn, waits)
+        hidden = self.model(input_ids, batch.positions, attn=attn, kv=self.kv, lora=lora)
+        if waits is not None:  # what follows the forward comes after every copy
+            waits.wait_all()
 
         if drafted:  # a drafted extend samples at its last draft_len + 1 positions
             sample_rows = [

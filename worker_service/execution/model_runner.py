@@ -81,12 +81,16 @@ class ModelRunner:
         num_swa_pages: int = 0,
         swa_window: int = 0,
         swa_table: PageTable | None = None,
+        num_host_pages: int = 0,
     ) -> None:
         """``scores_only``: the model is a sequence classifier (validate_plan);
         ``page_table``: where the page lists are mirrored, by default the
         compute's (its attention reads the rows there). ``num_swa_pages`` > 0:
         two pools, the sliding layers' pages (window ``swa_window``) in
-        ``swa_table`` (by default the compute's), same rows as ``page_table``."""
+        ``swa_table`` (by default the compute's), same rows as ``page_table``.
+        ``num_host_pages`` > 0: the host tier's pool, which the compute holds
+        (``copy_pages``): a plan's page copies run after it is applied and
+        before its forward."""
         self.compute = compute
         self.tp = tp or TensorParallel()
         # Every page-list change below is applied to the table too; a compute
@@ -103,6 +107,7 @@ class ModelRunner:
             self.swa_table = swa_table
         self.num_swa_pages = num_swa_pages
         self.swa_window = swa_window
+        self.num_host_pages = num_host_pages
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
@@ -154,6 +159,7 @@ class ModelRunner:
                 num_pages=self.num_pages,
                 num_swa_pages=self.num_swa_pages,
                 swa_window=self.swa_window,
+                num_host_pages=self.num_host_pages,
                 page_size=self.page_size,
                 vocab_size=self.vocab_size,
                 max_context=self.max_context,
@@ -187,6 +193,8 @@ class ModelRunner:
                 if w.inputs[0] == PENDING and w.start + 1 == len(w.state.tokens):
                     w.pending = previous.sample_index[id(w.state)]
         try:
+            if plan.copies is not None:  # write-backs, loads: before the forward
+                self.compute.copy_pages(plan.copies, forward=bool(work))  # type: ignore[attr-defined]
             if self.overlap and not step.drafted:
                 prior = None if previous is None else previous.launched
                 step.launched = self.compute.launch(work, step.num_extends, prior)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 from worker_service.sampling.rows import PooledEmbedding, PromptLogprobs
 
@@ -79,6 +81,29 @@ class Plan:
     decode_new_swa_pages: list[int] = field(default_factory=list)
     # applied after the leaves, before the joins
     adapter_slots: list[AdapterSlot] = field(default_factory=list)
+    # The host tier's page copies (protos/worker.proto, StepPlan): write-backs
+    # device -> host in list order, then loads host -> device, then the forward.
+    copies: PageCopies | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopies:
+    """A plan's copies between the device KV pool and the host pool, as packed
+    int64 columns: ``write_back_device[i]`` -> ``write_back_host[i]``, then
+    ``load_host[i]`` -> ``load_device[i]``, whole pages of every layer."""
+
+    write_back_device: np.ndarray
+    write_back_host: np.ndarray
+    load_host: np.ndarray
+    load_device: np.ndarray
+
+    @property
+    def num_write_backs(self) -> int:
+        return len(self.write_back_device)
+
+    @property
+    def num_loads(self) -> int:
+        return len(self.load_host)
 
 
 @dataclass(slots=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker_service.execution.plan import Extend, Plan
+import numpy as np
+
+from worker_service.execution.plan import Extend, PageCopies, Plan
 from worker_service.execution.request_state import SlotState
 
 
@@ -30,12 +32,16 @@ def validate_plan(
     scores_only: bool = False,
     num_swa_pages: int = 0,
     swa_window: int = 0,
+    num_host_pages: int = 0,
 ) -> None:
     """``adapter_slots``: adapter slot -> adapter before the plan;
     ``loaded``: the adapters the plan's slot assignments name that are loaded;
     ``scores_only``: the model is a sequence classifier (no LM head), so every
     request must be one its score head reads (last-token pooling);
-    ``num_swa_pages`` > 0: two pools (``_SlidingCheck``)."""
+    ``num_swa_pages`` > 0: two pools (``_SlidingCheck``); ``num_host_pages``:
+    the host tier's pool (0: none, and a plan with page copies is refused)."""
+    if plan.copies is not None:
+        _check_copies(plan.copies, num_pages=num_pages, num_host_pages=num_host_pages)
     swa = _SlidingCheck(num_swa_pages, swa_window, page_size) if num_swa_pages else None
     held = set(slots)
     for slot in plan.leaves:
@@ -179,6 +185,37 @@ class _SlidingCheck:
         if new_swa:
             _check_pages([new_swa - 1], self.num_swa_pages, f"{what}: sliding")
         self._window_start(slot, pos, live_from, what)
+
+
+def _check_copies(copies: PageCopies, *, num_pages: int, num_host_pages: int) -> None:
+    """The host tier's columns: a host pool to copy to, parallel columns, every
+    page inside its pool, and no device page loaded twice (which copy would
+    win is undefined). A host page written back twice is allowed: the later
+    copy is kept (a host page freed and reused while the plan was built)."""
+    if not num_host_pages:
+        raise PlanError(
+            f"{copies.num_write_backs} write-backs and {copies.num_loads} loads of host pages, "
+            "but the worker has no host KV pool (--enable-hierarchical-cache)"
+        )
+    pairs = (
+        ("write_back_device_pages", copies.write_back_device, num_pages),
+        ("write_back_host_pages", copies.write_back_host, num_host_pages),
+        ("load_host_pages", copies.load_host, num_host_pages),
+        ("load_device_pages", copies.load_device, num_pages),
+    )
+    for (name_a, a, _), (name_b, b, _) in (pairs[:2], pairs[2:]):
+        if len(a) != len(b):
+            raise PlanError(f"{len(a)} {name_a} but {len(b)} {name_b} (parallel columns)")
+    for name, pages, size in pairs:
+        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= size):
+            bad = pages[(pages < 0) | (pages >= size)][:5].tolist()
+            raise PlanError(f"{name}: page ids outside the pool [0, {size}): {bad}")
+    load_device = copies.load_device
+    if len(np.unique(load_device)) != len(load_device):
+        values, counts = np.unique(load_device, return_counts=True)
+        raise PlanError(
+            f"load_device_pages: device pages loaded twice: {values[counts > 1][:5].tolist()}"
+        )
 
 
 def _check_drafted(e: Extend, state: SlotState | None, sampled: bool) -> None:

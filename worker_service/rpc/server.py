@@ -44,7 +44,14 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
     cfg = worker.config
     metrics = None
     if cfg.metrics_port is not None:
-        metrics = WorkerMetrics(lambda: len(worker.runner.slots), worker.num_pages)
+        host_kv = getattr(worker.runner.compute, "host_kv", None)
+        metrics = WorkerMetrics(
+            lambda: len(worker.runner.slots),
+            worker.num_pages,
+            host_pages=worker.num_host_pages,
+            host_page_bytes=host_kv.bytes_per_page if host_kv is not None else 0,
+            copy_timings=host_kv.take_timings if host_kv is not None else None,
+        )
         registry = new_registry()
         metrics.register(registry)
         serve_metrics(cfg.metrics_port, cfg.host, registry)

@@ -109,6 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_pages=w.num_pages,
             num_swa_pages=w.num_swa_pages,
             swa_window=w.swa_window,
+            num_host_pages=w.num_host_pages,
             tp_rank=w.tp.rank,
             tp_size=w.tp.size,
             attention_backend=w.attention_backend,
@@ -271,7 +272,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         result.forward_ms = busy_s * 1e3
         result.idle_ms = idle_s * 1e3
         if self.metrics is not None:
-            self.metrics.step(running.msg, busy_s, idle_s)
+            self.metrics.step(running.msg, busy_s, idle_s, applied=not result.error)
         if self.tracer is not None and not result.error:
             self.tracer.step(running.msg, running.start_ns, time.time_ns(), result.forward_ms)
         return result

@@ -1,6 +1,6 @@
 """The worker's Prometheus metrics: per-step time and batch size, busy and
-idle time, the scheduler's stream state, refused calls (see
-docs/observability.md)."""
+idle time, the scheduler's stream state, refused calls, the host KV tier's
+copies (see docs/observability.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,18 @@ MODES = {
 
 
 class WorkerMetrics(Collector):
-    def __init__(self, active_requests: Callable[[], int], kv_pages: int) -> None:
+    def __init__(
+        self,
+        active_requests: Callable[[], int],
+        kv_pages: int,
+        *,
+        host_pages: int = 0,
+        host_page_bytes: int = 0,
+        copy_timings: Callable[[], list[float]] | None = None,
+    ) -> None:
+        """``host_pages``, ``host_page_bytes``: the host tier's pool and the
+        bytes of one page (every layer); ``copy_timings``: seconds of the
+        plans' copies finished since the last call (HostKvPool.take_timings)."""
         self.histograms = HistogramCollector()
         self.step_s = {
             mode: self.histograms.add(
@@ -46,8 +57,18 @@ class WorkerMetrics(Collector):
         self.batch_tokens = self.histograms.add(
             "radixserve_worker_batch_size_tokens", "Tokens computed per step.", BATCH_TOKENS
         )
+        self.copy_s = self.histograms.add(
+            "radixserve_worker_hicache_transfer_duration_seconds",
+            "One plan's host-tier page copies (write-backs and loads), first to last.",
+            STEP_LATENCY_S,
+        )
         self.busy_s = 0.0
         self.idle_s = 0.0
+        self._host_pages = host_pages
+        self._host_page_bytes = host_page_bytes
+        self._copy_timings = copy_timings
+        self.loaded_bytes = 0
+        self.written_bytes = 0
         self.streams = 0
         self._active = active_requests
         self._kv_pages = kv_pages
@@ -59,10 +80,19 @@ class WorkerMetrics(Collector):
         registry.register(self.histograms)
         registry.register(self)
 
-    def step(self, plan: pb.StepPlan, busy_s: float, idle_s: float) -> None:
-        """Account one step (a few microseconds, on the executing thread)."""
+    def step(
+        self, plan: pb.StepPlan, busy_s: float, idle_s: float, *, applied: bool = True
+    ) -> None:
+        """Account one step (a few microseconds, on the executing thread);
+        ``applied``: the plan ran (its copies were made)."""
         self.busy_s += busy_s
         self.idle_s += idle_s
+        if applied and (plan.write_back_host_pages or plan.load_host_pages):
+            self.written_bytes += len(plan.write_back_host_pages) * self._host_page_bytes
+            self.loaded_bytes += len(plan.load_host_pages) * self._host_page_bytes
+        if self._copy_timings is not None:
+            for seconds in self._copy_timings():
+                self.copy_s.observe(seconds)
         hist = self.step_s.get(plan.mode)
         if hist is not None:
             hist.observe(busy_s)
@@ -111,3 +141,19 @@ class WorkerMetrics(Collector):
         yield GaugeMetricFamily(
             "radixserve_worker_kv_pages_total", "KV pages on this rank.", value=self._kv_pages
         )
+        if self._host_pages:
+            yield GaugeMetricFamily(
+                "radixserve_worker_hicache_host_pages_total",
+                "KV pages of the host tier's pool on this rank.",
+                value=self._host_pages,
+            )
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_loaded_bytes",
+                "KV bytes copied from the host tier to the device (loads).",
+                value=self.loaded_bytes,
+            )
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_written_bytes",
+                "KV bytes copied from the device to the host tier (write-backs).",
+                value=self.written_bytes,
+            )

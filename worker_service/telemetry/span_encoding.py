@@ -93,8 +93,9 @@ def parse_traceparent(traceparent: str) -> tuple[bytes, bytes, bool] | None:
 
 
 def step_attributes(plan: pb.StepPlan, traced: int, forward_ms: float, rank: int) -> dict[str, Any]:
-    """The attributes of a step's span (both span paths)."""
-    return {
+    """The attributes of a step's span (both span paths); a plan with host-tier
+    copies also names how many pages it loaded and wrote back."""
+    attributes = {
         "radixserve.step_id": plan.step_id,
         "radixserve.forward_mode": MODES.get(plan.mode, "unknown"),
         "radixserve.batch_size": len(plan.extends) + len(plan.decode_slots),
@@ -106,6 +107,10 @@ def step_attributes(plan: pb.StepPlan, traced: int, forward_ms: float, rank: int
         "radixserve.forward_ms": forward_ms,
         "radixserve.tp_rank": rank,
     }
+    if plan.load_host_pages or plan.write_back_host_pages:
+        attributes["radixserve.hicache_load_pages"] = len(plan.load_host_pages)
+        attributes["radixserve.hicache_write_back_pages"] = len(plan.write_back_host_pages)
+    return attributes
 
 
 class _Traced:

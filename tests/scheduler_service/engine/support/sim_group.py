@@ -37,6 +37,7 @@ class _Info:
     num_pages: int
     model: pb.ModelInfo
     num_swa_pages: int = 0  # one pool
+    num_host_pages: int = 0  # no host tier
 
 
 @dataclass
