@@ -182,6 +182,9 @@ class Load:
     # (host hits) and written to it, counted as planned.
     hicache_loaded_tokens: int = 0
     hicache_written_tokens: int = 0
+    # its host pool's pages holding KV, and in all (0 without the tier)
+    hicache_host_pages_used: int = 0
+    hicache_host_pages_total: int = 0
 
 
 _new_delta = tuple.__new__  # DeltaOut without the Python-level __new__

@@ -205,7 +205,7 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ),
     # The host KV tier (hierarchical cache, issue 34): what moves between
     # the device pool and the worker's host pool, how long it takes, and how
-    # full the host pool is (zero series while the tier is off).
+    # full the host pool is (the worker's series only while the tier is on).
     ("Host KV tier", "row", "", []),
     (
         "Host tier tokens/s",
@@ -221,8 +221,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "timeseries",
         "Bps",
         [
-            (f"sum({rate('radixserve_hicache_loaded_bytes_total')})", "loaded"),
-            (f"sum({rate('radixserve_hicache_written_bytes_total')})", "written"),
+            (f"sum({rate('radixserve_worker_hicache_loaded_bytes_total')})", "loaded"),
+            (f"sum({rate('radixserve_worker_hicache_written_bytes_total')})", "written"),
         ],
     ),
     (
@@ -230,15 +230,18 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "timeseries",
         "s",
         [
-            *percentiles("radixserve_hicache_transfer_seconds"),
-            (mean("radixserve_hicache_transfer_seconds"), "mean"),
+            *percentiles("radixserve_worker_hicache_transfer_duration_seconds"),
+            (mean("radixserve_worker_hicache_transfer_duration_seconds"), "mean"),
         ],
     ),
     (
         "Host pages used",
         "timeseries",
         "short",
-        [("sum(radixserve_hicache_host_pages_used)", "host pages used")],
+        [
+            ("sum(radixserve_hicache_host_pages_used)", "used"),
+            ("sum(radixserve_hicache_host_pages_total)", "in the pool"),
+        ],
     ),
     ("Errors", "row", "", []),
     (

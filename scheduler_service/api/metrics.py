@@ -212,6 +212,16 @@ class SchedulerMetrics(Collector):
         )
         yield gauge("radixserve_kv_page_size_tokens", "Tokens per KV page.", page)
         yield gauge(
+            "radixserve_hicache_host_pages_used",
+            "Pages of the host KV tier's pool holding KV (0 without the tier).",
+            load.hicache_host_pages_used if load else 0,
+        )
+        yield gauge(
+            "radixserve_hicache_host_pages_total",
+            "Pages in the host KV tier's pool (0 without the tier).",
+            load.hicache_host_pages_total if load else 0,
+        )
+        yield gauge(
             "radixserve_cache_hit_ratio",
             "Cached over prompt tokens since start.",
             load.cache_hit_rate if load else 0.0,

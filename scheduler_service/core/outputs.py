@@ -71,6 +71,8 @@ class LoadFigures:
     retracted_waiting: int  # waiting requests that were retracted to fit decode
     adapter_slots_used: int  # worker adapter slots that hold an adapter
     adapter_slots_total: int
+    host_pages_used: int = 0  # the host KV tier's pool: pages holding KV, and in all
+    host_pages_total: int = 0
 
 
 @dataclass(slots=True)

@@ -276,7 +276,15 @@ class Scheduler:
         if t.chunked is not None:
             uncached += max(0, t.chunked.num_tokens - t.chunked.kv_len)
         used = sum(holder is not None for holder in slots.holder[1:])
-        return LoadFigures(uncached, retracted, used, slots.max_per_batch)
+        host = self.hicache.host_pool if self.hicache is not None else None
+        return LoadFigures(
+            uncached,
+            retracted,
+            used,
+            slots.max_per_batch,
+            host.num_used if host else 0,
+            host.num_pages if host else 0,
+        )
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()

@@ -427,4 +427,6 @@ class Engine:
             spec_rows=stats.spec_rows,
             hicache_loaded_tokens=stats.hicache_loaded_tokens,
             hicache_written_tokens=stats.hicache_written_tokens,
+            hicache_host_pages_used=figures.host_pages_used,
+            hicache_host_pages_total=figures.host_pages_total,
         )
