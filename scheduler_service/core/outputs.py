@@ -97,3 +97,9 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_drains: int = 0
+    # Disaggregation (core/disagg/): KV sent and acknowledged (prefill unit),
+    # KV received (decode unit), and requests ended by a failed or timed-out
+    # transfer or peer.
+    disagg_sent: int = 0
+    disagg_received: int = 0
+    disagg_failed: int = 0
