@@ -51,7 +51,7 @@ CORE_LEVELS = (
     ("spec", "worker_loss", "outputs"),
     ("kv", "plan", "request_table"),
     ("request",),
-    ("ids", "config", "adapters", "sampling", "stop_check", "embedding"),
+    ("ids", "config", "adapters", "sampling", "stop_check", "embedding", "bootstrap"),
 )
 
 

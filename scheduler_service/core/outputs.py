@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.core.adapters import AdapterSlots
 from scheduler_service.core.plan import TokenLogprobs
 from scheduler_service.core.request import Request
+from scheduler_service.core.request_table import RequestTable
 
 
 @dataclass(slots=True)
@@ -71,6 +73,17 @@ class LoadFigures:
     retracted_waiting: int  # waiting requests that were retracted to fit decode
     adapter_slots_used: int  # worker adapter slots that hold an adapter
     adapter_slots_total: int
+
+
+def load_figures(table: RequestTable, slots: AdapterSlots) -> LoadFigures:
+    uncached = retracted = 0
+    for r in table.waiting:
+        uncached += max(0, r.num_tokens - r.match_len)
+        retracted += r.retractions > 0
+    if table.chunked is not None:
+        uncached += max(0, table.chunked.num_tokens - table.chunked.kv_len)
+    used = sum(holder is not None for holder in slots.holder[1:])
+    return LoadFigures(uncached, retracted, used, slots.max_per_batch)
 
 
 @dataclass(slots=True)

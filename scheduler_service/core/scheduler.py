@@ -50,7 +50,7 @@ from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.kv.sliding import SlidingPages
-from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats
+from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats, load_figures
 from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
     WORKER_LOST,
@@ -65,7 +65,11 @@ from scheduler_service.core.results import StopStringChecker, apply_result
 from scheduler_service.core.spec.drafts import Drafter, NgramDrafter
 from scheduler_service.core.spec.rows import DraftWatch
 from scheduler_service.core.spec.settle import settle_drafts
-from scheduler_service.core.worker_loss import forget_cache_reads, forget_worker_state
+from scheduler_service.core.worker_loss import (
+    forget_cache_reads,
+    forget_worker_state,
+    resize_pools,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -291,15 +295,7 @@ class Scheduler:
         return pool.num_used, self.cache.evictable_pages, pool.num_pages
 
     def load_figures(self) -> LoadFigures:
-        t, slots = self.table, self.adapters
-        uncached = retracted = 0
-        for r in t.waiting:
-            uncached += max(0, r.num_tokens - r.match_len)
-            retracted += r.retractions > 0
-        if t.chunked is not None:
-            uncached += max(0, t.chunked.num_tokens - t.chunked.kv_len)
-        used = sum(holder is not None for holder in slots.holder[1:])
-        return LoadFigures(uncached, retracted, used, slots.max_per_batch)
+        return load_figures(self.table, self.adapters)
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()
@@ -477,6 +473,8 @@ class Scheduler:
         table = self.table
         if table.running or self._inflight or not self._admission_stuck:
             return
+        if self.disagg is not None and self.disagg.holders():
+            return  # transfers hold pages they will give back
         unfit = unfit_head(table.chunked, table.waiting, self.pool)
         if unfit is not None:
             self._finish(*unfit)
@@ -635,16 +633,9 @@ class Scheduler:
         nothing holds KV (between reset_after_worker_loss and the next step).
         ``num_swa_pages``: its sliding pool (0: none), which it must have
         exactly when this scheduler has one."""
-        if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
+        if self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
-        if (num_swa_pages > 0) != (self.sliding is not None):
-            raise RuntimeError(
-                f"the worker group came back with {num_swa_pages} sliding pages; "
-                f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
-            )
-        self.pool.reset(num_pages)
-        if self.sliding is not None:
-            self.sliding.reset(num_swa_pages)
+        resize_pools(self.kv, num_pages, num_swa_pages)
 
     # ========================================================== invariants
     def check_integrity(self) -> None:

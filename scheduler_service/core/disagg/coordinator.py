@@ -426,7 +426,13 @@ class Disaggregation:
         return DisaggFigures(self.mode, closing=len(self.closing), **counts)
 
     def check_integrity(self) -> None:
-        check_disagg(self, self._table, self._kv.page_size)
+        check_disagg(
+            self.mode,
+            self._table,
+            transfers=self.transfers,
+            closing=self.closing,
+            page_size=self._kv.page_size,
+        )
 
 
 _HOLDING = (Place.SENDING, Place.RECEIVING)

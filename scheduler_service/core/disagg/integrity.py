@@ -3,13 +3,9 @@ scheduler's integrity check counts the pages they hold: ``holders``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from scheduler_service.core.disagg.transfer import Transfer
 from scheduler_service.core.request import ON_WORKER, PARKED, Place
 from scheduler_service.core.request_table import RequestTable
-
-if TYPE_CHECKING:
-    from scheduler_service.core.disagg.coordinator import Disaggregation
 
 _ROLE_PLACES = {
     "prefill": frozenset({Place.BOOTSTRAPPING, Place.SENDING}),
@@ -17,18 +13,26 @@ _ROLE_PLACES = {
 }
 
 
-def check_disagg(dis: Disaggregation, table: RequestTable, page_size: int) -> None:
+def check_disagg(
+    mode: str,
+    table: RequestTable,
+    *,
+    transfers: dict[str, Transfer],
+    closing: dict[str, Transfer],
+    page_size: int,
+) -> None:
     """Every parked request has its record and holds what its place allows;
     every record is a live request's, once per room; closing transfers are
     finished requests the table no longer has, whose pages the engine holds."""
-    allowed = _ROLE_PLACES[dis.mode]
+    allowed = _ROLE_PLACES[mode]
+    prefill = mode == "prefill"
     for rid, req in table.parked.items():
         if req.place not in allowed:
-            raise AssertionError(f"{rid} is {req.place.value} on a {dis.mode} unit")
-        if rid not in dis.transfers:
+            raise AssertionError(f"{rid} is {req.place.value} on a {mode} unit")
+        if rid not in transfers:
             raise AssertionError(f"parked {rid} ({req.place.value}) has no transfer record")
     rooms = set()
-    for rid, t in dis.transfers.items():
+    for rid, t in transfers.items():
         req = t.req
         if rid != req.rid or table.get(rid) is not req:
             raise AssertionError(f"transfer record {rid} is no live request's")
@@ -58,12 +62,12 @@ def check_disagg(dis: Disaggregation, table: RequestTable, page_size: int) -> No
                 )
             if t.prefix_len % page_size or t.prefix_len != req.tree_pages * page_size:
                 raise AssertionError(f"receiving {rid}: prefix {t.prefix_len} is not its match")
-        elif not dis.prefill or place not in ON_WORKER | {Place.WAITING}:
+        elif not prefill or place not in ON_WORKER | {Place.WAITING}:
             # A prefill unit's request computes here between its peer's claim
             # and its first token; a decode unit's leaves its record on landing.
             raise AssertionError(f"{rid} has a transfer record while {place.value}")
-    for rid, t in dis.closing.items():
-        if rid in table or not t.req.finished or rid in dis.transfers:
+    for rid, t in closing.items():
+        if rid in table or not t.req.finished or rid in transfers:
             raise AssertionError(f"closing transfer {rid} is live, or not finished")
     if any(r.place in PARKED for r in table.waiting):
         raise AssertionError("a parked request in the queue")
