@@ -45,12 +45,13 @@ WORKER_LEVELS = (
 CORE_LEVELS = (
     ("__init__",),
     ("scheduler",),
+    ("disagg",),
     ("results",),
     ("admission", "decode", "integrity", "intake"),
     ("spec", "worker_loss", "outputs"),
     ("kv", "plan", "request_table"),
     ("request",),
-    ("ids", "config", "adapters", "sampling", "stop_check", "embedding"),
+    ("ids", "config", "adapters", "sampling", "stop_check", "embedding", "bootstrap"),
 )
 
 
@@ -289,7 +290,7 @@ def test_the_engine_uses_only_the_schedulers_interface():
 
 
 # Instance attributes of the Scheduler named in its interface (set in __init__).
-_FIELDS = {"config", "stats", "on_requeue"}
+_FIELDS = {"config", "stats", "on_requeue", "disagg"}
 
 
 def test_the_interface_check_sees_a_stray_attribute():

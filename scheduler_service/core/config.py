@@ -17,6 +17,9 @@ POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 RETRACTION_POLICIES = ("length", "priority")
 # The host tier's write policies (SGLang's --hicache-write-policy names).
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+# Prefill/decode disaggregation roles (SGLang's --disaggregation-mode; None:
+# not disaggregated, SGLang's "null").
+DISAGGREGATION_MODES = ("prefill", "decode")
 
 # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission assumes a request
 # needs at most this many more tokens, so huge max_new_tokens do not starve it.
@@ -52,6 +55,15 @@ class SchedulerConfig:
     # A host hit shorter than this many tokens is computed, not loaded
     # (SGLang's load_back_threshold).
     hicache_load_back_threshold: int = 10
+    # Prefill/decode disaggregation (core/disagg/): this unit's role, None
+    # (today's co-located serving), "prefill" or "decode"; and SGLang's two
+    # timeouts: a peer that has not claimed a request's bootstrap room within
+    # the first (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT), or a transfer not
+    # done within the second (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), ends
+    # the request. Not flags yet: they come with the transfer's wire.
+    disaggregation_mode: str | None = None
+    disaggregation_bootstrap_timeout_s: float = 300.0
+    disaggregation_waiting_timeout_s: float = 300.0
 
     # The scheduling knobs (flags of radixserve-scheduler and radixserve serve).
     schedule_policy: str = setting(
@@ -176,6 +188,17 @@ class SchedulerConfig:
             )
         if self.hicache_host_pages < 0 or self.hicache_write_through_threshold < 1:
             raise ValueError("hicache_host_pages must be >= 0 and the threshold >= 1")
+        if (
+            self.disaggregation_mode is not None
+            and self.disaggregation_mode not in DISAGGREGATION_MODES
+        ):
+            raise ValueError(
+                f"unknown disaggregation mode {self.disaggregation_mode!r}; choose one of "
+                f"{DISAGGREGATION_MODES} or None"
+            )
+        timeouts = (self.disaggregation_bootstrap_timeout_s, self.disaggregation_waiting_timeout_s)
+        if min(timeouts) <= 0:
+            raise ValueError("the disaggregation timeouts must be > 0")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

@@ -218,11 +218,18 @@ def next_new_token_ratio(
 
 
 def start_decoding(
-    req: Request, *, drafter: Drafter | None, watch: DraftWatch | None, max_draft: int
+    req: Request,
+    *,
+    drafter: Drafter | None,
+    watch: DraftWatch | None,
+    max_draft: int,
+    pending: int = 1,
 ) -> None:
     """``req``'s prefill is done and it samples: from now on it decodes (and
-    drafts, if it asked to and speculation is on). The table moves it."""
-    req.pending = 1
+    drafts, if it asked to and speculation is on). The table moves it.
+    ``pending``: its tokens in flight (0 for a decode unit's request whose
+    first token came with its KV, core/disagg/)."""
+    req.pending = pending
     if (
         req.spec is None
         and drafter is not None

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from scheduler_service.core.adapters import AdapterSlots
+from scheduler_service.core.bootstrap import Bootstrap
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.kv.page_pool import PagePool
@@ -44,6 +45,8 @@ class Submission:
     speculative: bool = True  # False: this request never drafts
     # An embedding request (max_new_tokens 0): how its vector is pooled.
     embed: EmbedOptions | None = None
+    # Prefill/decode disaggregation: the gateway's disaggregated_params.
+    bootstrap: Bootstrap | None = None
 
     def validate(self, vocab_size: int | None, context_len: int | None) -> None:
         """InvalidRequestError if the core would refuse it (the API process
@@ -64,6 +67,7 @@ class Submission:
             waits_for=self.waits_for,
             speculative=self.speculative,
             embed=self.embed,
+            bootstrap=self.bootstrap,
         )
 
 
@@ -82,6 +86,11 @@ def check_new_request(
     if req.place is not Place.NEW or req.output_ids or req.pages:
         raise InvalidRequestError(f"request {req.rid!r} is not a fresh request")
     req.validate(config.vocab_size, config.context_len)
+    if req.bootstrap is not None and config.disaggregation_mode is None:
+        raise InvalidRequestError(
+            f"request {req.rid}: disaggregated_params name bootstrap room "
+            f"{req.bootstrap.room}, but this unit is not disaggregated"
+        )
     if req.adapter is not None:
         if req.adapter not in adapters.loaded:
             raise InvalidRequestError(f"lora_id {req.adapter!r} names no loaded LoRA adapter")

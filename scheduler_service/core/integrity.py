@@ -7,16 +7,21 @@ from collections.abc import Iterable
 
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.plan import StepPlan
-from scheduler_service.core.request import ON_WORKER, Place
+from scheduler_service.core.request import ON_WORKER, Place, Request
 from scheduler_service.core.request_table import RequestTable
 
 
 def check_scheduler_integrity(
-    kv: KvManager, table: RequestTable, inflight: Iterable[StepPlan]
+    kv: KvManager,
+    table: RequestTable,
+    inflight: Iterable[StepPlan],
+    off_worker: Iterable[Request] = (),
 ) -> None:
     """Every page is exactly one of free, cached-unlocked, or held (by a
     request's own pages or a locked cache node); every live request is in the
-    container its place names, holding what that place allows."""
+    container its place names, holding what that place allows.
+    ``off_worker``: requests the worker does not hold that hold pages
+    (disaggregation's transfers, core/disagg/)."""
     table.check()
     holders: dict[int, int] = {}
     swa_holders: dict[int, int] = {}
@@ -55,6 +60,10 @@ def check_scheduler_integrity(
                 raise AssertionError(f"{req.rid}: {drafts} drafts in flight, no drafted plan")
         elif req.pending:
             raise AssertionError(f"{req.place.value} request {req.rid} has tokens in flight")
+        kv.add_request_holdings(req, holders, swa_holders)
+        if req.last_node is not None and req.last_node.parent is not None:
+            locking += 1
+    for req in off_worker:
         kv.add_request_holdings(req, holders, swa_holders)
         if req.last_node is not None and req.last_node.parent is not None:
             locking += 1

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.core.adapters import AdapterSlots
+from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.plan import TokenLogprobs
 from scheduler_service.core.request import Request
+from scheduler_service.core.request_table import RequestTable
 
 
 @dataclass(slots=True)
@@ -75,6 +78,27 @@ class LoadFigures:
     host_pages_total: int = 0
 
 
+def load_figures(
+    table: RequestTable, slots: AdapterSlots, host: PagePool | None = None
+) -> LoadFigures:
+    """The load report's figures; ``host`` is the host tier's pool, if any."""
+    uncached = retracted = 0
+    for r in table.waiting:
+        uncached += max(0, r.num_tokens - r.match_len)
+        retracted += r.retractions > 0
+    if table.chunked is not None:
+        uncached += max(0, table.chunked.num_tokens - table.chunked.kv_len)
+    used = sum(holder is not None for holder in slots.holder[1:])
+    return LoadFigures(
+        uncached,
+        retracted,
+        used,
+        slots.max_per_batch,
+        host.num_used if host else 0,
+        host.num_pages if host else 0,
+    )
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     steps: int = 0
@@ -103,3 +127,9 @@ class SchedulerStats:
     # written to it, counted as the plans carrying them are made.
     hicache_loaded_tokens: int = 0
     hicache_written_tokens: int = 0
+    # Disaggregation (core/disagg/): KV sent and acknowledged (prefill unit),
+    # KV received (decode unit), and requests ended by a failed or timed-out
+    # transfer or peer.
+    disagg_sent: int = 0
+    disagg_received: int = 0
+    disagg_failed: int = 0

@@ -90,6 +90,13 @@ class Join:
     adapter_slot: int = 0
     # An embedding request: the worker pools its prompt's hidden states.
     embed: EmbedOptions | None = None
+    # A decode unit's request whose prompt KV came from a prefill unit
+    # (core/disagg/): the worker takes ``kv_pages`` as its table, holding the
+    # KV of ``prefix_ids`` (the whole prompt), and ``last_token`` (the first
+    # token, sampled by the prefill unit; counted in num_output_tokens) as its
+    # last sampled token, which its first decode computes. None: a plain join.
+    last_token: int | None = None
+    kv_pages: Sequence[int] = ()
 
 
 @dataclass(slots=True, eq=False)

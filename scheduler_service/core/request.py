@@ -12,6 +12,13 @@ request, and every move checks where it is)::
 
     and any live place --abort / finish--> FINISHED
 
+Prefill/decode disaggregation (core/disagg/) adds four places, off the
+worker, for requests that carry a bootstrap room::
+
+    prefill unit:  NEW -> BOOTSTRAPPING --peer claimed the room--> WAITING -> ...
+                   ... RUNNING --first token--> SENDING --peer acknowledged--> FINISHED
+    decode unit:   NEW -> PREALLOC --pages allocated--> RECEIVING --KV landed--> RUNNING
+
 A request back in WAITING keeps ``output_ids``; it re-prefills prompt +
 output (mostly from the prefix cache) and its output continues unchanged.
 """
@@ -23,6 +30,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_service.core.bootstrap import Bootstrap
 from scheduler_service.core.embedding import EmbedOptions
 from scheduler_service.core.ids import IdRangeError, id_array
 from scheduler_service.core.sampling import (
@@ -40,12 +48,23 @@ class Place(enum.Enum):
     CHUNKED = "chunked"  # its prefill continues next step
     RUNNING = "running"  # in the decode batch
     SCORING = "scoring"  # max_new_tokens 0: its last prefill chunk is in flight
+    # Disaggregation (core/disagg/): a prefill unit's request waiting for the
+    # decode unit to claim its room, and one whose KV pages are being sent; a
+    # decode unit's request waiting for pages, and one whose pages are being
+    # filled by the prefill unit.
+    BOOTSTRAPPING = "bootstrapping"
+    SENDING = "sending"
+    PREALLOC = "prealloc"
+    RECEIVING = "receiving"
     FINISHED = "finished"
 
 
 # Where the worker holds the request's state (a join put it there; leaving
 # one of these places tells the worker to drop it, unless the worker is lost).
 ON_WORKER = frozenset({Place.CHUNKED, Place.RUNNING, Place.SCORING})
+# The disaggregation places: off the worker, in the request table's
+# ``parked`` container (core/disagg/ decides every move in or out).
+PARKED = frozenset({Place.BOOTSTRAPPING, Place.SENDING, Place.PREALLOC, Place.RECEIVING})
 
 
 class IllegalMoveError(RuntimeError):
@@ -131,6 +150,9 @@ class Request:
     # An embedding request (max_new_tokens 0): its pooled vector comes back
     # with its last prompt chunk's result (core/embedding.py).
     embed: EmbedOptions | None = None
+    # Prefill/decode disaggregation: the peer's bootstrap room (None: served
+    # here alone, core/disagg/).
+    bootstrap: Bootstrap | None = None
 
     output_ids: list[int] = field(default_factory=list)
     place: Place = Place.NEW
@@ -328,6 +350,7 @@ class Request:
 __all__ = [
     "ON_WORKER",
     "OUT_OF_CAPACITY",
+    "PARKED",
     "WORKER_LOST",
     "FinishAbort",
     "FinishLength",

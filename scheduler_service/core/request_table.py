@@ -9,6 +9,10 @@ Leaving a place where the worker holds the request's state (``ON_WORKER``)
 tells the worker to drop it: the rid goes into ``leaves``, which the next
 plan carries, and the request gives back its adapter slot. After a worker
 loss nothing is sent: the new worker holds nothing.
+
+The disaggregation places (``PARKED``, core/disagg/) share one container,
+``parked``; ``park`` and ``unpark`` are their moves, each allowed only
+along the edges ``_PARK_EDGES`` / ``_UNPARK_EDGES`` name.
 """
 
 from __future__ import annotations
@@ -16,9 +20,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from scheduler_service.core.adapters import AdapterSlots
-from scheduler_service.core.request import ON_WORKER, IllegalMoveError, Place, Request
+from scheduler_service.core.request import ON_WORKER, PARKED, IllegalMoveError, Place, Request
 
 _ADMITTED = frozenset({Place.CHUNKED, Place.RUNNING, Place.SCORING})
+# Into a parked place: (from, to).
+_PARK_EDGES = frozenset(
+    {
+        (Place.NEW, Place.BOOTSTRAPPING),  # a prefill unit's announced request
+        (Place.NEW, Place.PREALLOC),  # a decode unit's announced request
+        (Place.PREALLOC, Place.RECEIVING),  # its pages are allocated
+        (Place.RUNNING, Place.SENDING),  # its first token came back
+    }
+)
+# Out of a parked place into the scheduler's own (finishing is ``remove``).
+_UNPARK_EDGES = frozenset(
+    {
+        (Place.BOOTSTRAPPING, Place.WAITING),  # the decode unit claimed its room
+        (Place.RECEIVING, Place.RUNNING),  # its KV landed (its join is on the plan)
+        (Place.RECEIVING, Place.WAITING),  # its KV landed, then the worker was lost
+    }
+)
 
 
 class RequestTable:
@@ -31,6 +52,7 @@ class RequestTable:
         self.chunked: Request | None = None  # at most one prefill continues
         self.scoring: dict[str, Request] = {}  # max_new_tokens 0, prefill in flight
         self.leaves: list[str] = []  # rids whose worker state the next plan drops
+        self.parked: dict[str, Request] = {}  # the disaggregation places, core/disagg/
 
     # ------------------------------------------------------------- reading
     def __len__(self) -> int:
@@ -106,6 +128,40 @@ class RequestTable:
                 self.scoring[req.rid] = req
             req.place = to
 
+    def park(self, req: Request, to: Place) -> None:
+        """Into a disaggregation place (``_PARK_EDGES``); leaving RUNNING
+        leaves the worker."""
+        was = req.place
+        if (was, to) not in _PARK_EDGES:
+            raise IllegalMoveError(f"request {req.rid}: {was.value} -> {to.value}")
+        if was is Place.NEW:
+            if req.rid in self.by_rid:
+                raise IllegalMoveError(f"request id {req.rid!r} is already in the table")
+            self.by_rid[req.rid] = req
+        elif was is Place.RUNNING:
+            self._take_out(req)
+            self._leave_worker(req)
+        self.parked[req.rid] = req
+        req.place = to
+
+    def unpark(self, req: Request, to: Place, now: float) -> None:
+        """Out of a disaggregation place (``_UNPARK_EDGES``): to WAITING (at
+        the back; a request whose KV was lost waits again), or to RUNNING
+        (the caller puts its join on the plan being built)."""
+        was = req.place
+        if (was, to) not in _UNPARK_EDGES:
+            raise IllegalMoveError(f"request {req.rid}: {was.value} -> {to.value}")
+        del self.parked[req.rid]
+        req.place = to
+        if to is Place.RUNNING:
+            self.running[req.rid] = req
+            return
+        if was is Place.RECEIVING:
+            req.back_to_wait(now)
+        else:
+            req.times.queue_entry = now
+        self.waiting.append(req)
+
     def requeue(self, req: Request, now: float, front: bool = False) -> None:
         """CHUNKED, RUNNING or SCORING -> WAITING (retraction, preemption): its
         KV was released, it leaves the worker and waits again, keeping its
@@ -146,6 +202,8 @@ class RequestTable:
             self.held.remove(req)
         elif was is Place.WAITING:
             self.waiting.remove(req)
+        elif was in PARKED:
+            del self.parked[req.rid]
         else:
             self._expect(req, *ON_WORKER)
             self._take_out(req)
@@ -202,6 +260,10 @@ class RequestTable:
             if rid != req.rid:
                 raise AssertionError(f"scoring {req.rid} filed under {rid}")
             place(req, Place.SCORING)
+        for rid, req in self.parked.items():
+            if rid != req.rid or req.place not in PARKED:
+                raise AssertionError(f"parked {req.rid} ({req.place.value}) filed under {rid}")
+            place(req, req.place)
         missing = set(self.by_rid) - set(seen)
         if missing:
             raise AssertionError(f"live requests in no container: {sorted(missing)[:5]}")

@@ -42,6 +42,7 @@ from scheduler_service.core.decode import (
     pages_needed,
     start_decoding,
 )
+from scheduler_service.core.disagg.coordinator import Disaggregation
 from scheduler_service.core.intake import Submission, check_new_request, leader_planned
 from scheduler_service.core.integrity import check_scheduler_integrity
 from scheduler_service.core.kv.hiradix_cache import HiRadixCache
@@ -49,7 +50,7 @@ from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
 from scheduler_service.core.kv.radix_cache import RadixCache
 from scheduler_service.core.kv.sliding import SlidingPages
-from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats
+from scheduler_service.core.outputs import LoadFigures, RequestDelta, SchedulerStats, load_figures
 from scheduler_service.core.plan import ForwardMode, PlanEntry, ProtocolError, StepPlan, StepResult
 from scheduler_service.core.request import (
     WORKER_LOST,
@@ -64,7 +65,11 @@ from scheduler_service.core.results import StopStringChecker, apply_result
 from scheduler_service.core.spec.drafts import Drafter, NgramDrafter
 from scheduler_service.core.spec.rows import DraftWatch
 from scheduler_service.core.spec.settle import settle_drafts
-from scheduler_service.core.worker_loss import forget_cache_reads, forget_worker_state
+from scheduler_service.core.worker_loss import (
+    forget_cache_reads,
+    forget_worker_state,
+    resize_pools,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -98,6 +103,7 @@ ENGINE_INTERFACE = frozenset(
         "reset_after_worker_loss",
         "resize_pool",
         "check_integrity",
+        "disagg",
     ]
 )
 
@@ -165,6 +171,24 @@ class Scheduler:
         # Told (request, "retraction" | "preemption" | "worker loss") whenever
         # a request is sent back to wait; the service's tracing listens.
         self.on_requeue: Callable[[Request, str], None] | None = None
+        # Prefill/decode disaggregation (core/disagg/; the engine reads its
+        # orders and reports its transfers): None when the unit serves alone.
+        self.disagg: Disaggregation | None = None
+        if config.disaggregation_mode is not None:
+            if self.sliding is not None or self.hicache is not None:
+                raise ValueError("disaggregation serves no sliding-window model, no host tier yet")
+            self.disagg = Disaggregation(
+                config,
+                self.table,
+                self.kv,
+                clock=clock,
+                inflight=self._inflight,
+                finish=self._finish,
+                emit=lambda delta: self._outbox.append(delta),
+                stats=self.stats,
+                stop_strings=stop_strings,
+                start_decoding=self._start_decoding,
+            )
 
     # ============================================================ requests
     def submit(self, sub: Submission) -> Request:
@@ -180,6 +204,8 @@ class Scheduler:
         sibling's prompt is planned (and so cached)."""
         table = self.table
         check_new_request(req, table.by_rid, self.config, adapters=self.adapters, pool=self.pool)
+        if req.bootstrap is not None and self.disagg is not None:
+            return self.disagg.announce(req)
         now = self._clock()
         req.times.arrival = req.times.queue_entry = now
         held = req.waits_for is not None and not leader_planned(req, table.by_rid)
@@ -227,7 +253,8 @@ class Scheduler:
         return set()
 
     def is_idle(self) -> bool:
-        return not (len(self.table) or self._inflight or self.table.leaves)
+        busy = self.disagg is not None and self.disagg.busy()
+        return not (len(self.table) or self._inflight or self.table.leaves or busy)
 
     def live_rids(self) -> list[str]:
         return list(self.table.by_rid)
@@ -268,23 +295,8 @@ class Scheduler:
         return pool.num_used, self.cache.evictable_pages, pool.num_pages
 
     def load_figures(self) -> LoadFigures:
-        t, slots = self.table, self.adapters
-        uncached = retracted = 0
-        for r in t.waiting:
-            uncached += max(0, r.num_tokens - r.match_len)
-            retracted += r.retractions > 0
-        if t.chunked is not None:
-            uncached += max(0, t.chunked.num_tokens - t.chunked.kv_len)
-        used = sum(holder is not None for holder in slots.holder[1:])
         host = self.hicache.host_pool if self.hicache is not None else None
-        return LoadFigures(
-            uncached,
-            retracted,
-            used,
-            slots.max_per_batch,
-            host.num_used if host else 0,
-            host.num_pages if host else 0,
-        )
+        return load_figures(self.table, self.adapters, host)
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()
@@ -302,6 +314,8 @@ class Scheduler:
         plans in flight must be answered first: speculative decoding)."""
         table = self.table
         inflight = self._inflight
+        if self.disagg is not None:  # timeouts; a decode unit's preallocation
+            self.disagg.step_start(self.new_token_ratio)
         if inflight and inflight[-1].drafted:
             return None  # a drafted plan: its result decides what comes next
         self._drafting = False
@@ -361,6 +375,8 @@ class Scheduler:
                 slide(e.req)
         if self.hicache is not None:
             self._take_copies(plan, self.hicache)
+        if self.disagg is not None:
+            self.disagg.land(plan)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -374,12 +390,18 @@ class Scheduler:
         if not table.running and not table.waiting and table.chunked is None:
             self.new_token_ratio = self.config.start_new_token_ratio
         self._abort_unschedulable()
-        tier = self.hicache
-        if not table.leaves and (tier is None or not tier.transfers.pending):
+        tier, dis = self.hicache, self.disagg
+        if (
+            not table.leaves
+            and (tier is None or not tier.transfers.pending)
+            and (dis is None or not dis.landing_due())
+        ):
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
         if tier is not None:  # copies planned this step ride on it
             self._take_copies(plan, tier)
+        if dis is not None:  # landed transfers join
+            dis.land(plan)
         self._inflight.append(plan)
         return plan
 
@@ -409,7 +431,9 @@ class Scheduler:
         self._admission_stuck = False
         if not table.waiting and table.chunked is None:
             return []
-        full = len(table.running) >= cfg.max_running_requests and table.chunked is None
+        reserved = self.disagg.reserved() if self.disagg is not None else []
+        full = len(table.running) + len(reserved) >= cfg.max_running_requests
+        full = full and table.chunked is None
         if full and not cfg.enable_priority_scheduling:
             return []
         running = list(table.running.values())
@@ -424,6 +448,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             mixed_tokens=mixed_tokens,
             adapters=self.adapters,
+            reserved=reserved,
         )
         self._admission_stuck = decision.stuck
         for req in decision.preempted:
@@ -439,15 +464,18 @@ class Scheduler:
         self.stats.prompt_tokens += part.prompt_tokens
         self.stats.cached_tokens += part.cached_tokens
         self.table.admit(part.moves)
-        cfg = self.config
         for req, to in part.moves:
             if to is Place.RUNNING:
-                start_decoding(
-                    req,
-                    drafter=self._drafter,
-                    watch=self._watch,
-                    max_draft=cfg.speculative_max_draft,
-                )
+                self._start_decoding(req, pending=1)
+
+    def _start_decoding(self, req: Request, pending: int = 0) -> None:
+        start_decoding(
+            req,
+            drafter=self._drafter,
+            watch=self._watch,
+            max_draft=self.config.speculative_max_draft,
+            pending=pending,
+        )
 
     def _abort_unschedulable(self) -> None:
         """Abort the request first in line if it cannot fit even in an empty
@@ -456,6 +484,8 @@ class Scheduler:
         table = self.table
         if table.running or self._inflight or not self._admission_stuck:
             return
+        if self.disagg is not None and self.disagg.holders():
+            return  # transfers hold pages they will give back
         unfit = unfit_head(table.chunked, table.waiting, self.pool)
         if unfit is not None:
             self._finish(*unfit)
@@ -525,7 +555,11 @@ class Scheduler:
         stats.spec_accepted_tokens += got.accepted_tokens
         if plan.drafted:
             settle_drafts(plan, self.kv, self._step_id)
+        dis = self.disagg
         for req, reason in got.finished:
+            if dis is not None and dis.sends(req):  # a prefill unit's first token
+                dis.first_token(req, reason, got.deltas)
+                continue
             self._finish(req, reason, emit=False)  # its delta says it finished
         if self.table.scoring:  # max_new_tokens 0: done once its last chunk is back
             for e in plan.extends:
@@ -552,9 +586,11 @@ class Scheduler:
         self.stats.retractions += 1
 
     def _finish(self, req: Request, reason: FinishReason, *, emit: bool = True) -> None:
-        """Finish ``req`` wherever it is, cache its tokens and free its pages."""
-        self.table.remove(req)
-        self.kv.release(req)
+        """Finish ``req`` wherever it is, cache its tokens and free its pages
+        (unless a transfer still holds them: core/disagg/)."""
+        was = self.table.remove(req)
+        if self.disagg is None or not self.disagg.on_finish(req, was):
+            self.kv.release(req)
         if req.spec is not None:  # its n-gram index and cache cursor
             req.spec.lookup = req.spec.radix_cont = None
         req.finish(reason, self._clock())
@@ -578,6 +614,8 @@ class Scheduler:
         """
         lost = self.table.requeue_after_loss(self._clock())
         forget_worker_state(lost)
+        if self.disagg is not None:  # transfers in flight end; landed KV is re-prefilled
+            self.disagg.worker_lost()
         self.stats.cached_tokens -= forget_cache_reads(self.table)
         self._inflight.clear()
         self.adapters.reset()  # the new worker has no adapter in its slots
@@ -608,30 +646,21 @@ class Scheduler:
         exactly when this scheduler has one; ``num_host_pages``: its host
         pool, which it must have when this scheduler has a host tier (one this
         scheduler does not use is harmless: it is sent no copies)."""
-        if self.pool.num_free != self.pool.num_pages or self.cache.cached_pages or self._inflight:
+        if self._inflight:
             raise RuntimeError("the page pool can only be resized while it is empty")
-        if (num_swa_pages > 0) != (self.sliding is not None):
-            raise RuntimeError(
-                f"the worker group came back with {num_swa_pages} sliding pages; "
-                f"this scheduler {'has' if self.sliding is not None else 'has no'} sliding pool"
-            )
-        if self.hicache is not None and num_host_pages < 1:
-            raise RuntimeError(
-                "the worker group came back without a host KV pool; this scheduler "
-                "plans host copies (restart it to serve without the host tier)"
-            )
-        self.pool.reset(num_pages)
-        if self.sliding is not None:
-            self.sliding.reset(num_swa_pages)
-        if self.hicache is not None:
-            self.hicache.host_pool.reset(num_host_pages)
+        host = self.hicache.host_pool if self.hicache is not None else None
+        resize_pools(self.kv, num_pages, num_swa_pages, host=host, num_host_pages=num_host_pages)
 
     # ========================================================== invariants
     def check_integrity(self) -> None:
         """Every page is exactly one of free, cached-unlocked, or held (by a
         request's own pages or a locked cache node); every live request is in
         the place its field names, in a state that fits it."""
-        check_scheduler_integrity(self.kv, self.table, self._inflight)
+        dis = self.disagg
+        held = dis.holders() if dis is not None else ()
+        check_scheduler_integrity(self.kv, self.table, self._inflight, held)
+        if dis is not None:
+            dis.check_integrity()
         self.adapters.check_integrity((r.rid, r.adapter, r.adapter_slot) for r in self.table)
 
 

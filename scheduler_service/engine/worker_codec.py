@@ -139,6 +139,11 @@ class WorkerCodec:
         return msg
 
     def _join(self, join: Join, m: pb.Join) -> None:
+        if join.last_token is not None:
+            # A decode unit's join (core/disagg/): the wire has no field for it yet.
+            raise NotImplementedError(
+                f"{join.rid}: a join with KV from a prefill unit cannot be sent to a worker yet"
+            )
         m.slot = self._take_slot(join.rid)
         m.rid = join.rid
         sampling_to_proto(join.sampling, m.sampling)

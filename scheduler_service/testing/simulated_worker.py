@@ -25,6 +25,9 @@ It is the oracle of the scheduler's tests:
   checks that each query's window (positions q - window < k <= q) reads
   non-null, in-range sliding pages holding the request's own tokens, so a
   sliding page freed while still visible fails the step that reads it;
+- a join whose KV came from a prefill unit (disaggregation: ``last_token``,
+  ``kv_pages``) takes its table as given; the first step that reads it
+  checks the pages hold the prompt (the test's transfer copied them);
 - with a host pool (``num_host_pages``, the host tier) it keeps the host
   pages' slots too and applies a plan's copies as the worker must: its
   write-backs (device -> host), then its loads (host -> device), then the
@@ -140,11 +143,15 @@ class SimulatedWorker:
                 raise SimulatedWorkerError(
                     f"join of {join.rid} names adapter slot {join.adapter_slot}, which is empty"
                 )
+        kv_len = len(tokens)
+        if join.last_token is not None:  # its prompt's KV came from a prefill unit
+            tokens.append(join.last_token)
         self.reqs[join.rid] = _SimRequest(
             join.prompt_len,
             tokens,
             absorb(initial_state(adapter), tokens),
-            kv_len=len(tokens),
+            pages=list(join.kv_pages),
+            kv_len=kv_len,
             adapter=adapter,
             adapter_slot=join.adapter_slot,
             logprob_start=join.logprobs.logprob_start_len

@@ -30,6 +30,7 @@ for every request admitted after it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from scheduler_service.core.config import CLIP_MAX_NEW_TOKENS, SchedulerConfig
 from scheduler_service.core.kv.manager import KvManager
@@ -51,7 +52,11 @@ class PrefillAdder:
         new_token_ratio: float,
         *,
         mixed_decode_tokens: int = 0,
+        reserved: Sequence[Request] = (),
     ) -> None:
+        """``reserved``: requests that will join the decode batch without
+        being admitted here (a decode unit's transfers, core/disagg/): their
+        expected need counts like a running request's."""
         self.config = config
         self.kv = kv
         self.page_size = config.page_size
@@ -61,7 +66,8 @@ class PrefillAdder:
         self.rem_chunk_tokens = None if chunk is None else chunk - mixed_decode_tokens
         self.cur_rem_offset = mixed_decode_tokens
         self.rem_total_offset = mixed_decode_tokens + sum(self.running_need(r) for r in running)
-        self.nothing_running = not running
+        self.rem_total_offset += sum(self.running_need(r) for r in reserved)
+        self.nothing_running = not running and not reserved
         sliding = kv.sliding
         self.swa_window = 0
         if sliding is not None:

@@ -16,6 +16,7 @@ in line that cannot fit even in an empty pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -94,13 +95,18 @@ def plan_admission(
     new_token_ratio: float,
     mixed_tokens: int,
     adapters: AdapterSlots | None = None,
+    reserved: Sequence[Request] = (),
 ) -> PrefillDecision:
     """Admit from ``waiting`` (in the order given) under the step's budgets.
     A request of a LoRA adapter is admitted only if the adapter has or can get
     one of the worker's adapter slots; it takes the slot at once, so later
-    requests of the same step see it taken."""
+    requests of the same step see it taken. ``reserved``: requests that will
+    join the decode batch unadmitted (PrefillAdder), counted against
+    ``max_running_requests`` too."""
     priority = config.enable_priority_scheduling
-    adder = PrefillAdder(config, kv, running, new_token_ratio, mixed_decode_tokens=mixed_tokens)
+    adder = PrefillAdder(
+        config, kv, running, new_token_ratio, mixed_decode_tokens=mixed_tokens, reserved=reserved
+    )
     if chunked is not None:
         result = adder.add_chunked_req(chunked)
         if not adder.admitted:
@@ -110,7 +116,7 @@ def plan_admission(
         result = AddResult.CONTINUE
     if result is AddResult.CONTINUE:
         held = _InBatchPrefixes(config.prefix_hold_tokens, adder.admitted)
-        room = config.max_running_requests - len(running)
+        room = config.max_running_requests - len(running) - len(reserved)
         for req in waiting:
             full = len(adder.admitted) >= room + len(adder.preempted)
             if full and not (priority and adder.preempt_to_schedule(req, running)):
