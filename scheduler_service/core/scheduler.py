@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -44,6 +44,7 @@ from scheduler_service.core.decode import (
 )
 from scheduler_service.core.intake import Submission, check_new_request, leader_planned
 from scheduler_service.core.integrity import check_scheduler_integrity
+from scheduler_service.core.kv.hicache_setup import build_hicache
 from scheduler_service.core.kv.hiradix_cache import HiRadixCache
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
@@ -90,6 +91,7 @@ ENGINE_INTERFACE = frozenset(
         "load_figures",
         "take_kv_events",
         "flush_cache",
+        "note_stored_blocks",
         "loaded_adapters",
         "check_adapter",
         "register_adapter",
@@ -125,19 +127,10 @@ class Scheduler:
             if swa_window <= 0:
                 raise ValueError("a sliding pool needs the sliding layers' window")
             self.sliding = SlidingPages(num_swa_pages, config.page_size, swa_window)
-        # The host tier (kv/hiradix_cache.py): None when off.
-        self.hicache: HiRadixCache | None = None
-        if config.hicache_host_pages > 0:
-            if self.sliding is not None:
-                raise ValueError("the host tier does not serve sliding-window models yet")
-            self.hicache = HiRadixCache(
-                config.page_size,
-                self.pool,
-                PagePool(config.hicache_host_pages, config.page_size),
-                hits_to_write=config.hicache_hits_to_write,
-                load_back_threshold=config.hicache_load_back_threshold,
-                enable_events=config.enable_kv_events,
-            )
+        # The host tier (kv/hiradix_cache.py) and its file tier: None when off.
+        self.hicache: HiRadixCache | None = build_hicache(
+            config, self.pool, sliding=self.sliding is not None, clock=clock
+        )
         self.cache = self.hicache or RadixCache(
             config.page_size,
             self.pool,
@@ -227,7 +220,8 @@ class Scheduler:
         return set()
 
     def is_idle(self) -> bool:
-        return not (len(self.table) or self._inflight or self.table.leaves)
+        busy = self.hicache is not None and self.hicache.reads_outstanding  # file reads out
+        return not (len(self.table) or self._inflight or self.table.leaves or busy)
 
     def live_rids(self) -> list[str]:
         return list(self.table.by_rid)
@@ -280,6 +274,12 @@ class Scheduler:
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()
+
+    def note_stored_blocks(self, hashes: Iterable[int]) -> None:
+        """The worker group's file tier already holds these blocks (its
+        report when a session opens); ignored without a file tier."""
+        if self.hicache is not None:
+            self.hicache.note_stored_blocks(hashes)
 
     def flush_cache(self) -> tuple[bool, str]:
         """Drop every unlocked cached page, only while idle."""
@@ -352,7 +352,7 @@ class Scheduler:
             for e in plan.decodes:
                 slide(e.req)
         if self.hicache is not None:
-            plan.write_backs, plan.loads = self.hicache.transfers.take(plan.step_id)
+            self.hicache.take_copies(plan)
         inflight.append(plan)
         self.stats.steps += 1
         return plan
@@ -367,11 +367,11 @@ class Scheduler:
             self.new_token_ratio = self.config.start_new_token_ratio
         self._abort_unschedulable()
         tier = self.hicache
-        if not table.leaves and (tier is None or not tier.transfers.pending):
+        if not table.leaves and (tier is None or not tier.wants_plan(bool(self._inflight))):
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
         if tier is not None:  # copies planned this step ride on it
-            plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+            tier.take_copies(plan)
         self._inflight.append(plan)
         return plan
 
@@ -491,7 +491,7 @@ class Scheduler:
             raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
         plan = inflight.popleft()
         if self.hicache is not None:  # its copies are done: give back what they held
-            self.hicache.answered(plan.step_id)
+            self.hicache.answered(plan.step_id, result.storage_done)
         got = apply_result(
             plan,
             result,
