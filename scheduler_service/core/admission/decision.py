@@ -10,6 +10,10 @@ requests admitted after them in the same step), and an admitted request of
 a LoRA adapter takes its adapter slot at once (later requests of the same
 step see it taken).
 
+With the file tier (kv/storage_tier.py) a request whose prefetch from the
+files is out is passed over (it waits, others are admitted), and a step
+that passed one over is not stuck.
+
 ``unfit_head`` is the last word when admission is stuck: the request first
 in line that cannot fit even in an empty pool.
 """
