@@ -20,6 +20,9 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 # Prefill/decode disaggregation roles (SGLang's --disaggregation-mode; None:
 # not disaggregated, SGLang's "null").
 DISAGGREGATION_MODES = ("prefill", "decode")
+# How long a request waits for its prefetch from the file tier (SGLang's
+# --hicache-storage-prefetch-policy names).
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission assumes a request
 # needs at most this many more tokens, so huge max_new_tokens do not starve it.
@@ -64,6 +67,21 @@ class SchedulerConfig:
     disaggregation_mode: str | None = None
     disaggregation_bootstrap_timeout_s: float = 300.0
     disaggregation_waiting_timeout_s: float = 300.0
+    # The file tier behind the host tier (kv/storage_tier.py): how many pages
+    # the worker's file store holds (the index of blocks believed on disk
+    # keeps at most this many; 0: no file tier, the default). Needs the host
+    # tier. A prefix match that goes on in the files by at least
+    # ``..._prefetch_threshold`` tokens is prefetched into host pages
+    # (SGLang's prefetch_threshold), and the request waits for it as
+    # ``..._prefetch_policy`` says (SGLang's names: best_effort waits not at
+    # all, wait_complete until the worker reports, timeout until then or
+    # base + per 1024 tokens seconds, at most max).
+    hicache_storage_pages: int = 0
+    hicache_storage_prefetch_threshold: int = 256
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_timeout_base_s: float = 2.0
+    hicache_storage_timeout_per_ki_token_s: float = 0.1
+    hicache_storage_timeout_max_s: float = 30.0
 
     # The scheduling knobs (flags of radixserve-scheduler and radixserve serve).
     schedule_policy: str = setting(
@@ -199,6 +217,15 @@ class SchedulerConfig:
         timeouts = (self.disaggregation_bootstrap_timeout_s, self.disaggregation_waiting_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError("the disaggregation timeouts must be > 0")
+        if self.hicache_storage_prefetch_policy not in HICACHE_PREFETCH_POLICIES:
+            raise ValueError(
+                f"unknown hicache prefetch policy {self.hicache_storage_prefetch_policy!r}; "
+                f"choose one of {HICACHE_PREFETCH_POLICIES}"
+            )
+        if self.hicache_storage_pages < 0 or self.hicache_storage_prefetch_threshold < 1:
+            raise ValueError("hicache_storage_pages must be >= 0 and the threshold >= 1")
+        if self.hicache_storage_pages and not self.hicache_host_pages:
+            raise ValueError("the file tier (hicache_storage_pages) needs the host tier")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

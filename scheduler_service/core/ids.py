@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ID_TYPE = "i"  # 32-bit signed: token ids and page ids
 
@@ -64,3 +64,29 @@ class PageCopies:
 
     def __len__(self) -> int:
         return len(self.src)
+
+
+BLOCK_HASH_TYPE = "q"  # 64-bit signed: chained block hashes (kv/events.py)
+
+
+@dataclass(slots=True)
+class StorageCopies:
+    """Page copies between the worker's host pool and its file tier (the
+    file tier's writes and reads, plan.py): host page ``host[i]`` and the
+    file of block hash ``hashes[i]``, whole pages, every layer."""
+
+    hashes: array  # BLOCK_HASH_TYPE
+    host: array  # ID_TYPE
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(slots=True)
+class StorageReadsDone:
+    """The worker finished the file-tier reads plan ``step_id`` carried:
+    those at ``failed`` (indices into that plan's ``storage_reads``) found
+    no whole, checked file; every other one filled its host page."""
+
+    step_id: int
+    failed: array = field(default_factory=id_array)

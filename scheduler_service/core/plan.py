@@ -41,6 +41,30 @@ after the write-back that filled it (same plan or earlier). Nothing of
 either crosses into the next plan: the next plan may reuse any page freed
 here.
 
+With the file tier behind the host tier (kv/storage_tier.py) a plan may
+also carry copies between the host pool and the worker's file store
+(files named by the page's chained block hash):
+
+- ``storage_writes``: host page -> the file of its block hash (a node
+  written to the host is backed up). The worker reads each host page after
+  this plan's write-backs and before it answers the plan (it may copy the
+  bytes aside and write the file later, atomically; a page whose file
+  exists is skipped). The scheduler counts the block as stored at once and
+  learns of no failure: a later read of a file that never came whole fails
+  and is handled as below.
+- ``storage_reads``: the file of a block hash -> host page (a prefetch for
+  a waiting request). The worker may finish them after it answers the plan
+  (a background reader): each host page named is the read's alone until
+  the worker reports it. It reports every plan's reads once all of them
+  are done, in any later result (``StepResult.storage_done``: the plan's
+  step id and the indices that failed: a missing, truncated, corrupt or
+  foreign file). Only then does the scheduler put the pages that came
+  whole into the tree; a failed read's page is freed and its tokens are
+  computed. While reads are outstanding and nothing else runs, the
+  scheduler sends IDLE plans to collect the reports: the worker answers
+  such a plan (nothing to run, reads outstanding) once some report is
+  ready or a few milliseconds passed, so the poll does not spin.
+
 A plan is also the scheduler's record of itself until its result comes
 back (``Scheduler.in_flight()``): each ``PlanEntry`` names its request and the
 request's epoch when planned, so a result for a request that moved on since
@@ -54,7 +78,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 from scheduler_service.core.embedding import EmbedOptions
-from scheduler_service.core.ids import PageCopies
+from scheduler_service.core.ids import PageCopies, StorageCopies, StorageReadsDone
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import LogprobOptions, SamplingParams
 
@@ -184,6 +208,11 @@ class StepPlan:
     # without a host tier).
     write_backs: PageCopies | None = None
     loads: PageCopies | None = None
+    # The file tier (module docstring): host -> file after the write-backs,
+    # and file -> host reads the worker reports later. None: none (always so
+    # without a file tier).
+    storage_writes: StorageCopies | None = None
+    storage_reads: StorageCopies | None = None
 
     @property
     def entries(self) -> list[PlanEntry]:
@@ -250,3 +279,7 @@ class StepResult:
     # nothing for entries that do not sample. A result decoder takes this
     # form when it fits: a batch of plain tokens then makes no RequestOutput.
     tokens: list[int] | None = None
+    # The file tier: plans whose storage_reads the worker finished since its
+    # last result, with the reads that failed (plan.py's docstring). None:
+    # none finished.
+    storage_done: list[StorageReadsDone] | None = None

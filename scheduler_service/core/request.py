@@ -215,6 +215,9 @@ class Request:
     # the deepest node of the whole match (kv/hiradix_cache.py).
     match_host_len: int = 0
     match_host_node: Any = None
+    # The file tier: prefetches this request started (kv/storage_tier.py
+    # bounds them).
+    storage_prefetches: int = 0
     # Speculative decoding state (core/spec_state.SpecState) while the
     # request may draft; None: it never drafts (off, opted out, grammar).
     spec: Any = None

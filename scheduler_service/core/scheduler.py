@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -45,6 +45,7 @@ from scheduler_service.core.decode import (
 from scheduler_service.core.disagg.coordinator import Disaggregation
 from scheduler_service.core.intake import Submission, check_new_request, leader_planned
 from scheduler_service.core.integrity import check_scheduler_integrity
+from scheduler_service.core.kv.hicache_setup import build_hicache
 from scheduler_service.core.kv.hiradix_cache import HiRadixCache
 from scheduler_service.core.kv.manager import KvManager
 from scheduler_service.core.kv.page_pool import PagePool
@@ -95,6 +96,7 @@ ENGINE_INTERFACE = frozenset(
         "load_figures",
         "take_kv_events",
         "flush_cache",
+        "note_stored_blocks",
         "loaded_adapters",
         "check_adapter",
         "register_adapter",
@@ -131,19 +133,10 @@ class Scheduler:
             if swa_window <= 0:
                 raise ValueError("a sliding pool needs the sliding layers' window")
             self.sliding = SlidingPages(num_swa_pages, config.page_size, swa_window)
-        # The host tier (kv/hiradix_cache.py): None when off.
-        self.hicache: HiRadixCache | None = None
-        if config.hicache_host_pages > 0:
-            if self.sliding is not None:
-                raise ValueError("the host tier does not serve sliding-window models yet")
-            self.hicache = HiRadixCache(
-                config.page_size,
-                self.pool,
-                PagePool(config.hicache_host_pages, config.page_size),
-                hits_to_write=config.hicache_hits_to_write,
-                load_back_threshold=config.hicache_load_back_threshold,
-                enable_events=config.enable_kv_events,
-            )
+        # The host tier (kv/hiradix_cache.py) and its file tier: None when off.
+        self.hicache: HiRadixCache | None = build_hicache(
+            config, self.pool, sliding=self.sliding is not None, clock=clock
+        )
         self.cache = self.hicache or RadixCache(
             config.page_size,
             self.pool,
@@ -253,7 +246,9 @@ class Scheduler:
         return set()
 
     def is_idle(self) -> bool:
-        busy = self.disagg is not None and self.disagg.busy()
+        busy = (self.disagg is not None and self.disagg.busy()) or (
+            self.hicache is not None and self.hicache.reads_outstanding  # file reads out
+        )
         return not (len(self.table) or self._inflight or self.table.leaves or busy)
 
     def live_rids(self) -> list[str]:
@@ -300,6 +295,12 @@ class Scheduler:
 
     def take_kv_events(self) -> list:
         return self.cache.take_events()
+
+    def note_stored_blocks(self, hashes: Iterable[int]) -> None:
+        """The worker group's file tier already holds these blocks (its
+        report when a session opens); ignored without a file tier."""
+        if self.hicache is not None:
+            self.hicache.note_stored_blocks(hashes)
 
     def flush_cache(self) -> tuple[bool, str]:
         """Drop every unlocked cached page, only while idle."""
@@ -393,7 +394,7 @@ class Scheduler:
         tier, dis = self.hicache, self.disagg
         if (
             not table.leaves
-            and (tier is None or not tier.transfers.pending)
+            and (tier is None or not tier.wants_plan(bool(self._inflight)))
             and (dis is None or not dis.landing_due())
         ):
             return None
@@ -408,7 +409,7 @@ class Scheduler:
     def _take_copies(self, plan: StepPlan, tier: HiRadixCache) -> None:
         """The host copies planned since the last plan ride on ``plan``; their
         tokens are counted (stats: host hits loaded, tokens written)."""
-        plan.write_backs, plan.loads = tier.transfers.take(plan.step_id)
+        tier.take_copies(plan)  # and the file tier's, if any
         page = self.config.page_size
         if plan.write_backs is not None:
             self.stats.hicache_written_tokens += len(plan.write_backs) * page
@@ -539,7 +540,7 @@ class Scheduler:
             raise ProtocolError(f"result for step {result.step_id}, expected step {expected}")
         plan = inflight.popleft()
         if self.hicache is not None:  # its copies are done: give back what they held
-            self.hicache.answered(plan.step_id)
+            self.hicache.answered(plan.step_id, result.storage_done)
         got = apply_result(
             plan,
             result,

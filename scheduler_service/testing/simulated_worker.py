@@ -34,6 +34,9 @@ It is the oracle of the scheduler's tests:
   forward. A load of a page no write-back filled, or filled with other
   tokens, puts wrong tokens in the device slots and the step that reads
   them fails.
+- with a file tier (``files``, testing/simulated_files.py) it writes and
+  reads host pages by block hash as the worker must, reads finishing some
+  plans later, some failing.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from scheduler_service.core.plan import (
     StepResult,
     TokenLogprobs,
 )
+from scheduler_service.testing.simulated_files import SimulatedFiles
 
 
 class SimulatedWorkerError(AssertionError):
@@ -112,7 +116,11 @@ class SimulatedWorker:
         num_swa_pages: int = 0,
         swa_window: int = 0,
         num_host_pages: int = 0,
+        files: SimulatedFiles | None = None,
     ) -> None:
+        """``files``: the file tier (with a host pool), shared with the worker
+        that replaces this one after a loss."""
+        self.files = files
         self.num_pages = num_pages
         self.num_host_pages = num_host_pages
         self.host_slots: list[int] = [-1] * (num_host_pages * page_size)
@@ -195,6 +203,9 @@ class SimulatedWorker:
             self._join(join)
         if plan.write_backs is not None:  # before the loads, which may reuse their pages
             self._copy(plan.write_backs, to_host=True)
+        files = self.files
+        if files is not None and plan.storage_writes is not None:  # after the write-backs
+            files.write(self, plan.storage_writes)
         if plan.loads is not None:  # before the forward reads them
             self._copy(plan.loads, to_host=False)
         entries = plan.entries
@@ -266,7 +277,12 @@ class SimulatedWorker:
             remaining = self.step_time_s - (time.perf_counter() - t0)
             if remaining > 0:
                 time.sleep(remaining)
-        return StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
+        result = StepResult(plan.step_id, outputs, forward_ms=(time.perf_counter() - t0) * 1e3)
+        if files is not None:
+            if plan.storage_reads is not None:
+                files.start_reads(self, plan.step_id, plan.storage_reads)
+            result.storage_done = files.finish(self)
+        return result
 
     def _copy(self, copies: PageCopies, *, to_host: bool) -> None:
         """Copy whole pages between the pools (a write-back or a load)."""

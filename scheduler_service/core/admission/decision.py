@@ -10,6 +10,10 @@ requests admitted after them in the same step), and an admitted request of
 a LoRA adapter takes its adapter slot at once (later requests of the same
 step see it taken).
 
+With the file tier (kv/storage_tier.py) a request whose prefetch from the
+files is out is passed over (it waits, others are admitted), and a step
+that passed one over is not stuck.
+
 ``unfit_head`` is the last word when admission is stuck: the request first
 in line that cannot fit even in an empty pool.
 """
@@ -114,8 +118,10 @@ def plan_admission(
             return PrefillDecision(chunked=chunked, stuck=adder.nothing_running)
     else:
         result = AddResult.CONTINUE
+    prefetching = False  # a request waits for its prefetch from the file tier
     if result is AddResult.CONTINUE:
         held = _InBatchPrefixes(config.prefix_hold_tokens, adder.admitted)
+        storage = kv.cache.storage
         room = config.max_running_requests - len(running) - len(reserved)
         for req in waiting:
             full = len(adder.admitted) >= room + len(adder.preempted)
@@ -125,6 +131,9 @@ def plan_admission(
             if needs_slot and (adapters is None or not adapters.can_acquire(req.adapter)):
                 continue  # its adapter finds no slot this step: the next may
             match_prefix(kv.cache, req)
+            if storage is not None and kv.cache.storage_hold(req):
+                prefetching = True
+                continue
             if held.should_wait(req):
                 continue
             result = adder.add_one_req(req)
@@ -148,9 +157,10 @@ def plan_admission(
         admitted=adder.admitted,
         chunked=adder.new_chunked,
         preempted=adder.preempted,
-        # An idle scheduler admits whatever fits; if it admitted nothing, the
-        # request first in line can never fit.
-        stuck=adder.nothing_running and not adder.admitted,
+        # An idle scheduler admits whatever fits; if it admitted nothing (and
+        # passed nobody over for a prefetch), the request first in line can
+        # never fit.
+        stuck=adder.nothing_running and not adder.admitted and not prefetching,
     )
 
 

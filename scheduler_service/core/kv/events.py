@@ -27,7 +27,7 @@ class Medium(str, enum.Enum):
 
     DEVICE = "GPU"  # the worker's KV pool (named GPU by SGLang whatever the device)
     HOST = "CPU_PINNED"  # the worker's host pool (the host tier)
-    STORAGE = "DISK"  # a file tier behind the host tier (not built yet)
+    STORAGE = "DISK"  # the file tier behind the host tier (kv/storage_tier.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,10 @@ every step and update in tests):
   unlocked device leaf has a live entry in the device heap, and each
   cached device page is reported in ``holders`` (the scheduler checks the
   device pool against them and the requests);
-- host pages: each host page is free or held by exactly one node (copies in
-  flight fill or read pages their nodes hold), checked against the host pool;
+- host pages: each host page is free or held by exactly one node or one
+  file-tier prefetch not yet reported (copies in flight fill or read pages
+  their nodes hold; a planned file write reads a page a node holds),
+  checked against the host pool;
 - copies in flight: every node's ``host_ref`` is what the records of the
   plans in flight (and the one being built) account for; every host-only
   leaf with none has a live entry in the host heap.
@@ -84,6 +86,8 @@ def check_tiers(cache: Any, holders: dict[int, int] | None = None) -> None:
         )
     if nodes != cache.num_nodes:
         raise RadixCacheError(f"node count drifted: {nodes} != {cache.num_nodes}")
+    if cache.storage is not None:  # host pages filled by reads not reported yet
+        cache.storage.check(host_holders)
     cache.host_pool.check_integrity(host_holders)
 
 

@@ -46,7 +46,8 @@ neither (radix_node.py):
 
 The host side (host heap, host eviction, copies, load back, answers) is in
 host_tier.py, the copies' records in host_transfers.py, the invariants in
-hicache_integrity.py.
+hicache_integrity.py; the file tier behind the host (``storage``, None
+without one) in storage_tier.py and storage_ops.py.
 
 KV events name the medium (kv/events.py): a device eviction that keeps the
 host copy withdraws the blocks from the device only; a copy to the host
@@ -76,6 +77,8 @@ from scheduler_service.core.kv.radix_node import (
     RadixCacheError,
     RadixNode,
 )
+from scheduler_service.core.kv.storage_ops import host_pages_dropped
+from scheduler_service.core.kv.storage_tier import StorageTier
 
 
 class HiRadixCache(HostTierOps, RadixCache):
@@ -89,9 +92,11 @@ class HiRadixCache(HostTierOps, RadixCache):
         load_back_threshold: int = 10,
         enable_events: bool = False,
         max_events: int = 65536,
+        storage: StorageTier | None = None,
     ) -> None:
         """``hits_to_write``: hits after which a node is copied to the host
-        (1: write_through; None: write_back, copied only when evicted)."""
+        (1: write_through; None: write_back, copied only when evicted);
+        ``storage``: the file tier behind the host (None: none)."""
         if host_pool.page_size != page_size:
             raise ValueError("the host pool and the cache disagree on page_size")
         super().__init__(page_size, pool, enable_events, max_events)
@@ -103,6 +108,7 @@ class HiRadixCache(HostTierOps, RadixCache):
         self._host_heap_seq = 0
         self._to_write: list[RadixNode] = []  # due for a write-through
         self._flushing = False
+        self.storage = storage
 
     # ------------------------------------------------------------ leaves
     @staticmethod
@@ -357,6 +363,8 @@ class HiRadixCache(HostTierOps, RadixCache):
             stack += x.children.values()
             if x.host is not None:
                 self.host_pool.release(x.host)
+                if self.storage is not None:  # no backup of a page about to be reused
+                    host_pages_dropped(self, x.host)
                 if self.events is not None:
                     log_removed(self.events, x, Medium.HOST)
             if x is node and self.events is not None:
@@ -387,6 +395,8 @@ class HiRadixCache(HostTierOps, RadixCache):
         super().reset()
         self.host_pool.reset()
         self.transfers.clear()
+        if self.storage is not None:
+            self.storage.reset()
         self._host_heap = []
         self._to_write = []
 

@@ -1,19 +1,24 @@
 """The host side of HiRadixCache (kv/hiradix_cache.py): the host-only
 leaves' LRU heap and host eviction, copies to the host (write-through and
 write-back), load back, and giving back what a plan's copies held once it
-is answered. A mixin: HiRadixCache owns the tree, the pools and the
-transfer records these methods use (hiradix_cache.py describes the tier).
+is answered; the file tier's entry points (backup after a copy to the
+host, prefetch holds and reports, the plan's copies: kv/storage_ops.py).
+A mixin: HiRadixCache owns the tree, the pools and the transfer records
+these methods use (hiradix_cache.py describes the tier).
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
+from collections.abc import Iterable
+from typing import Any
 
-from scheduler_service.core.ids import id_array
+from scheduler_service.core.ids import StorageReadsDone, id_array
 from scheduler_service.core.kv.events import Medium
 from scheduler_service.core.kv.radix_events import log_node_stored, log_removed
 from scheduler_service.core.kv.radix_node import RadixCacheError, RadixNode
+from scheduler_service.core.kv.storage_ops import apply_reports, hold_for_prefetch, plan_backup
 
 
 class HostTierOps:
@@ -56,6 +61,8 @@ class HostTierOps:
         self.transfers.write_back(node, node.pages, host)
         if self.events is not None:
             log_node_stored(self.events, node, self.page_size, Medium.HOST)
+        if self.storage is not None:  # and on to the files, after that copy
+            plan_backup(self, node)
         return True
 
     def evict_host(self, num_pages: int) -> int:
@@ -147,9 +154,11 @@ class HostTierOps:
             self.evict(short)
         return self.pool.alloc(n)
 
-    def answered(self, step_id: int) -> None:
+    def answered(self, step_id: int, storage_done: list[StorageReadsDone] | None = None) -> None:
         """Plan ``step_id`` was answered: its copies are done; give back what
-        they held."""
+        they held. ``storage_done``: the file-tier reads its result reports."""
+        if storage_done:
+            apply_reports(self, storage_done)
         rec = self.transfers.answered(step_id)
         if rec is None:
             return
@@ -165,3 +174,36 @@ class HostTierOps:
     @property
     def transfer_locks(self) -> int:
         return self.transfers.held()[1]
+
+    # ------------------------------------------------------ plan and files
+    def take_copies(self, plan: Any) -> None:
+        """Put the copies planned since the last plan on ``plan`` (a
+        StepPlan being finished)."""
+        plan.write_backs, plan.loads = self.transfers.take(plan.step_id)
+        if self.storage is not None:
+            plan.storage_writes, plan.storage_reads = self.storage.take(plan.step_id)
+
+    def wants_plan(self, inflight: bool) -> bool:
+        """Whether an otherwise empty step must send a plan: copies are
+        planned, or file-tier reads are out and no plan is (a poll)."""
+        if self.transfers.pending:
+            return True
+        storage = self.storage
+        return storage is not None and (storage.pending or (storage.outstanding and not inflight))
+
+    @property
+    def reads_outstanding(self) -> bool:
+        """File-tier reads planned or sent and not reported."""
+        storage = self.storage
+        return storage is not None and (storage.outstanding or storage.pending)
+
+    def storage_hold(self, req: Any) -> bool:
+        """Whether admission passes ``req`` over for its prefetch
+        (storage_ops.hold_for_prefetch); False without a file tier."""
+        return self.storage is not None and hold_for_prefetch(self, req)
+
+    def note_stored_blocks(self, hashes: Iterable[int]) -> None:
+        """The worker's file tier holds these blocks (its report at session
+        open); ignored without a file tier."""
+        if self.storage is not None:
+            self.storage.index.seed(hashes)

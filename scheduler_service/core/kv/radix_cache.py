@@ -69,6 +69,8 @@ from scheduler_service.core.kv.sliding import (
 class RadixCache:
     # Device locks held by the host tier's copies in flight (kv/hiradix_cache.py).
     transfer_locks = 0
+    # The file tier (kv/storage_tier.py): only a HiRadixCache may have one.
+    storage = None
 
     def __init__(
         self,

@@ -13,7 +13,8 @@ so the cache compares edges and copies page runs with C ``memcmp``/``memcpy``
 Tiers (kv/hiradix_cache.py, off unless the host tier is on): a node's KV is
 on the device (``pages``), on the host (``host``: host page ids), or both.
 ``pages`` is None for a host-only node, ``host`` None for a node without a
-host copy; never both None. A later storage tier gets a field of its own.
+host copy; never both None. The file tier is no node state: it is an
+index of block hashes (kv/storage_tier.py).
 Without the host tier ``host`` stays None and the other tier fields unused.
 """
 

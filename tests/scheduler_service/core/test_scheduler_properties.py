@@ -9,7 +9,9 @@ the same with a model shaped like Gemma 3 (a sliding pool, tiny windows),
 the simulated worker checking every query's window; the host-tier examples
 run them with a small device pool and a host pool (write-backs and loads
 on the plans, the simulated worker copying the pages and checking what the
-loads bring back). The same workloads with the
+loads bring back); the file-tier examples add files behind the host pool
+(backups, prefetches whose reads fail at random or come late, wait
+policies with a ticking clock). The same workloads with the
 results in the token column form (StepResult.tokens, the worker codec's
 form for a plain step) must give the same deltas, outputs and finishes.
 """
@@ -131,4 +133,22 @@ def test_host_tier_memory_pressure_with_overlap(scenario):
 @settings(max_examples=EXAMPLES)
 @given(scenarios(pressure=True, host_tier=True))
 def test_host_tier_token_columns_decide_as_outputs_do(scenario):
+    run_both_forms(scenario)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(host_tier=True, storage=True))
+def test_file_tier_workloads_with_overlap(scenario):
+    run_scenario(scenario, overlap=True)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(host_tier=True, storage=True))
+def test_file_tier_workloads_without_overlap(scenario):
+    run_scenario(scenario, overlap=False)
+
+
+@settings(max_examples=EXAMPLES)
+@given(scenarios(pressure=True, host_tier=True, storage=True))
+def test_file_tier_memory_pressure_token_columns(scenario):
     run_both_forms(scenario)

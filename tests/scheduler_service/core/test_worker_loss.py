@@ -18,8 +18,9 @@ from scheduler_service.core import (
     Scheduler,
     SchedulerConfig,
 )
-from scheduler_service.core.config import HICACHE_WRITE_POLICIES
+from scheduler_service.core.config import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
 from scheduler_service.core.kv.events import AllBlocksCleared
+from scheduler_service.testing.simulated_files import SimulatedFiles
 from scheduler_service.testing.simulated_worker import SimulatedWorker
 from tests.scheduler_service.core.support.sim_driver import (
     DriveLog,
@@ -84,7 +85,14 @@ def drive_with_losses(
             sched.check_integrity()
             assert not sched.in_flight() and not sched.table.running and sched.table.chunked is None
             host = sched.config.hicache_host_pages  # a fresh host pool too
-            worker = SimulatedWorker(num_pages, sched.pool.page_size, V, num_host_pages=host)
+            files = worker.files  # the files survive; the reads the process started do not
+            if files is not None:
+                files.lose_worker()
+            worker = SimulatedWorker(
+                num_pages, sched.pool.page_size, V, num_host_pages=host, files=files
+            )
+            if files is not None:  # the new worker reports what its folder holds
+                sched.note_stored_blocks(list(files.blocks))
         collect()
         if not inflight and sched.is_idle():
             break
@@ -245,3 +253,45 @@ def test_losses_while_host_copies_are_in_flight(policy, overlap):
     assert kinds == ["loads", "write_backs"] and sched.stats.worker_losses == losses == 2
     tier = sched.hicache
     assert tier.transfers.loaded_pages > 0 and tier.transfers.written_pages > 0
+
+
+def prefetches_out(count: list[int], most: int = 3) -> LossRule:
+    """Lose the worker (same size) while file-tier reads are out, ``most`` times."""
+
+    def lose(sched: Scheduler, t: int) -> int | None:
+        tier = sched.hicache.storage
+        if len(count) < most and tier.outstanding:
+            count.append(t)
+            return sched.pool.num_pages
+        return None
+
+    return lose
+
+
+@pytest.mark.parametrize("policy", HICACHE_PREFETCH_POLICIES)
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_losses_while_prefetches_are_out(policy, overlap):
+    """The host pool and the reads go with the worker, the index too; the
+    new worker's report fills the index again, and every request still ends
+    with the oracle's output."""
+    # Six 8-page prefixes in turn through 24 device and 32 host pages: the
+    # host evicts them before they come again, the files keep them.
+    prefixes = [[1 + (7 * k + j) % 60 for j in range(32)] for k in range(6)]
+    reqs = [req(f"r{i}", prefixes[i % 6] + [1 + i, 2 + i], max_new=3 + i % 4) for i in range(18)]
+    config = cfg(
+        page_size=4,
+        max_running_requests=2,
+        schedule_policy="fcfs",
+        hicache_host_pages=32,
+        hicache_load_back_threshold=1,
+        hicache_storage_pages=256,
+        hicache_storage_prefetch_threshold=4,
+        hicache_storage_prefetch_policy=policy,
+    )
+    files = SimulatedFiles(max_delay=3, fail_rate=0.1, seed=7)
+    sched, worker = make_pair(config, 24, V, files=files)
+    count: list[int] = []
+    log, losses = drive_with_losses(sched, worker, reqs, prefetches_out(count), overlap)
+    check_outputs(reqs, config, V, log)
+    assert losses == len(count) >= 1
+    assert sched.hicache.storage.stats.prefetches > losses

@@ -11,14 +11,36 @@ import dataclasses
 from hypothesis import strategies as st
 
 from scheduler_service.core import LogprobOptions, Request, SamplingParams, SchedulerConfig
-from scheduler_service.core.config import HICACHE_WRITE_POLICIES, POLICIES
+from scheduler_service.core.config import (
+    HICACHE_PREFETCH_POLICIES,
+    HICACHE_WRITE_POLICIES,
+    POLICIES,
+)
+from scheduler_service.testing.simulated_files import SimulatedFiles
 
 VOCAB = 40
 EOS = 0
 
 
+class Ticks:
+    """A clock that moves a millisecond each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
 @st.composite
-def scenarios(draw, pressure: bool = False, sliding: bool = False, host_tier: bool = False):
+def scenarios(
+    draw,
+    pressure: bool = False,
+    sliding: bool = False,
+    host_tier: bool = False,
+    storage: bool = False,
+):
     """A config and workload; with ``pressure`` many long requests arrive at
     once into a pool that fits only a few, and admission over-commits. With
     ``sliding`` the model has sliding-window layers: a sixth item gives the
@@ -26,7 +48,11 @@ def scenarios(draw, pressure: bool = False, sliding: bool = False, host_tier: bo
     as small as one request's chunk plus its window. With ``host_tier`` the
     device pool is small and a host pool (kv/hiradix_cache.py), usually
     several times larger, sometimes smaller, holds what it evicts, under a
-    drawn write policy."""
+    drawn write policy. With ``storage`` (and the host tier) a file tier
+    sits behind it: a sixth item gives the simulated files (reads failing
+    at random, reported up to a few plans late, a cap that makes the
+    scheduler's index wrong) and a clock that ticks on every look, so
+    prefetches time out under the timeout policy."""
     page_size = draw(st.sampled_from([1, 16]))
     chunk_opts = [None, 16, 32, 64] if page_size == 16 else [None, 3, 8, 32]
     n_prefixes = draw(st.integers(1, 4))
@@ -116,6 +142,24 @@ def scenarios(draw, pressure: bool = False, sliding: bool = False, host_tier: bo
             hicache_write_through_threshold=draw(st.integers(1, 3)),
             hicache_load_back_threshold=draw(st.sampled_from([0, 1, 1, 10])),
         )
+    if storage:
+        # A host pool small enough to evict what the files keep.
+        host = max(1, int(num_pages * draw(st.sampled_from([0.25, 0.5, 1]))))
+        config = dataclasses.replace(
+            config,
+            hicache_host_pages=host,
+            hicache_storage_pages=draw(st.sampled_from([16, 4096])),
+            hicache_storage_prefetch_threshold=page_size * draw(st.integers(1, 3)),
+            hicache_storage_prefetch_policy=draw(st.sampled_from(HICACHE_PREFETCH_POLICIES)),
+            hicache_storage_timeout_base_s=draw(st.sampled_from([0.0, 0.01, 1.0])),
+        )
+        files = SimulatedFiles(
+            fail_rate=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])),
+            max_delay=draw(st.integers(0, 4)),
+            capacity=draw(st.sampled_from([16, 1 << 20])),
+            seed=draw(st.integers(0, 99)),
+        )
+        return config, num_pages, arrivals, aborts, aborted, {"files": files, "clock": Ticks()}
     if not sliding:
         return config, num_pages, arrivals, aborts, aborted
     window = draw(st.sampled_from([2, 5, 17, 40] if page_size == 1 else [16, 20, 33, 64]))

@@ -21,6 +21,7 @@ from scheduler_service.core import (
     check_stop_text,
 )
 from scheduler_service.core.plan import StepPlan, StepResult
+from scheduler_service.testing.simulated_files import SimulatedFiles
 from scheduler_service.testing.simulated_worker import SimulatedWorker, expected_output
 
 
@@ -40,6 +41,7 @@ def make_pair(
     *,
     num_swa_pages: int = 0,
     swa_window: int = 0,
+    files: SimulatedFiles | None = None,
     **sched_kwargs,
 ) -> tuple[Scheduler, SimulatedWorker]:
     """A scheduler and its simulated worker; ``num_swa_pages``/``swa_window``:
@@ -56,6 +58,7 @@ def make_pair(
         num_swa_pages=num_swa_pages,
         swa_window=swa_window,
         num_host_pages=config.hicache_host_pages,
+        files=files if files is not None or not config.hicache_storage_pages else SimulatedFiles(),
     )
     return sched, worker
 
@@ -145,7 +148,14 @@ def as_token_column(result: StepResult, plan: StepPlan) -> StepResult:
     ):
         return result
     tokens = [o.token_id for o in outs]
-    return StepResult(result.step_id, [], result.forward_ms, result.idle_ms, tokens=tokens)
+    return StepResult(
+        result.step_id,
+        [],
+        result.forward_ms,
+        result.idle_ms,
+        tokens=tokens,
+        storage_done=result.storage_done,
+    )
 
 
 def toy_text(tokens: list[int]) -> str:
@@ -214,6 +224,9 @@ def check_drained(sched: Scheduler, worker: SimulatedWorker) -> None:
     if tier is not None:  # no copy in flight or planned, nothing held for one
         assert not tier.transfers.pending and tier.transfer_locks == 0
         assert tier.transfers.held() == ({}, 0)
+        storage = tier.storage
+        if storage is not None:  # every prefetch reported, its pages given back
+            assert not storage.pending and not storage.outstanding and not storage.by_rid
     assert not worker.reqs, f"worker still holds {sorted(worker.reqs)[:5]}"
     assert not any(sched.adapters.users), f"adapter slots still used: {sched.adapters.users}"
     assert not sched.in_flight()
