@@ -159,6 +159,8 @@ class WorkerGroup:
         self._metadata = worker_token.metadata(token)
         self.ranks = [self._rank(parse_worker_address(url)) for url in urls]
         self.info: pb.WorkerInfo | None = None
+        # The file tier's blocks every rank holds (at the last connect).
+        self.stored_hashes: list[int] = []
         self.session_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._epoch_base = 0  # fixed at the first connect
         self._sessions = 0  # sessions opened that some rank accepted
@@ -252,6 +254,7 @@ class WorkerGroup:
             )
         self.ranks = [r for _, r in by_rank]
         self.info = by_rank[0][0]
+        self.stored_hashes = _stored_everywhere(infos)
         logger.info(
             "worker group connected",
             ranks=len(self.ranks),
@@ -417,3 +420,12 @@ class WorkerGroup:
             if rank.plans is not None:
                 rank.plans.put(None)
             rank.channel.close()
+
+
+def _stored_everywhere(infos: list[pb.WorkerInfo]) -> list[int]:
+    """The file tier's blocks every rank's folder holds (each rank stores its
+    own shard of a page: a block is readable only where all of them have it)."""
+    common = set(infos[0].stored_block_hashes)
+    for info in infos[1:]:
+        common.intersection_update(info.stored_block_hashes)
+    return [h for h in infos[0].stored_block_hashes if h in common]
