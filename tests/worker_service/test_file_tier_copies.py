@@ -146,3 +146,21 @@ def test_file_tier_flags_go_together(argv, error):
     assert (cfg.hicache_file_dir, cfg.hicache_file_size) == ("/x", 0.0)
     with pytest.raises(SystemExit, match=error):
         load_config(argv, env={})
+
+
+def test_serve_passes_the_file_tier_on_to_its_workers():
+    from pathlib import Path
+
+    from scheduler_service.config import load_config as scheduler_config
+    from scheduler_service.serve import _worker_args
+    from worker_service.config import WorkerConfig
+
+    service = scheduler_config(["--worker", "grpc://127.0.0.1:1"])
+    worker = WorkerConfig(
+        enable_hierarchical_cache=True, hicache_file_dir="/kv", hicache_file_size=2.0
+    )
+    args = _worker_args(worker, service, 0, Path("/tmp/port"), dist="", port=1)
+    at = args.index("--hicache-file-dir")
+    assert args[at : at + 4] == ["--hicache-file-dir", "/kv", "--hicache-file-size", "2.0"]
+    plain = WorkerConfig(enable_hierarchical_cache=True)
+    assert "--hicache-file-dir" not in _worker_args(plain, service, 0, Path("/p"), dist="", port=1)

@@ -52,6 +52,9 @@ TOKENIZER_CHUNK = 1 << 20
 # An IDLE plan sent while file reads are out is answered once a report is
 # ready, or after this long (the scheduler then sends another).
 IDLE_REPORT_WAIT_S = 0.005
+# GetInfo's stored block hashes: at most this many (2 MiB), so the message
+# stays far below gRPC's limits; the scheduler's index is a belief anyway.
+MAX_REPORTED_HASHES = 1 << 18
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -450,6 +453,9 @@ def _read_plans(stream: Iterator[pb.StepPlan], plans: queue.SimpleQueue) -> None
 
 
 def _stored_hashes(w: Worker) -> list[int]:
-    """The block hashes the file tier's folder holds now (none without one)."""
+    """The block hashes the file tier's folder holds now (none without one),
+    at most MAX_REPORTED_HASHES of them (8 bytes each on the wire)."""
     files = w.runner.files
-    return files.store.stored_hashes().tolist() if files is not None else []
+    if files is None:
+        return []
+    return files.store.stored_hashes()[:MAX_REPORTED_HASHES].tolist()
