@@ -47,6 +47,7 @@ from common.session_epoch import MAX_SESSION_EPOCH, MAX_SESSION_EPOCH_TEXT
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
+from scheduler_service.engine.storage_reports import StorageReports
 
 logger = structlog.get_logger(__name__)
 
@@ -161,6 +162,7 @@ class WorkerGroup:
         self.info: pb.WorkerInfo | None = None
         # The file tier's blocks every rank holds (at the last connect).
         self.stored_hashes: list[int] = []
+        self._storage_reports = StorageReports(1)  # the ranks' file reads, merged
         self.session_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._epoch_base = 0  # fixed at the first connect
         self._sessions = 0  # sessions opened that some rank accepted
@@ -255,6 +257,7 @@ class WorkerGroup:
         self.ranks = [r for _, r in by_rank]
         self.info = by_rank[0][0]
         self.stored_hashes = _stored_everywhere(infos)
+        self._storage_reports = StorageReports(len(infos))
         logger.info(
             "worker group connected",
             ranks=len(self.ranks),
@@ -282,6 +285,7 @@ class WorkerGroup:
                 f"maximum {MAX_SESSION_EPOCH_TEXT}: restart the workers, then this scheduler"
             )
         self._hung = ""
+        self._storage_reports.reset()
         opening = pb.StepPlan(session=pb.SessionOpen(session_id=self.session_id, epoch=self.epoch))
         for rank in self.ranks:
             rank.plans = queue.SimpleQueue()
@@ -351,6 +355,7 @@ class WorkerGroup:
                 raise StepFailed(
                     r.step_id, f"worker {rank.address} failed step {r.step_id}: {r.error}"
                 )
+        self._storage_reports.merge(results)
         return results[0]
 
     def ended(self) -> str | None:

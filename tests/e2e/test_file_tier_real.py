@@ -27,9 +27,9 @@ NEW_TOKENS = 8
 PROMPT = [1] + [random.Random(5).randrange(100, 40000) for _ in range(419)]
 
 
-def _unit(tmp_path: Path, name: str, files: Path) -> tuple[list[int], dict]:
-    """One unit's greedy answer to PROMPT and its metrics, once its files
-    are written (the writer thread files pages after the plan's answer)."""
+def _unit(tmp_path: Path, name: str, files: Path, writes: int = 0) -> tuple[list[int], dict]:
+    """One unit's greedy answer to PROMPT and its metrics, once it wrote
+    ``writes`` files (its writer thread files pages after the plan's answer)."""
     sched_metrics, worker_metrics = free_port(), free_port()
     worker = ["--model", "default", "--dequantize", "--num-pages", "128"]
     worker += ["--page-size", str(PAGE), "--threads", "1", "--log-level", "warning"]
@@ -51,7 +51,7 @@ def _unit(tmp_path: Path, name: str, files: Path) -> tuple[list[int], dict]:
         while True:
             metrics = scrape(sched_metrics) | scrape(worker_metrics)
             written = metrics["radixserve_worker_hicache_file_writes_total"]
-            if written >= len(PROMPT) // PAGE or time.monotonic() > deadline:
+            if written >= writes or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     return tokens, metrics
@@ -59,7 +59,7 @@ def _unit(tmp_path: Path, name: str, files: Path) -> tuple[list[int], dict]:
 
 def test_a_restarted_unit_reads_the_prefix_from_files_and_a_corrupt_file_is_a_miss(tmp_path):
     files = tmp_path / "kv-files"
-    first, m1 = _unit(tmp_path, "first", files)
+    first, m1 = _unit(tmp_path, "first", files, writes=len(PROMPT) // PAGE)
     assert m1["radixserve_worker_hicache_file_writes_total"] >= len(PROMPT) // PAGE, m1
     assert m1["radixserve_worker_hicache_file_reads_total"] == 0
     stored = sorted(files.rglob("*.kv"))

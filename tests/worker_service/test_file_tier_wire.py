@@ -147,3 +147,29 @@ def test_bad_file_copies_are_refused_by_name(storage, file_tier, host_pages, err
 
 def test_good_file_copies_pass():
     _validate(_storage([-3, 2**62], [0, 0], [11], [1]))
+
+
+def test_a_groups_reports_wait_for_every_rank_and_merge_their_failures():
+    from scheduler_service.engine.storage_reports import StorageReports
+
+    reports = StorageReports(2)
+
+    def results(*per_rank):
+        return [
+            pb.StepResult(
+                step_id=1, storage_done=[pb.StorageReadsDone(step_id=s, failed=f) for s, f in r]
+            )
+            for r in per_rank
+        ]
+
+    first = results([(3, [2]), (4, [])], [(4, [1])])
+    reports.merge(first)
+    assert [(d.step_id, list(d.failed)) for d in first[0].storage_done] == [(4, [1])]
+    second = results([], [(3, [0])])
+    reports.merge(second)
+    assert [(d.step_id, list(d.failed)) for d in second[0].storage_done] == [(3, [0, 2])]
+    reports.merge(third := results([(5, [])], []))
+    reports.reset()
+    assert not third[0].storage_done
+    reports.merge(fourth := results([], [(5, [])]))
+    assert not fourth[0].storage_done  # rank 0's report went with the old session
