@@ -164,3 +164,16 @@ def test_serve_passes_the_file_tier_on_to_its_workers():
     assert args[at : at + 4] == ["--hicache-file-dir", "/kv", "--hicache-file-size", "2.0"]
     plain = WorkerConfig(enable_hierarchical_cache=True)
     assert "--hicache-file-dir" not in _worker_args(plain, service, 0, Path("/p"), dist="", port=1)
+
+
+def test_writes_past_the_backlog_are_dropped_and_close_flushes_the_rest(tmp_path, monkeypatch):
+    from worker_service.execution import file_copies
+
+    _, host, files = _files(tmp_path)
+    monkeypatch.setattr(file_copies, "MAX_WRITE_BACKLOG_BYTES", 2 * host.bytes_per_page)
+    files.run(1, _copies(([31, 32, 33], [0, 1, 2])))  # more than the backlog holds
+    assert files.counts().write_failed == 3
+    files.run(2, _copies(([34, 35], [3, 4])))
+    files.close()
+    assert files.store.contains([34, 35]) == [True, True]
+    assert files.counts().written == 2

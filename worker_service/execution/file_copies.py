@@ -34,6 +34,12 @@ from worker_service.telemetry.metrics import FileCounts
 
 logger = structlog.get_logger(__name__)
 
+# Bytes of pages copied aside and not yet in files, at most: past it a
+# plan's writes are dropped (counted as failed writes; the scheduler's index
+# is a belief, a later read of such a block is a miss).
+MAX_WRITE_BACKLOG_BYTES = 1 << 30
+CLOSE_FLUSH_S = 10.0  # at shutdown: how long the backlog may take to reach the files
+
 
 @dataclass(slots=True)
 class _Reads:
@@ -60,6 +66,7 @@ class HostKvFiles:
         self._generation = 0
         self._reads_out = 0  # plans whose reads are not reported yet (this generation)
         self._done: list[StorageReadsDone] = []
+        self._backlog = 0  # bytes copied aside, not yet written
         self.files_read = self.files_written = self.read_failed = self.write_failed = 0
         self._writes: queue.SimpleQueue[tuple[np.ndarray, np.ndarray] | None] = queue.SimpleQueue()
         self._reads: queue.SimpleQueue[_Reads | None] = queue.SimpleQueue()
@@ -74,11 +81,22 @@ class HostKvFiles:
     def run(self, step_id: int, storage: StorageCopies) -> None:
         """A validated plan's file copies, after its write-backs."""
         if storage.num_writes:
-            self.host.settle()
-            pages = torch.from_numpy(storage.write_host)
-            # [pages, layers, page bytes]: each file's payload contiguous.
-            copied = self._bytes.index_select(1, pages).transpose(0, 1).contiguous()
-            self._writes.put((storage.write_hashes.copy(), copied.numpy()))
+            nbytes = storage.num_writes * self.store.page_nbytes
+            with self._cond:
+                room = self._backlog + nbytes <= MAX_WRITE_BACKLOG_BYTES
+                if room:
+                    self._backlog += nbytes
+            if not room:
+                logger.warning(
+                    "kv file writes dropped: the backlog is full", pages=storage.num_writes
+                )
+                self.write_failed += storage.num_writes
+            else:
+                self.host.settle()
+                pages = torch.from_numpy(storage.write_host)
+                # [pages, layers, page bytes]: each file's payload contiguous.
+                copied = self._bytes.index_select(1, pages).transpose(0, 1).contiguous()
+                self._writes.put((storage.write_hashes.copy(), copied.numpy()))
         if storage.num_reads:
             with self._cond:
                 self._reads_out += 1
@@ -109,7 +127,15 @@ class HostKvFiles:
         """Pages read, failed reads, pages written, failed writes so far."""
         return FileCounts(self.files_read, self.read_failed, self.files_written, self.write_failed)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the pages copied aside to be in files."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._backlog, timeout_s)
+
     def close(self) -> None:
+        """Stop the threads, the backlog written first (at most CLOSE_FLUSH_S)."""
+        if not self.flush(CLOSE_FLUSH_S):
+            logger.warning("kv file writes left unwritten at shutdown", bytes=self._backlog)
         self._writes.put(None)
         self._reads.put(None)
 
@@ -118,10 +144,18 @@ class HostKvFiles:
         while (job := self._writes.get()) is not None:
             hashes, pages = job
             for h, page in zip(hashes.tolist(), pages, strict=True):
-                if self.store.write(h, page):
+                try:
+                    ok = self.store.write(h, page)
+                except OSError as e:
+                    logger.warning("kv file write failed", block_hash=h, error=str(e))
+                    ok = False
+                if ok:
                     self.files_written += 1
                 else:
                     self.write_failed += 1
+            with self._cond:
+                self._backlog -= len(hashes) * self.store.page_nbytes
+                self._cond.notify_all()
 
     def _read_loop(self) -> None:
         buf = np.empty(self.store.page_nbytes, np.uint8)
