@@ -177,3 +177,32 @@ def test_writes_past_the_backlog_are_dropped_and_close_flushes_the_rest(tmp_path
     files.close()
     assert files.store.contains([34, 35]) == [True, True]
     assert files.counts().written == 2
+
+
+def test_the_runner_files_a_page_written_back_in_the_same_plan(tmp_path):
+    """Through the runner: a plan's storage writes read their host pages
+    after its write-backs; a later plan's reads fill other host pages with
+    the same bytes and the next result reports them."""
+    from tests.worker_service.support.host_tier import tiny_runner
+
+    runner, kv, host = tiny_runner(num_pages=4, host_pages=4)
+    runner.files = HostKvFiles(host, KvFileStore(tmp_path, LAYOUT, host.bytes_per_page, 1 << 24))
+    for layer in kv.layers:  # known bytes in device page 2
+        raw = layer[2].view(torch.uint8)
+        raw.copy_((torch.arange(raw.numel()) % 251).to(torch.uint8).view(raw.shape))
+    msg = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_IDLE)
+    msg.write_back_device_pages.append(2)
+    msg.write_back_host_pages.append(0)
+    msg.storage_write_hashes.append(77)
+    msg.storage_write_host_pages.append(0)
+    assert runner.execute(plan_from_proto(msg)).error == ""
+    _stored(runner.files, [77])
+    msg = pb.StepPlan(step_id=2, mode=pb.FORWARD_MODE_IDLE)
+    msg.storage_read_hashes.append(77)
+    msg.storage_read_host_pages.append(3)
+    assert runner.execute(plan_from_proto(msg)).error == ""
+    [done] = _reports(runner.files, 1)
+    assert (done.step_id, done.failed) == (2, [])
+    for device, got in zip(kv.layers, host.layers, strict=True):
+        assert torch.equal(got[3].view(torch.uint8), device[2].view(torch.uint8))
+    runner.files.close()
