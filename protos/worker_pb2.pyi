@@ -105,7 +105,7 @@ class ModelSamplingDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window", "num_host_pages")
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window", "num_host_pages", "num_storage_pages", "stored_block_hashes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class WorkerInfo(_message.Message):
     NUM_SWA_PAGES_FIELD_NUMBER: _ClassVar[int]
     SWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: ModelInfo
     page_size: int
@@ -138,7 +140,9 @@ class WorkerInfo(_message.Message):
     num_swa_pages: int
     swa_window: int
     num_host_pages: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ..., num_host_pages: _Optional[int] = ...) -> None: ...
+    num_storage_pages: int
+    stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., num_storage_pages: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "epoch")
@@ -313,7 +317,7 @@ class Extend(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start_pos: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., new_pages: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., next_token: _Optional[int] = ..., draft_len: _Optional[int] = ..., new_swa_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session", "decode_new_swa_pages", "write_back_device_pages", "write_back_host_pages", "load_host_pages", "load_device_pages")
+    __slots__ = ("step_id", "mode", "leaves", "joins", "extends", "decode_slots", "decode_positions", "decode_new_pages", "adapter_slots", "session", "decode_new_swa_pages", "write_back_device_pages", "write_back_host_pages", "load_host_pages", "load_device_pages", "storage_write_hashes", "storage_write_host_pages", "storage_read_hashes", "storage_read_host_pages")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +333,10 @@ class StepPlan(_message.Message):
     WRITE_BACK_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     LOAD_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     LOAD_DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_WRITE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_WRITE_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_READ_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_READ_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     mode: ForwardMode
     leaves: _containers.RepeatedScalarFieldContainer[int]
@@ -344,7 +352,11 @@ class StepPlan(_message.Message):
     write_back_host_pages: _containers.RepeatedScalarFieldContainer[int]
     load_host_pages: _containers.RepeatedScalarFieldContainer[int]
     load_device_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ..., decode_new_swa_pages: _Optional[_Iterable[int]] = ..., write_back_device_pages: _Optional[_Iterable[int]] = ..., write_back_host_pages: _Optional[_Iterable[int]] = ..., load_host_pages: _Optional[_Iterable[int]] = ..., load_device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    storage_write_hashes: _containers.RepeatedScalarFieldContainer[int]
+    storage_write_host_pages: _containers.RepeatedScalarFieldContainer[int]
+    storage_read_hashes: _containers.RepeatedScalarFieldContainer[int]
+    storage_read_host_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., mode: _Optional[_Union[ForwardMode, str]] = ..., leaves: _Optional[_Iterable[int]] = ..., joins: _Optional[_Iterable[_Union[Join, _Mapping]]] = ..., extends: _Optional[_Iterable[_Union[Extend, _Mapping]]] = ..., decode_slots: _Optional[_Iterable[int]] = ..., decode_positions: _Optional[_Iterable[int]] = ..., decode_new_pages: _Optional[_Iterable[int]] = ..., adapter_slots: _Optional[_Iterable[_Union[AdapterSlot, _Mapping]]] = ..., session: _Optional[_Union[SessionOpen, _Mapping]] = ..., decode_new_swa_pages: _Optional[_Iterable[int]] = ..., write_back_device_pages: _Optional[_Iterable[int]] = ..., write_back_host_pages: _Optional[_Iterable[int]] = ..., load_host_pages: _Optional[_Iterable[int]] = ..., load_device_pages: _Optional[_Iterable[int]] = ..., storage_write_hashes: _Optional[_Iterable[int]] = ..., storage_write_host_pages: _Optional[_Iterable[int]] = ..., storage_read_hashes: _Optional[_Iterable[int]] = ..., storage_read_host_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start", "logprobs", "top_ids", "top_logprobs", "ids_logprobs")
@@ -363,7 +375,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms", "grammar_ended", "token_counts", "embeddings")
+    __slots__ = ("step_id", "error", "slots", "token_ids", "logprobs", "top_counts", "top_ids", "top_logprobs", "ids_counts", "ids_logprobs", "prompt_logprobs", "forward_ms", "idle_ms", "grammar_ended", "token_counts", "embeddings", "storage_done")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +392,7 @@ class StepResult(_message.Message):
     GRAMMAR_ENDED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DONE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     error: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -396,7 +409,16 @@ class StepResult(_message.Message):
     grammar_ended: _containers.RepeatedScalarFieldContainer[int]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
-    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., grammar_ended: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+    storage_done: _containers.RepeatedCompositeFieldContainer[StorageReadsDone]
+    def __init__(self, step_id: _Optional[int] = ..., error: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., grammar_ended: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., storage_done: _Optional[_Iterable[_Union[StorageReadsDone, _Mapping]]] = ...) -> None: ...
+
+class StorageReadsDone(_message.Message):
+    __slots__ = ("step_id", "failed")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    failed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., failed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("slot", "values")

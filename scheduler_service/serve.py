@@ -67,6 +67,8 @@ WORKER_FLAGS = frozenset(
         "enable_hierarchical_cache",
         "hicache_ratio",
         "hicache_size",
+        "hicache_file_dir",
+        "hicache_file_size",
     }
 )
 WORKER_FLAG_NAMES = {"threads": "--worker-threads"}
@@ -93,6 +95,9 @@ def _worker_args(
     if worker.enable_hierarchical_cache:
         cmd += ["--enable-hierarchical-cache", "--hicache-ratio", str(worker.hicache_ratio)]
         cmd += ["--hicache-size", str(worker.hicache_size)]
+        if worker.hicache_file_dir:  # each rank its own folder under it (the layout's)
+            cmd += ["--hicache-file-dir", worker.hicache_file_dir]
+            cmd += ["--hicache-file-size", str(worker.hicache_file_size)]
     if service.api.metrics_port is not None:
         cmd += ["--metrics-port", str(service.api.metrics_port + 1 + rank)]
     if worker.tp_size > 1:

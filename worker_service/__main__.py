@@ -54,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
     if worker.runner.grammars is not None:
         worker.runner.grammars.close()  # its compile processes
+    if worker.runner.files is not None:
+        worker.runner.files.close()  # pages copied aside reach their files
     if getattr(server, "health_server", None) is not None:
         server.health_server.stop(grace=None)
     tracing.shutdown_tracing()  # after the last step: the span process flushes it too

@@ -105,6 +105,20 @@ class WorkerConfig:
         "0: use the ratio)",
         metavar="GIB",
     )
+    hicache_file_dir: str | None = setting(
+        None,
+        "with --enable-hierarchical-cache: a file tier behind the host pool (SGLang's HiCache "
+        "storage, file backend): host pages are also written to files named by block hash in "
+        "a folder per model layout under PATH, so a restarted worker, or another on the same "
+        "node, loads a prefix it never computed",
+        metavar="PATH",
+    )
+    hicache_file_size: float = setting(
+        0.0,
+        "with --hicache-file-dir: the files' cap in GiB, least recently used evicted (0: the "
+        "free space of PATH's filesystem at start, less 10%)",
+        metavar="GIB",
+    )
     tp_size: int = setting(1, "tensor-parallel ranks in the group")
     tp_rank: int = setting(0, "this worker's tensor-parallel rank")
     dist_addr: str | None = setting(
@@ -308,18 +322,28 @@ def load_config(
 
 
 def check_hicache_flags(cfg: WorkerConfig) -> None:
-    """The host tier's flags go together (SystemExit naming the fix)."""
+    """The host tier's flags, and its file tier's, go together (SystemExit
+    naming the fix)."""
     if not cfg.enable_hierarchical_cache:
         given = []
         if cfg.hicache_ratio != HICACHE_RATIO_DEFAULT:
             given.append(f"--hicache-ratio {cfg.hicache_ratio:g}")
         if cfg.hicache_size:
             given.append(f"--hicache-size {cfg.hicache_size:g}")
+        if cfg.hicache_file_dir or cfg.hicache_file_size:
+            raise SystemExit(
+                "--hicache-file-dir is a file tier behind the host KV tier; add "
+                "--enable-hierarchical-cache"
+            )
         if given:
             raise SystemExit(
                 f"{' and '.join(given)} size the host KV tier; add --enable-hierarchical-cache"
             )
         return
+    if cfg.hicache_file_size and not cfg.hicache_file_dir:
+        raise SystemExit("--hicache-file-size caps the file tier; add --hicache-file-dir PATH")
+    if cfg.hicache_file_size < 0:
+        raise SystemExit(f"--hicache-file-size must be >= 0 GiB (got {cfg.hicache_file_size:g})")
     if cfg.hicache_ratio <= 0:
         raise SystemExit(f"--hicache-ratio must be > 0 (got {cfg.hicache_ratio:g})")
     if cfg.hicache_size < 0:

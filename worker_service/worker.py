@@ -37,8 +37,11 @@ from worker_service.device.host_kv_pool import (
     refusal,
 )
 from worker_service.device.kv_cache import KvCache
+from worker_service.device.kv_file_store import KvLayout
 from worker_service.device.kv_quant import KvScaleReader, kv_storage_dtype
 from worker_service.device.kv_sizing import size_kv_pools
+from worker_service.execution.file_tier_setup import num_storage_pages as num_storage_pages_of
+from worker_service.execution.file_tier_setup import open_file_tier
 from worker_service.execution.model_compute import ModelCompute
 from worker_service.execution.model_runner import ModelRunner
 from worker_service.execution.simulated_compute import SimulatedCompute
@@ -92,6 +95,8 @@ class Worker:
     # The host tier's pool (--enable-hierarchical-cache; 0: none) and its bytes.
     num_host_pages: int = 0
     host_kv_bytes: int = 0
+    # The file tier's cap in pages (--hicache-file-dir; 0: none).
+    num_storage_pages: int = 0
     # Device memory this rank holds (reported by GetInfo; 0: none).
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -306,6 +311,22 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         tp=tp,
         num_host_pages=compute.host_kv.num_pages if compute.host_kv is not None else 0,
     )
+    num_storage_pages = 0
+    if cfg.hicache_file_dir and compute.host_kv is not None:
+        layout = KvLayout(
+            model=str(source.path),
+            dtype=dtype_name(kv.dtype),
+            page_size=cfg.page_size,
+            num_layers=kv.num_layers,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+        )
+        runner.files = open_file_tier(
+            cfg.hicache_file_dir, cfg.hicache_file_size, compute.host_kv, layout
+        )
+        num_storage_pages = _agreed_min(num_storage_pages_of(runner.files), tp, kv.device)
     logger.info(
         "worker ready",
         pages=num_pages,
@@ -340,7 +361,16 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         pooling=pooling,
         num_host_pages=runner.num_host_pages,
         host_kv_bytes=compute.host_kv.nbytes if compute.host_kv is not None else 0,
+        num_storage_pages=num_storage_pages,
     )
+
+
+def _agreed_min(value: int, tp: TensorParallel, device: torch.device) -> int:
+    """The smallest rank's ``value`` under tensor parallelism (each rank's
+    own otherwise)."""
+    if not tp.enabled:
+        return value
+    return int(tp.all_reduce_min(torch.tensor([value], device=device)).item())
 
 
 def _host_kv_pool(cfg: WorkerConfig, kv: KvCache, num_pages: int, tp: TensorParallel) -> HostKvPool:

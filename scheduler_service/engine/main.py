@@ -95,12 +95,14 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             context_len=model.max_context_len or None,
             enable_kv_events=True,
             hicache_host_pages=info.num_host_pages,
+            hicache_storage_pages=info.num_storage_pages if info.num_host_pages else 0,
         ),
         info.num_pages,
         stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
         num_swa_pages=info.num_swa_pages,
         swa_window=info.swa_window,
     )
+    sched.note_stored_blocks(group.stored_hashes)  # the file tier's blocks, if any
     adapters = AdapterLoader(sched, group, config.engine.max_lora_rank)
     try:
         adapters.preload(list(config.engine.lora_paths))

@@ -204,6 +204,10 @@ class WorkerRecovery:
                 logger.error("the worker group came back with another KV layout", error=str(e))
                 self.group.drop_streams()
                 return False
+        if config.hicache_storage_pages and not info.num_storage_pages:
+            logger.error("the worker group came back without its file tier; not using it")
+            self.group.drop_streams()
+            return False
         if self.before_open is not None:
             try:
                 self.before_open()
@@ -222,4 +226,5 @@ class WorkerRecovery:
                 self._refused = str(e)
             self.group.drop_streams()
             return False
+        sched.note_stored_blocks(self.group.stored_hashes)  # the index went with the loss
         return True

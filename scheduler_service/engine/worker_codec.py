@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 
 from protos import worker_pb2 as pb
+from scheduler_service.core.ids import ID_TYPE, StorageReadsDone
 from scheduler_service.core.plan import (
     ForwardMode,
     Join,
@@ -136,6 +138,12 @@ class WorkerCodec:
         if plan.loads is not None:
             msg.load_host_pages.extend(plan.loads.src)
             msg.load_device_pages.extend(plan.loads.dst)
+        if plan.storage_writes is not None:  # the file tier's copies, as the host tier's
+            msg.storage_write_hashes.extend(plan.storage_writes.hashes)
+            msg.storage_write_host_pages.extend(plan.storage_writes.host)
+        if plan.storage_reads is not None:
+            msg.storage_read_hashes.extend(plan.storage_reads.hashes)
+            msg.storage_read_host_pages.extend(plan.storage_reads.host)
         return msg
 
     def _join(self, join: Join, m: pb.Join) -> None:
@@ -160,6 +168,14 @@ class WorkerCodec:
 
     def decode(self, msg: pb.StepResult, plan: StepPlan) -> StepResult:
         """``msg`` read against ``plan``, the plan it answers."""
+        result = self._decode(msg, plan)
+        if msg.storage_done:
+            result.storage_done = [
+                StorageReadsDone(d.step_id, array(ID_TYPE, d.failed)) for d in msg.storage_done
+            ]
+        return result
+
+    def _decode(self, msg: pb.StepResult, plan: StepPlan) -> StepResult:
         if msg.step_id != plan.step_id:
             raise WorkerProtocolError(
                 f"result for step {msg.step_id}, the oldest plan in flight is {plan.step_id}"

@@ -47,6 +47,7 @@ from common.session_epoch import MAX_SESSION_EPOCH, MAX_SESSION_EPOCH_TEXT
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from scheduler_service.engine.step_deadline import StepDeadline, Watchdog
+from scheduler_service.engine.storage_reports import StorageReports
 
 logger = structlog.get_logger(__name__)
 
@@ -159,6 +160,9 @@ class WorkerGroup:
         self._metadata = worker_token.metadata(token)
         self.ranks = [self._rank(parse_worker_address(url)) for url in urls]
         self.info: pb.WorkerInfo | None = None
+        # The file tier's blocks every rank holds (at the last connect).
+        self.stored_hashes: list[int] = []
+        self._storage_reports = StorageReports(1)  # the ranks' file reads, merged
         self.session_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._epoch_base = 0  # fixed at the first connect
         self._sessions = 0  # sessions opened that some rank accepted
@@ -252,6 +256,8 @@ class WorkerGroup:
             )
         self.ranks = [r for _, r in by_rank]
         self.info = by_rank[0][0]
+        self.stored_hashes = _stored_everywhere(infos)
+        self._storage_reports = StorageReports(len(infos))
         logger.info(
             "worker group connected",
             ranks=len(self.ranks),
@@ -279,6 +285,7 @@ class WorkerGroup:
                 f"maximum {MAX_SESSION_EPOCH_TEXT}: restart the workers, then this scheduler"
             )
         self._hung = ""
+        self._storage_reports.reset()
         opening = pb.StepPlan(session=pb.SessionOpen(session_id=self.session_id, epoch=self.epoch))
         for rank in self.ranks:
             rank.plans = queue.SimpleQueue()
@@ -348,6 +355,7 @@ class WorkerGroup:
                 raise StepFailed(
                     r.step_id, f"worker {rank.address} failed step {r.step_id}: {r.error}"
                 )
+        self._storage_reports.merge(results)
         return results[0]
 
     def ended(self) -> str | None:
@@ -417,3 +425,12 @@ class WorkerGroup:
             if rank.plans is not None:
                 rank.plans.put(None)
             rank.channel.close()
+
+
+def _stored_everywhere(infos: list[pb.WorkerInfo]) -> list[int]:
+    """The file tier's blocks every rank's folder holds (each rank stores its
+    own shard of a page: a block is readable only where all of them have it)."""
+    common = set(infos[0].stored_block_hashes)
+    for info in infos[1:]:
+        common.intersection_update(info.stored_block_hashes)
+    return [h for h in infos[0].stored_block_hashes if h in common]

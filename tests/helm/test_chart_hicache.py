@@ -43,6 +43,10 @@ def _volumes(w: dict) -> dict:
     return {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
 
 
+def _mounts(w: dict) -> dict:
+    return {m["name"]: m for m in container(w)["volumeMounts"]}
+
+
 def test_on_the_workers_get_the_host_pool_and_the_schedulers_the_write_policy():
     docs = render("tp2-replicas3", {**ON, "hicache.ratio": "3.5"})
     workers, schedulers = by_component(docs, "worker"), by_component(docs, "scheduler")
@@ -75,12 +79,40 @@ def test_a_size_in_gib_replaces_the_ratio_and_the_policy_is_passed_as_given():
     assert container(w)["args"][-1] == "--extra"
 
 
-def test_file_tier_is_refused_until_the_worker_has_one():
-    """The worker has no --hicache-file-dir yet: enabling the file tier fails
-    the render with a message, instead of a flag the worker rejects. (The
-    volume rendering it guards, and its tests, come back with the file tier:
-    commit ffe1091.)"""
-    assert "hicache.fileTier is not available yet" in render_error(FILES)
+def test_file_tier_mounts_its_volume_writable_in_every_worker_only():
+    docs = render("tp2-replicas3", FILES)
+    for w in by_component(docs, "worker"):
+        assert flag_value(container(w)["args"], "--hicache-file-dir") == "/hicache"
+        mount = _mounts(w)["hicache-files"]
+        assert mount["mountPath"] == "/hicache" and not mount.get("readOnly")
+        assert _volumes(w)["hicache-files"] == {"name": "hicache-files", "emptyDir": {}}
+    for other in by_component(docs, "scheduler") + by_component(docs, "gateway"):
+        assert "hicache-files" not in _volumes(other)
+
+
+@pytest.mark.parametrize(
+    ("volume", "expected"),
+    [
+        (
+            {"hicache.fileTier.volume.hostPath.path": "/mnt/nvme/kv"},
+            {"hostPath": {"path": "/mnt/nvme/kv"}},
+        ),
+        (
+            {"hicache.fileTier.volume.persistentVolumeClaim.claimName": "kv-files"},
+            {"persistentVolumeClaim": {"claimName": "kv-files"}},
+        ),
+        (
+            {"hicache.fileTier.volume.emptyDir.sizeLimit": "100Gi"},
+            {"emptyDir": {"sizeLimit": "100Gi"}},
+        ),
+    ],
+)
+def test_file_tier_volume_sources_and_path(volume, expected):
+    docs = render(None, {**FILES, **volume, "hicache.fileTier.path": "/var/kv"})
+    (w,) = by_component(docs, "worker")
+    assert _volumes(w)["hicache-files"] == {"name": "hicache-files", **expected}
+    assert _mounts(w)["hicache-files"]["mountPath"] == "/var/kv"
+    assert flag_value(container(w)["args"], "--hicache-file-dir") == "/var/kv"
 
 
 def test_file_tier_without_the_tier_renders_nothing():
@@ -130,10 +162,16 @@ def test_schema_rejects_bad_hicache_values(sets, message):
     assert message in render_error(sets)
 
 
+def test_file_tier_path_must_not_be_the_adapters_mount():
+    sets = {**FILES, "hicache.fileTier.path": "/srv/lora", "lora.mountPath": "/srv/lora"}
+    sets["lora.volume.persistentVolumeClaim.claimName"] = "x"
+    assert "hicache.fileTier.path is lora.mountPath" in render_error(sets)
+
+
 @pytest.mark.parametrize("version", ("1.37.0", "1.28.0"))
 def test_hicache_rendering_validates_strictly(version, tmp_path):
     path = tmp_path / "hicache.yaml"
-    sets = {**ON, "hicache.sizeGiB": 2.5}
+    sets = {**FILES, "hicache.fileTier.volume.hostPath.path": "/mnt/kv", "hicache.sizeGiB": 2.5}
     path.write_text(template_text("tp2-replicas3", sets))
     result = subprocess.run(
         [str(VALIDATE), "--strict", "--kubernetes-version", version, str(path)],
@@ -144,6 +182,6 @@ def test_hicache_rendering_validates_strictly(version, tmp_path):
 
 
 def test_lint_with_hicache():
-    args = [f"--set={k}={v}" for k, v in ON.items()]
+    args = [f"--set={k}={v}" for k, v in FILES.items()]
     result = helm("lint", str(CHART), "--strict", *args)
     assert "0 chart(s) failed" in result.stdout, result.stdout + result.stderr

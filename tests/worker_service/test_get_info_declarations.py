@@ -35,6 +35,8 @@ def _info(**declared) -> pb.ModelInfo:
         num_pages=8,
         num_swa_pages=0,
         num_host_pages=0,
+        num_storage_pages=0,
+        runner=SimpleNamespace(files=None),
         swa_window=0,
         tp=SimpleNamespace(rank=0, size=1),
         attention_backend="torch",

@@ -148,6 +148,17 @@ class HostKvPool:
         self._timings.append(time.perf_counter() - started)
         return None
 
+    def page_bytes(self) -> torch.Tensor:
+        """The pool as bytes, ``[layers, pages, bytes of a layer's page]`` (a
+        view: the file tier reads and fills whole pages through it)."""
+        return self._storage.view(torch.uint8).reshape(self.kv.num_layers, self.num_pages, -1)
+
+    def settle(self) -> None:
+        """Wait for the copies queued so far (CUDA: the copy stream), so the
+        host pages they write can be read by the host."""
+        if self._cuda_copier is not None:
+            self._cuda_copier.stream.synchronize()
+
     def take_timings(self) -> list[float]:
         """Seconds taken by the plans' copies finished since the last call (on
         CUDA those whose events have completed: no wait)."""

@@ -13,6 +13,7 @@ from worker_service.execution.plan import (
     PageCopies,
     Plan,
     Result,
+    StorageCopies,
 )
 from worker_service.sampling.params import LogprobOptions, SamplingParams
 
@@ -116,6 +117,7 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
         decode_new_swa_pages=list(m.decode_new_swa_pages),
         adapter_slots=[AdapterSlot(a.slot, a.name) for a in m.adapter_slots],
         copies=_copies_from_proto(m),
+        storage=_storage_from_proto(m),
     )
 
 
@@ -131,6 +133,20 @@ def _copies_from_proto(m: pb.StepPlan) -> PageCopies | None:
         write_back_host=np.array(m.write_back_host_pages, dtype=np.int64),
         load_host=np.array(m.load_host_pages, dtype=np.int64),
         load_device=np.array(m.load_device_pages, dtype=np.int64),
+    )
+
+
+def _storage_from_proto(m: pb.StepPlan) -> StorageCopies | None:
+    """The file tier's columns (validation checks them); None when none."""
+    if not (m.storage_write_hashes or m.storage_write_host_pages) and not (
+        m.storage_read_hashes or m.storage_read_host_pages
+    ):
+        return None
+    return StorageCopies(
+        write_hashes=np.array(m.storage_write_hashes, dtype=np.int64),
+        write_host=np.array(m.storage_write_host_pages, dtype=np.int64),
+        read_hashes=np.array(m.storage_read_hashes, dtype=np.int64),
+        read_host=np.array(m.storage_read_host_pages, dtype=np.int64),
     )
 
 
@@ -162,4 +178,7 @@ def result_to_proto(r: Result) -> pb.StepResult:
         grammar_ended=r.grammar_ended,
         token_counts=r.token_counts,
         embeddings=[pb.Embedding(slot=e.slot, values=e.values) for e in r.embeddings],
+        storage_done=[
+            pb.StorageReadsDone(step_id=d.step_id, failed=d.failed) for d in r.storage_done
+        ],
     )

@@ -15,6 +15,7 @@ import structlog
 from worker_service.device.context import DeviceFailure, is_sticky_device_error
 from worker_service.device.distributed import GroupStepFailed, TensorParallel
 from worker_service.device.page_table import PageTable
+from worker_service.execution.file_copies import HostKvFiles
 from worker_service.execution.plan import Plan, Result
 from worker_service.execution.request_state import SlotState
 from worker_service.execution.step_work import (
@@ -108,6 +109,9 @@ class ModelRunner:
         self.num_swa_pages = num_swa_pages
         self.swa_window = swa_window
         self.num_host_pages = num_host_pages
+        # The file tier behind the host pool (set by the assembly; None: none,
+        # and plans with file copies are refused).
+        self.files: HostKvFiles | None = None
         # LoRA adapters: loaded by name (gRPC threads) and in adapter slots.
         self.adapters = AdapterStore()
         # Structured generation (None: this rank does not sample, or no vocabulary).
@@ -133,6 +137,8 @@ class ModelRunner:
             self.swa_table.clear()
         self.adapters.clear_slots()
         self._running = None  # its kernels finish on their own; nobody reads them
+        if self.files is not None:  # reads the old session planned: never reported
+            self.files.forget()
 
     def execute(self, plan: Plan) -> Result:
         """Run one plan to its result (no overlap with a next one)."""
@@ -160,6 +166,7 @@ class ModelRunner:
                 num_swa_pages=self.num_swa_pages,
                 swa_window=self.swa_window,
                 num_host_pages=self.num_host_pages,
+                file_tier=self.files is not None,
                 page_size=self.page_size,
                 vocab_size=self.vocab_size,
                 max_context=self.max_context,
@@ -195,6 +202,8 @@ class ModelRunner:
         try:
             if plan.copies is not None:  # write-backs, loads: before the forward
                 self.compute.copy_pages(plan.copies, forward=bool(work))  # type: ignore[attr-defined]
+            if plan.storage is not None and self.files is not None:  # after the write-backs
+                self.files.run(plan.step_id, plan.storage)
             if self.overlap and not step.drafted:
                 prior = None if previous is None else previous.launched
                 step.launched = self.compute.launch(work, step.num_extends, prior)

@@ -84,6 +84,9 @@ class Plan:
     # The host tier's page copies (protos/worker.proto, StepPlan): write-backs
     # device -> host in list order, then loads host -> device, then the forward.
     copies: PageCopies | None = None
+    # The file tier's copies (protos/worker.proto, StepPlan): host pages to
+    # files after the write-backs, files to host pages in the background.
+    storage: StorageCopies | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,35 @@ class PageCopies:
         return len(self.load_host)
 
 
+@dataclass(frozen=True, slots=True)
+class StorageCopies:
+    """A plan's file-tier copies as packed int64 columns: host page
+    ``write_host[i]`` -> the file of block hash ``write_hashes[i]``, and the
+    file of ``read_hashes[i]`` -> host page ``read_host[i]``."""
+
+    write_hashes: np.ndarray
+    write_host: np.ndarray
+    read_hashes: np.ndarray
+    read_host: np.ndarray
+
+    @property
+    def num_writes(self) -> int:
+        return len(self.write_hashes)
+
+    @property
+    def num_reads(self) -> int:
+        return len(self.read_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageReadsDone:
+    """Plan ``step_id``'s file reads all finished; ``failed``: indices into
+    its read columns that found no whole, checked file."""
+
+    step_id: int
+    failed: list[int] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class Result:
     step_id: int
@@ -126,3 +158,5 @@ class Result:
     # one each, and then the per-token lists are per entry.
     token_counts: list[int] = field(default_factory=list)
     embeddings: list[PooledEmbedding] = field(default_factory=list)
+    # The file tier: plans whose reads finished since the last result.
+    storage_done: list[StorageReadsDone] = field(default_factory=list)

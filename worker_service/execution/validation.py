@@ -13,6 +13,7 @@ import numpy as np
 
 from worker_service.execution.plan import Extend, PageCopies, Plan
 from worker_service.execution.request_state import SlotState
+from worker_service.execution.storage_validation import storage_problem
 
 
 class PlanError(ValueError):
@@ -33,15 +34,22 @@ def validate_plan(
     num_swa_pages: int = 0,
     swa_window: int = 0,
     num_host_pages: int = 0,
+    file_tier: bool = False,
 ) -> None:
     """``adapter_slots``: adapter slot -> adapter before the plan;
     ``loaded``: the adapters the plan's slot assignments name that are loaded;
     ``scores_only``: the model is a sequence classifier (no LM head), so every
     request must be one its score head reads (last-token pooling);
     ``num_swa_pages`` > 0: two pools (``_SlidingCheck``); ``num_host_pages``:
-    the host tier's pool (0: none, and a plan with page copies is refused)."""
+    the host tier's pool (0: none, and a plan with page copies is refused);
+    ``file_tier``: the worker has one (without it a plan with file copies is
+    refused)."""
     if plan.copies is not None:
         _check_copies(plan.copies, num_pages=num_pages, num_host_pages=num_host_pages)
+    if plan.storage is not None:
+        problem = storage_problem(plan.storage, file_tier=file_tier, num_host_pages=num_host_pages)
+        if problem is not None:
+            raise PlanError(problem)
     swa = _SlidingCheck(num_swa_pages, swa_window, page_size) if num_swa_pages else None
     held = set(slots)
     for slot in plan.leaves:

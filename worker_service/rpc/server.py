@@ -51,6 +51,7 @@ def serve(worker: Worker) -> tuple[grpc.Server, int]:
             host_pages=worker.num_host_pages,
             host_page_bytes=host_kv.bytes_per_page if host_kv is not None else 0,
             copy_timings=host_kv.take_timings if host_kv is not None else None,
+            file_counts=worker.runner.files.counts if worker.runner.files is not None else None,
         )
         registry = new_registry()
         metrics.register(registry)

@@ -49,6 +49,12 @@ PROTOCOL_VERSION = 3
 # Kubernetes) restarts it, and the scheduler re-prefills what it was running.
 EXIT_DEVICE_FAILURE = 70
 TOKENIZER_CHUNK = 1 << 20
+# An IDLE plan sent while file reads are out is answered once a report is
+# ready, or after this long (the scheduler then sends another).
+IDLE_REPORT_WAIT_S = 0.005
+# GetInfo's stored block hashes: at most this many (2 MiB), so the message
+# stays far below gRPC's limits; the scheduler's index is a belief anyway.
+MAX_REPORTED_HASHES = 1 << 18
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -110,6 +116,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_swa_pages=w.num_swa_pages,
             swa_window=w.swa_window,
             num_host_pages=w.num_host_pages,
+            num_storage_pages=w.num_storage_pages,
+            stored_block_hashes=_stored_hashes(w),
             tp_rank=w.tp.rank,
             tp_size=w.tp.size,
             attention_backend=w.attention_backend,
@@ -267,6 +275,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The step's result message; forward_ms is this thread's time since the
         previous result that was not spent waiting for plans."""
         done = running.error or self.worker.runner.complete(running.step)
+        files = self.worker.runner.files
+        if files is not None:  # the file reads finished meanwhile
+            msg = running.msg
+            if msg.mode == pb.FORWARD_MODE_IDLE and not (msg.extends or msg.decode_slots):
+                files.wait_done(IDLE_REPORT_WAIT_S)  # sent to collect reads: no spin
+            done.storage_done.extend(files.take_done())
         result = result_to_proto(done)
         busy_s, idle_s = clock.result_ready()
         result.forward_ms = busy_s * 1e3
@@ -436,3 +450,12 @@ def _read_plans(stream: Iterator[pb.StepPlan], plans: queue.SimpleQueue) -> None
         pass  # the scheduler went away: the stream is over
     finally:
         plans.put(None)
+
+
+def _stored_hashes(w: Worker) -> list[int]:
+    """The block hashes the file tier's folder holds now (none without one),
+    at most MAX_REPORTED_HASHES of them (8 bytes each on the wire)."""
+    files = w.runner.files
+    if files is None:
+        return []
+    return files.store.stored_hashes()[:MAX_REPORTED_HASHES].tolist()

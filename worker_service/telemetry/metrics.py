@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +29,16 @@ MODES = {
 }
 
 
+class FileCounts(NamedTuple):
+    """The file tier's pages so far: read into the host pool, reads that
+    found no whole file, written to files, writes that failed."""
+
+    read: int
+    read_failed: int
+    written: int
+    write_failed: int
+
+
 class WorkerMetrics(Collector):
     def __init__(
         self,
@@ -37,10 +48,12 @@ class WorkerMetrics(Collector):
         host_pages: int = 0,
         host_page_bytes: int = 0,
         copy_timings: Callable[[], list[float]] | None = None,
+        file_counts: Callable[[], FileCounts] | None = None,
     ) -> None:
         """``host_pages``, ``host_page_bytes``: the host tier's pool and the
         bytes of one page (every layer); ``copy_timings``: seconds of the
-        plans' copies finished since the last call (HostKvPool.take_timings)."""
+        plans' copies finished since the last call (HostKvPool.take_timings);
+        ``file_counts``: the file tier's counts so far (None: no file tier)."""
         self.histograms = HistogramCollector()
         self.step_s = {
             mode: self.histograms.add(
@@ -67,6 +80,7 @@ class WorkerMetrics(Collector):
         self._host_pages = host_pages
         self._host_page_bytes = host_page_bytes
         self._copy_timings = copy_timings
+        self._file_counts = file_counts
         self.loaded_bytes = 0
         self.written_bytes = 0
         self.streams = 0
@@ -156,4 +170,26 @@ class WorkerMetrics(Collector):
                 "radixserve_worker_hicache_written_bytes",
                 "KV bytes copied from the device to the host tier (write-backs).",
                 value=self.written_bytes,
+            )
+        if self._file_counts is not None:
+            counts = self._file_counts()
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_file_reads",
+                "KV pages read from the file tier into the host pool.",
+                value=counts.read,
+            )
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_file_read_failures",
+                "File-tier reads that found no whole, checked file (a miss).",
+                value=counts.read_failed,
+            )
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_file_writes",
+                "KV pages written from the host pool to the file tier.",
+                value=counts.written,
+            )
+            yield CounterMetricFamily(
+                "radixserve_worker_hicache_file_write_failures",
+                "File-tier writes that failed (logged).",
+                value=counts.write_failed,
             )

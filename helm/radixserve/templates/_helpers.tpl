@@ -189,10 +189,6 @@ securityContext:
 {{- fail "hicache.ratio must be above 0 (or hicache.sizeGiB set)" }}
 {{- end }}
 {{- if and .Values.hicache.enabled .Values.hicache.fileTier.enabled }}
-{{- /* The worker has no --hicache-file-dir yet (issue 34's file tier is
-       not wired): refuse rather than render a flag the worker rejects.
-       The rendering below is kept for when it lands. */}}
-{{- fail "hicache.fileTier is not available yet: the worker has no file tier (--hicache-file-dir); leave hicache.fileTier.enabled false" }}
 {{- if eq (trimSuffix "/" .Values.hicache.fileTier.path) (trimSuffix "/" .Values.lora.mountPath) }}
 {{- fail "hicache.fileTier.path is lora.mountPath: mount them apart" }}
 {{- end }}

@@ -38,6 +38,7 @@ class _Info:
     model: pb.ModelInfo
     num_swa_pages: int = 0  # one pool
     num_host_pages: int = 0  # no host tier
+    num_storage_pages: int = 0  # no file tier
 
 
 @dataclass
@@ -58,6 +59,7 @@ class SimGroup:
         self.refuse_open = ""  # a session refusal (a newer scheduler holds the group)
         self.worker: SimulatedWorker | None = None  # the open session's
         self.connects = 0  # GetInfo attempts
+        self.stored_hashes: list[int] = []  # the file tier's blocks (none)
         self.opened = 0
         self.dropped = 0
         self.hold_loads = False  # LoadAdapter answers wait for release_loads()
