@@ -271,7 +271,7 @@ class TraceContext(_message.Message):
     def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace", "adapter_slot", "pooling", "normalize")
+    __slots__ = ("slot", "rid", "sampling", "logprobs", "prompt_len", "prefix_ids", "num_output_tokens", "trace", "adapter_slot", "last_token", "kv_pages", "pooling", "normalize")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,8 @@ class Join(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     slot: int
@@ -292,9 +294,11 @@ class Join(_message.Message):
     num_output_tokens: int
     trace: TraceContext
     adapter_slot: int
+    last_token: int
+    kv_pages: _containers.RepeatedScalarFieldContainer[int]
     pooling: Pooling
     normalize: bool
-    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., rid: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[TraceContext, _Mapping]] = ..., adapter_slot: _Optional[int] = ..., last_token: _Optional[int] = ..., kv_pages: _Optional[_Iterable[int]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("slot", "start_pos", "input_ids", "new_pages", "sample", "next_token", "draft_len", "new_swa_pages")

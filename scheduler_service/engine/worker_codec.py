@@ -147,11 +147,6 @@ class WorkerCodec:
         return msg
 
     def _join(self, join: Join, m: pb.Join) -> None:
-        if join.last_token is not None:
-            # A decode unit's join (core/disagg/): the wire has no field for it yet.
-            raise NotImplementedError(
-                f"{join.rid}: a join with KV from a prefill unit cannot be sent to a worker yet"
-            )
         m.slot = self._take_slot(join.rid)
         m.rid = join.rid
         sampling_to_proto(join.sampling, m.sampling)
@@ -162,6 +157,9 @@ class WorkerCodec:
         m.adapter_slot = join.adapter_slot
         if join.trace_context is not None:
             m.trace.traceparent, m.trace.tracestate = join.trace_context
+        if join.last_token is not None:  # a decode unit's landed request (core/disagg/)
+            m.last_token = join.last_token
+            m.kv_pages.extend(join.kv_pages)
         if join.embed is not None:
             m.pooling = _POOLINGS[join.embed.pooling]
             m.normalize = join.embed.normalize

@@ -95,6 +95,8 @@ def plan_from_proto(m: pb.StepPlan) -> Plan:
                 adapter_slot=j.adapter_slot,
                 pooling=_pooling_from_proto(j.pooling),
                 normalize=j.normalize,
+                last_token=j.last_token if j.HasField("last_token") else None,
+                kv_pages=list(j.kv_pages),
             )
             for j in m.joins
         ],

@@ -360,6 +360,8 @@ class ModelRunner:
             adapter = adapters.slots[join.adapter_slot] if join.adapter_slot else None
             slots[join.slot] = state = SlotState.from_join(join, adapter)
             state.row = self._acquire()
+            if state.pages:  # a landed join: its received pages are its table
+                table.append(state.row, state.pages)
         work: list[SeqWork] = []
         for e in plan.extends:
             state = slots[e.slot]

@@ -38,6 +38,11 @@ class Join:
     # An embedding request: "last" or "mean" pooling ("": a generation request).
     pooling: str = ""
     normalize: bool = False
+    # A landed request (disaggregation, decode unit): its prompt's KV is in
+    # ``kv_pages`` (its whole table, received from a prefill unit) and
+    # ``last_token`` is its last sampled token (its first decode computes it).
+    last_token: int | None = None
+    kv_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

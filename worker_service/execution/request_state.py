@@ -50,13 +50,17 @@ class SlotState:
     @classmethod
     def from_join(cls, join: Join, adapter: LoadedAdapter | None = None) -> SlotState:
         tokens = list(join.prefix_ids)
+        kv_len = len(tokens)
+        if join.last_token is not None:  # landed: the prompt's KV is in kv_pages
+            tokens.append(join.last_token)
         return cls(
             rid=join.rid,
             sampling=join.sampling,
             logprobs=join.logprobs,
             prompt_len=join.prompt_len,
             tokens=tokens,
-            kv_len=len(tokens),
+            kv_len=kv_len,
+            pages=list(join.kv_pages),
             traceparent=join.traceparent,
             tracestate=join.tracestate,
             adapter=adapter,

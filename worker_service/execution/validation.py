@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from worker_service.execution.landed_validation import landed_join_problem
 from worker_service.execution.plan import Extend, PageCopies, Plan
 from worker_service.execution.request_state import SlotState
 from worker_service.execution.storage_validation import storage_problem
@@ -57,7 +58,8 @@ def validate_plan(
             raise PlanError(f"leave of slot {slot}, which the worker does not hold")
         held.discard(slot)
     filled = _check_adapter_slots(plan, adapter_slots or {}, loaded or {})
-    joined: dict[int, int] = {}  # slot -> kv_len at join
+    # slot -> (kv_len, table length, has a sampled token) at join
+    joined: dict[int, tuple[int, int, bool]] = {}
     # Slots of embedding requests (they never sample).
     poolers = {slot for slot, s in slots.items() if s.pooling}
     for j in plan.joins:
@@ -84,12 +86,22 @@ def validate_plan(
                 f"join of {j.rid}: mean pooling needs the hidden state of every prompt "
                 f"position, but {len(j.prefix_ids)} come from the cache"
             )
+        problem = landed_join_problem(
+            j,
+            num_pages=num_pages,
+            page_size=page_size,
+            vocab_size=vocab_size,
+            max_context=max_context,
+            two_pools=bool(num_swa_pages),
+        )
+        if problem is not None:
+            raise PlanError(problem)
         if j.pooling:
             poolers.add(j.slot)
         else:
             poolers.discard(j.slot)
         held.add(j.slot)
-        joined[j.slot] = len(j.prefix_ids)
+        joined[j.slot] = (len(j.prefix_ids), len(j.kv_pages), j.last_token is not None)
     seen: set[int] = set()
 
     def state_of(slot: int, what: str) -> tuple[int, int, bool, int]:
@@ -101,7 +113,7 @@ def validate_plan(
             raise PlanError(f"slot {slot} is scheduled twice in one step")
         seen.add(slot)
         if slot in joined:
-            return joined[slot], 0, False, 0
+            return *joined[slot], 0
         s = slots[slot]
         return s.kv_len, len(s.pages), s.has_sampled_token, s.swa_live_from
 
