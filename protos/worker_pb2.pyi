@@ -42,6 +42,32 @@ GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
 GRAMMAR_KIND_EBNF: GrammarKind
 GRAMMAR_KIND_STRUCTURAL_TAG: GrammarKind
 
+class KvBatch(_message.Message):
+    __slots__ = ("room", "bytes_per_page", "seq", "dst_pages", "data", "crc32", "last")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    bytes_per_page: int
+    seq: int
+    dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    crc32: int
+    last: bool
+    def __init__(self, room: _Optional[str] = ..., bytes_per_page: _Optional[int] = ..., seq: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class KvAck(_message.Message):
+    __slots__ = ("seq", "pages_written")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pages_written: int
+    def __init__(self, seq: _Optional[int] = ..., pages_written: _Optional[int] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.PushKv = channel.stream_stream(
+                '/radixserve.worker.v1.Worker/PushKv',
+                request_serializer=protos_dot_worker__pb2.KvBatch.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.KvAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -123,6 +128,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKv(self, request_iterator, context):
+        """Prefill/decode disaggregation: another worker (a prefill unit's, the
+        same TP rank) writes a prompt's KV into pages of this worker's pool that
+        the decode unit's scheduler named. The first KvBatch opens the transfer
+        (room, bytes_per_page), each batch carries whole pages and a crc32 and
+        is acknowledged (KvAck) once written; the sender keeps a window of
+        unacknowledged batches. A problem ends the call with a status naming it
+        (INVALID_ARGUMENT: a bad layout, page or sequence; DATA_LOSS: a checksum
+        that does not match; FAILED_PRECONDITION: a worker without a KV pool).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +174,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=protos_dot_worker__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'PushKv': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushKv,
+                    request_deserializer=protos_dot_worker__pb2.KvBatch.FromString,
+                    response_serializer=protos_dot_worker__pb2.KvAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +343,33 @@ class Worker:
             '/radixserve.worker.v1.Worker/UnloadAdapter',
             protos_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
             protos_dot_worker__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixserve.worker.v1.Worker/PushKv',
+            protos_dot_worker__pb2.KvBatch.SerializeToString,
+            protos_dot_worker__pb2.KvAck.FromString,
             options,
             channel_credentials,
             insecure,

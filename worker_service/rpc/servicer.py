@@ -33,6 +33,7 @@ from worker_service.rpc.call_budget import (
     UNOPENED_STREAMS,
     UnopenedStreams,
 )
+from worker_service.rpc.kv_receiver import KvReceiver
 from worker_service.rpc.request_decoding import Undecodable
 from worker_service.rpc.session import Session, SessionFence, SessionRefused
 from worker_service.sampling.grammar import CompileFailed, CompileTimeout, GrammarError
@@ -77,6 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The session that holds the worker: a session that takes over ends it.
         self._active: _SessionStream | None = None
         self._tokenizer_zip: bytes | None = None
+        self._kv_receiver = KvReceiver(lambda: getattr(worker.runner.compute, "kv", None))
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
         w = self.worker
@@ -346,6 +348,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> pb.UnloadAdapterResponse:
         """Forgets the name; slots and requests holding the adapter keep it."""
         return pb.UnloadAdapterResponse(found=self.worker.runner.adapters.remove(request.name))
+
+    def PushKv(
+        self, request_iterator: Iterator[pb.KvBatch], context: grpc.ServicerContext
+    ) -> Iterator[pb.KvAck]:
+        """Another worker's KV pages into this pool (kv_receiver.py)."""
+        return self._kv_receiver.push(request_iterator, context)
 
     def GetTokenizer(
         self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext
