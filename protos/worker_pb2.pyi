@@ -42,6 +42,26 @@ GRAMMAR_KIND_JSON_SCHEMA: GrammarKind
 GRAMMAR_KIND_EBNF: GrammarKind
 GRAMMAR_KIND_STRUCTURAL_TAG: GrammarKind
 
+class SendKvRequest(_message.Message):
+    __slots__ = ("room", "src_pages", "target", "dst_pages", "timeout_s")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    src_pages: _containers.RepeatedScalarFieldContainer[int]
+    target: str
+    dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, room: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., target: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SendKvResponse(_message.Message):
+    __slots__ = ("pages_sent",)
+    PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    pages_sent: int
+    def __init__(self, pages_sent: _Optional[int] = ...) -> None: ...
+
 class KvBatch(_message.Message):
     __slots__ = ("room", "bytes_per_page", "seq", "dst_pages", "data", "crc32", "last")
     ROOM_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.KvBatch.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.KvAck.FromString,
                 _registered_method=True)
+        self.SendKv = channel.unary_unary(
+                '/radixserve.worker.v1.Worker/SendKv',
+                request_serializer=protos_dot_worker__pb2.SendKvRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.SendKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -142,6 +147,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendKv(self, request, context):
+        """Prefill/decode disaggregation, the prefill side: push src_pages of this
+        worker's pool into dst_pages of the worker at target (its PushKv; the
+        same TP rank of the decode unit), with this worker's token; answered
+        once every batch is acknowledged. UNAVAILABLE: the transfer failed (the
+        message names the room and how far it got); INVALID_ARGUMENT: page
+        lists of different lengths or outside the pool; FAILED_PRECONDITION: no
+        KV pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +197,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PushKv,
                     request_deserializer=protos_dot_worker__pb2.KvBatch.FromString,
                     response_serializer=protos_dot_worker__pb2.KvAck.SerializeToString,
+            ),
+            'SendKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendKv,
+                    request_deserializer=protos_dot_worker__pb2.SendKvRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.SendKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +393,33 @@ class Worker:
             '/radixserve.worker.v1.Worker/PushKv',
             protos_dot_worker__pb2.KvBatch.SerializeToString,
             protos_dot_worker__pb2.KvAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixserve.worker.v1.Worker/SendKv',
+            protos_dot_worker__pb2.SendKvRequest.SerializeToString,
+            protos_dot_worker__pb2.SendKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

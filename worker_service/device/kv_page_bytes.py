@@ -23,11 +23,16 @@ def bytes_per_page(kv: KvCache) -> int:
     return sum(layer[0].numel() * layer.element_size() for layer in kv.layers)
 
 
-def _index(kv: KvCache, pages: Sequence[int]) -> torch.Tensor:
+def check_pages(kv: KvCache, pages: Sequence[int]) -> None:
+    """Raise KvBytesError unless every page is in the pool."""
     n = kv.layers[0].shape[0]
     bad = [p for p in pages if not 0 <= p < n][:5]
     if bad:
         raise KvBytesError(f"pages outside the pool [0, {n}): {bad}")
+
+
+def _index(kv: KvCache, pages: Sequence[int]) -> torch.Tensor:
+    check_pages(kv, pages)
     return torch.tensor(list(pages), dtype=torch.long, device=kv.layers[0].device)
 
 

@@ -19,7 +19,7 @@ from common.worker_token import metadata
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc
 from worker_service.device.kv_cache import KvCache
-from worker_service.device.kv_page_bytes import bytes_per_page, read_pages
+from worker_service.device.kv_page_bytes import bytes_per_page, check_pages, read_pages
 
 logger = structlog.get_logger(__name__)
 
@@ -48,6 +48,7 @@ def push_pages(
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
     per_page = bytes_per_page(kv)
+    check_pages(kv, src_pages)  # KvBytesError before anything is sent
     starts = list(range(0, len(src_pages), pages_per_batch)) or [0]
     credits = threading.Semaphore(window)
     stop = threading.Event()

@@ -34,6 +34,7 @@ from worker_service.rpc.call_budget import (
     UnopenedStreams,
 )
 from worker_service.rpc.kv_receiver import KvReceiver
+from worker_service.rpc.kv_send_order import KvSendOrders
 from worker_service.rpc.request_decoding import Undecodable
 from worker_service.rpc.session import Session, SessionFence, SessionRefused
 from worker_service.sampling.grammar import CompileFailed, CompileTimeout, GrammarError
@@ -78,7 +79,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The session that holds the worker: a session that takes over ends it.
         self._active: _SessionStream | None = None
         self._tokenizer_zip: bytes | None = None
-        self._kv_receiver = KvReceiver(lambda: getattr(worker.runner.compute, "kv", None))
+        pool = lambda: getattr(worker.runner.compute, "kv", None)  # noqa: E731
+        self._kv_receiver = KvReceiver(pool)
+        self._kv_sends = KvSendOrders(pool, worker.config.worker_token_file)
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
         w = self.worker
@@ -354,6 +357,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> Iterator[pb.KvAck]:
         """Another worker's KV pages into this pool (kv_receiver.py)."""
         return self._kv_receiver.push(request_iterator, context)
+
+    def SendKv(self, request: pb.SendKvRequest, context: grpc.ServicerContext) -> pb.SendKvResponse:
+        """Push pages of this pool into another worker's (kv_send_order.py)."""
+        return self._kv_sends.send(request, context)
 
     def GetTokenizer(
         self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext
