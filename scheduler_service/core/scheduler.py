@@ -374,11 +374,7 @@ class Scheduler:
                 slide(e.req)
             for e in plan.decodes:
                 slide(e.req)
-        if self.hicache is not None:
-            self._take_copies(plan, self.hicache)
-        if self.disagg is not None:
-            self.disagg.land(plan)
-        inflight.append(plan)
+        self._send(plan)
         self.stats.steps += 1
         return plan
 
@@ -399,22 +395,24 @@ class Scheduler:
         ):
             return None
         plan = StepPlan(self._next_step_id(), ForwardMode.IDLE, leaves=table.take_leaves())
-        if tier is not None:  # copies planned this step ride on it
-            self._take_copies(plan, tier)
-        if dis is not None:  # landed transfers join
-            dis.land(plan)
-        self._inflight.append(plan)
+        self._send(plan)
         return plan
 
-    def _take_copies(self, plan: StepPlan, tier: HiRadixCache) -> None:
-        """The host copies planned since the last plan ride on ``plan``; their
-        tokens are counted (stats: host hits loaded, tokens written)."""
-        tier.take_copies(plan)  # and the file tier's, if any
-        page = self.config.page_size
-        if plan.write_backs is not None:
-            self.stats.hicache_written_tokens += len(plan.write_backs) * page
-        if plan.loads is not None:
-            self.stats.hicache_loaded_tokens += len(plan.loads) * page
+    def _send(self, plan: StepPlan) -> None:
+        """A built plan goes in flight, with what rides on every plan: the
+        tiers' copies planned since the last one (their tokens counted: host
+        hits loaded, tokens written) and the transfers that landed."""
+        tier = self.hicache
+        if tier is not None:
+            tier.take_copies(plan)  # and the file tier's, if any
+            page = self.config.page_size
+            if plan.write_backs is not None:
+                self.stats.hicache_written_tokens += len(plan.write_backs) * page
+            if plan.loads is not None:
+                self.stats.hicache_loaded_tokens += len(plan.loads) * page
+        if self.disagg is not None:
+            self.disagg.land(plan)
+        self._inflight.append(plan)
 
     def _release_held(self) -> None:
         table = self.table
