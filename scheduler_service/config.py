@@ -234,6 +234,20 @@ class EngineConfig:
         many=True,
     )
     max_lora_rank: int = setting(64, "LoRA adapters of a higher rank are refused")
+    disaggregation_bootstrap_port: int = setting(
+        8998,
+        "a prefill unit (--disaggregation-mode prefill) serves decode units' claims of "
+        "bootstrap rooms on this port of --host (the port the gateway's --prefill URL names; "
+        "SGLang's default; 0: any free port)",
+    )
+    disaggregation_worker_addresses: tuple[str, ...] = setting(
+        (),
+        "a decode unit: its workers' addresses (rank order) as the prefill unit's workers "
+        "reach them (default: --workers)",
+        parse=str,
+        metavar="HOST:PORT",
+        many=True,
+    )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from scheduler_service.core.disagg.orders import DisaggFigures
 from scheduler_service.core.intake import Submission
 from scheduler_service.core.kv.events import KvEvent
 from scheduler_service.core.plan import TokenLogprobs
@@ -185,6 +186,9 @@ class Load:
     # its host pool's pages holding KV, and in all (0 without the tier)
     hicache_host_pages_used: int = 0
     hicache_host_pages_total: int = 0
+    # Prefill/decode disaggregation: the unit's role and queues (GetLoads'
+    # disagg section); None when it serves alone.
+    disagg: DisaggFigures | None = None
 
 
 _new_delta = tuple.__new__  # DeltaOut without the Python-level __new__

@@ -34,6 +34,15 @@ IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
 
 
+def _disaggregation_mode(text: str) -> str | None:
+    mode = text.strip().lower()
+    if mode in ("", "null", "none"):
+        return None
+    if mode not in DISAGGREGATION_MODES:
+        raise ValueError(f"{text!r}: choose null, prefill or decode")
+    return mode
+
+
 def _chunk_size(text: str) -> int | None:
     size = int(text)
     return None if size <= 0 else size
@@ -63,10 +72,29 @@ class SchedulerConfig:
     # timeouts: a peer that has not claimed a request's bootstrap room within
     # the first (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT), or a transfer not
     # done within the second (SGLANG_DISAGGREGATION_WAITING_TIMEOUT), ends
-    # the request. Not flags yet: they come with the transfer's wire.
-    disaggregation_mode: str | None = None
-    disaggregation_bootstrap_timeout_s: float = 300.0
-    disaggregation_waiting_timeout_s: float = 300.0
+    # the request.
+    disaggregation_mode: str | None = setting(
+        None,
+        "prefill/decode disaggregation: this unit's role behind a gateway in PD mode "
+        "(prefill: computes prompts and sends their KV to decode units; decode: receives "
+        "it and decodes; null: serve alone)",
+        parse=_disaggregation_mode,
+        metavar="{null,prefill,decode}",
+    )
+    disaggregation_bootstrap_timeout_s: float = setting(
+        300.0,
+        "a disaggregated request whose peer unit has not claimed it (prefill) or given it "
+        "pages (decode) within this many seconds ends UNAVAILABLE",
+        flag="--disaggregation-bootstrap-timeout",
+        metavar="SECONDS",
+    )
+    disaggregation_waiting_timeout_s: float = setting(
+        300.0,
+        "a disaggregated request whose KV transfer has not ended within this many seconds "
+        "ends UNAVAILABLE",
+        flag="--disaggregation-waiting-timeout",
+        metavar="SECONDS",
+    )
     # The file tier behind the host tier (kv/storage_tier.py): how many pages
     # the worker's file store holds (the index of blocks believed on disk
     # keeps at most this many; 0: no file tier, the default). Needs the host

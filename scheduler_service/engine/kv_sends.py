@@ -12,7 +12,7 @@ the bootstrap handshake (docs/design.md, Prefill/decode disaggregation)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,11 +50,14 @@ class KvSendCarrier:
         stubs: Sequence[worker_pb2_grpc.WorkerStub],
         token: str | None = None,
         timeout_s: float = 60.0,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
-        """``stubs``: this unit's workers, rank order."""
+        """``stubs``: this unit's workers, rank order; ``on_done``: called
+        (from a gRPC thread) whenever a send ended."""
         self._stubs = list(stubs)
         self._metadata = worker_token.metadata(token)
         self._timeout_s = timeout_s
+        self._on_done = on_done
         self._lock = threading.Lock()
         self._live: dict[str, _Send] = {}
         self._done: list[tuple[str, str | None]] = []
@@ -70,6 +73,8 @@ class KvSendCarrier:
         if problem:
             with self._lock:
                 self._done.append((rid, f"room {order.room}: {problem}"))
+            if self._on_done is not None:
+                self._on_done()
             return
         send = _Send(rid, order.room, left=len(self._stubs))
         with self._lock:
@@ -98,6 +103,7 @@ class KvSendCarrier:
                 details = e.details() if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
                 error = details or type(e).__name__
         stop: list[grpc.Future] = []
+        ended = False
         with self._lock:
             if error and not send.error:
                 send.error = error
@@ -108,6 +114,9 @@ class KvSendCarrier:
                 if message:
                     logger.warning("kv send failed", rid=send.rid, room=send.room, error=send.error)
                 self._done.append((send.rid, message))
+                ended = True
+        if ended and self._on_done is not None:
+            self._on_done()
         for other in stop:  # outside the lock: a cancel may call back at once
             other.cancel()
 

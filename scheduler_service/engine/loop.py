@@ -13,7 +13,8 @@ in between steps; one Outputs message per step goes out.
 from __future__ import annotations
 
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -28,8 +29,13 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.recovery import MAX_STEP_FAILURES, WorkerRecovery
 from scheduler_service.engine.request_tracing import RequestTracer
+from scheduler_service.engine.wakeup import Wakeup
 from scheduler_service.engine.worker_codec import WorkerCodec, WorkerProtocolError
 from scheduler_service.engine.worker_group import StepFailed, WorkerError, WorkerGroup
+
+if TYPE_CHECKING:
+    from scheduler_service.engine.decode_transfers import DecodeTransfers
+    from scheduler_service.engine.prefill_transfers import PrefillTransfers
 
 logger = structlog.get_logger(__name__)
 
@@ -59,8 +65,12 @@ class Engine:
         check_integrity: bool = False,
         adapters: AdapterLoader | None = None,
         sliding: bool = False,
+        transfers: PrefillTransfers | DecodeTransfers | None = None,
+        wakeup: Wakeup | None = None,
     ) -> None:
-        """``sliding``: the workers have a sliding pool (WorkerInfo.num_swa_pages)."""
+        """``sliding``: the workers have a sliding pool (WorkerInfo.num_swa_pages);
+        ``transfers``: a disaggregated unit's side of the KV transfers, whose
+        gRPC threads wake the loop through ``wakeup``."""
         self.sched = sched
         self.group = group
         self.conn = conn
@@ -70,6 +80,8 @@ class Engine:
         # Debug (--check-integrity): check pool and cache after every step and update.
         self.check_integrity = check_integrity
         self.codec = WorkerCodec(sliding=sliding)
+        self.transfers = transfers
+        self.wakeup = wakeup
         self.running = True
         self.adapters = adapters or AdapterLoader(sched, group, max_rank=0)
         self.recovery = WorkerRecovery(
@@ -145,7 +157,12 @@ class Engine:
             if self.adapters.busy:
                 for reply in self.adapters.poll():
                     self.conn.send(reply)
+            transfers = self.transfers
+            if transfers is not None:
+                transfers.pump()
             plan = sched.step()
+            if transfers is not None:
+                transfers.pump()
             if self.check_integrity:
                 self._check("a step")
             if plan is not None:
@@ -169,6 +186,8 @@ class Engine:
                 except WorkerProtocolError as e:
                     raise StepFailed(msg.step_id, f"worker result out of protocol: {e}") from e
                 sched.update(result)
+                if transfers is not None:
+                    transfers.pump()
                 if self.check_integrity:
                     self._check("an update")
             elif plan is None and not inflight:
@@ -191,6 +210,8 @@ class Engine:
         # not ready while the group is away (api/readiness.py), ready once back.
         self._publish(force=True)
         while self.running:
+            if self.transfers is not None:
+                self.transfers.pump()  # the lost transfers' cancels go out
             if recovery.try_reconnect():
                 self._publish(force=True)
                 return True
@@ -242,8 +263,12 @@ class Engine:
         conn = self.conn
         if block:
             self._publish()  # nothing will run before the wait ends: send what we have
-            if not conn.poll(timeout):
-                return
+            if self.wakeup is None:
+                if not conn.poll(timeout):
+                    return
+            else:
+                wait([conn, self.wakeup], timeout)
+                self.wakeup.clear()
         while conn.poll(0):
             self._handle(conn.recv())
 
@@ -429,4 +454,5 @@ class Engine:
             hicache_written_tokens=stats.hicache_written_tokens,
             hicache_host_pages_used=figures.host_pages_used,
             hicache_host_pages_total=figures.host_pages_total,
+            disagg=sched.disagg.figures() if sched.disagg is not None else None,
         )

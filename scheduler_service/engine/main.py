@@ -23,6 +23,7 @@ from scheduler_service.config import TRACING_SERVICE_NAME, ServiceConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.adapter_loader import AdapterLoader
 from scheduler_service.engine.loop import Engine
+from scheduler_service.engine.pd_setup import build_transfers
 from scheduler_service.engine.stop_strings import StopStringMatcher
 from scheduler_service.engine.worker_group import WorkerError, WorkerGroup
 from scheduler_service.gc_tuning import tune_gc
@@ -86,22 +87,26 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
     if tokenizer is None:
         archive = b""
     model = info.model
-    sched = Scheduler(
-        dataclasses.replace(
-            config.scheduler,
-            page_size=info.page_size,
-            vocab_size=model.vocab_size,
-            eos_token_ids=frozenset(model.eos_token_ids),
-            context_len=model.max_context_len or None,
-            enable_kv_events=True,
-            hicache_host_pages=info.num_host_pages,
-            hicache_storage_pages=info.num_storage_pages if info.num_host_pages else 0,
-        ),
-        info.num_pages,
-        stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
-        num_swa_pages=info.num_swa_pages,
-        swa_window=info.swa_window,
-    )
+    try:
+        sched = Scheduler(
+            dataclasses.replace(
+                config.scheduler,
+                page_size=info.page_size,
+                vocab_size=model.vocab_size,
+                eos_token_ids=frozenset(model.eos_token_ids),
+                context_len=model.max_context_len or None,
+                enable_kv_events=True,
+                hicache_host_pages=info.num_host_pages,
+                hicache_storage_pages=info.num_storage_pages if info.num_host_pages else 0,
+            ),
+            info.num_pages,
+            stop_strings=StopStringMatcher(tokenizer) if tokenizer is not None else None,
+            num_swa_pages=info.num_swa_pages,
+            swa_window=info.swa_window,
+        )
+    except ValueError as e:  # a combination the scheduler refuses (e.g. PD with a host tier)
+        conn.send(ipc.Failed(str(e)))
+        return
     sched.note_stored_blocks(group.stored_hashes)  # the file tier's blocks, if any
     adapters = AdapterLoader(sched, group, config.engine.max_lora_rank)
     try:
@@ -132,6 +137,11 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
             sampling_defaults={f.name: value for f, value in model.sampling_defaults.ListFields()},
         )
     )
+    try:
+        transfers, wakeup, closers = build_transfers(config, sched, group, info=info, token=token)
+    except OSError as e:
+        conn.send(ipc.Failed(f"the bootstrap server: {e}"))
+        return
     engine = Engine(
         sched,
         group,
@@ -141,6 +151,8 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         check_integrity=config.engine.check_integrity,
         adapters=adapters,
         sliding=info.num_swa_pages > 0,
+        transfers=transfers,
+        wakeup=wakeup,
     )
     tune_gc()
     try:
@@ -153,5 +165,7 @@ def core_main(conn: Connection, config: ServiceConfig, parent_pid: int) -> None:
         else:
             engine.run()
     finally:
+        for close in closers:
+            close()
         group.close()
         tracing.shutdown_tracing()  # flush the request spans before exiting

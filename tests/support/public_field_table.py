@@ -19,6 +19,7 @@ from tests.support.public_fields import Elsewhere, Here, Refused, Row
 PENDING_OWNERS: frozenset[str] = frozenset()
 
 INVALID = "INVALID_ARGUMENT"
+PD_GRPC = "tests/e2e/test_pd_gateway.py::test_prompt_and_output_logprobs_over_grpc_equal_colocated"
 SMOLLM2 = "tests/e2e/test_smollm2_system.py"
 STRUCTURED_SIM = "tests/e2e/test_structured_simulated.py"
 STRUCTURED_REAL = "tests/e2e/test_structured_real.py"
@@ -62,7 +63,17 @@ FIELDS: dict[str, Row] = {
     ),
     "GenerateRequest.token_ids_logprob": Here(c.token_ids_logprob, model="default"),
     "GenerateRequest.return_hidden_states": Refused(INVALID, "hidden states"),
-    "GenerateRequest.disaggregated_params": Refused(INVALID, "disaggregated_params", whole=True),
+    "GenerateRequest.disaggregated_params.bootstrap_host": Elsewhere(
+        PD_GRPC,
+        "the decode unit claims the room at this host (the prefill unit's); a unit that is "
+        "not disaggregated refuses disaggregated_params by name (test_simulated_system.py)",
+    ),
+    "GenerateRequest.disaggregated_params.bootstrap_port": Elsewhere(
+        PD_GRPC, "... and port (the prefill unit's --disaggregation-bootstrap-port)"
+    ),
+    "GenerateRequest.disaggregated_params.bootstrap_room": Elsewhere(
+        PD_GRPC, "the room both units key the transfer by (sample i of n: room + i * 2**31)"
+    ),
     "GenerateRequest.custom_logit_processor": Refused(INVALID, "custom_logit_processor"),
     "GenerateRequest.timestamp": Refused(
         INVALID, "timestamp", _set("GenerateRequest.timestamp", Timestamp(seconds=1))

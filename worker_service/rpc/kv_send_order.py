@@ -52,6 +52,7 @@ class KvSendOrders:
                     dst_pages=list(request.dst_pages),
                     token=self._token,
                     timeout_s=request.timeout_s or DEFAULT_TIMEOUT_S,
+                    active=context.is_active,
                 )
         except KvBytesError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {room}: {e}")

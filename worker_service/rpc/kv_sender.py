@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import structlog
@@ -42,9 +42,11 @@ def push_pages(
     pages_per_batch: int = PAGES_PER_BATCH,
     window: int = WINDOW,
     timeout_s: float = 60.0,
+    active: Callable[[], bool] = lambda: True,
 ) -> int:
     """Send ``src_pages`` of ``kv`` into the receiver's ``dst_pages`` (in
-    order); returns the pages written once every batch is acknowledged."""
+    order); returns the pages written once every batch is acknowledged.
+    ``active`` False (the order was cancelled) stops before the next batch."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
     per_page = bytes_per_page(kv)
@@ -56,8 +58,10 @@ def push_pages(
     def batches() -> Iterator[pb.KvBatch]:
         for seq, at in enumerate(starts):
             while not credits.acquire(timeout=0.05):
-                if stop.is_set():
+                if stop.is_set() or not active():
                     return
+            if not active():
+                return
             data = read_pages(kv, src_pages[at : at + pages_per_batch])
             yield pb.KvBatch(
                 room=room if seq == 0 else "",

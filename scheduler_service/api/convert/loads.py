@@ -11,6 +11,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service import ipc
+from scheduler_service.core.disagg.orders import DisaggFigures
 
 SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
 GIB = float(1 << 30)
@@ -72,13 +73,26 @@ def scheduler_load(
             pb.LoRAMetrics(slots_used=used, slots_total=slots, utilization=round(used / slots, 4))
         )
     if "disagg" in sections:
-        # SGLang's answer for a server that is not disaggregated.
-        s.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
+        s.disaggregation.CopyFrom(disaggregation_metrics(load.disagg))
     if "queues" in sections:
         # No grammar queue (grammars compile before the core sees a request)
         # and no pause (radixserve has no pause_generation).
         s.queues.CopyFrom(pb.QueueMetrics(waiting=waiting, retracted=load.retracted_waiting))
     return s
+
+
+def disaggregation_metrics(f: DisaggFigures | None) -> pb.DisaggregationMetrics:
+    """SGLang's queue counts by role; mode "null" (and nothing else) for a
+    unit that serves alone. No transfer speed or latency yet (0)."""
+    if f is None:
+        return pb.DisaggregationMetrics(mode="null")
+    return pb.DisaggregationMetrics(
+        mode=f.mode,
+        prefill_prealloc_queue_reqs=f.bootstrapping,
+        prefill_inflight_queue_reqs=f.sending,
+        decode_prealloc_queue_reqs=f.prealloc,
+        decode_transfer_queue_reqs=f.receiving,
+    )
 
 
 def _no_load(total: int) -> ipc.Load:

@@ -31,6 +31,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from scheduler_service.api.convert import custom_params
 from scheduler_service.config import LimitsConfig
+from scheduler_service.core.bootstrap import Bootstrap
 from scheduler_service.core.intake import Submission
 from scheduler_service.core.sampling import InvalidRequestError, LogprobOptions, SamplingParams
 
@@ -283,6 +284,7 @@ def generate_call(
     # them (a sample that wants them cannot read those positions from the
     # cache), and the servicer hands them to its siblings.
     sibling_lp = dataclasses.replace(lp, logprob_start_len=-1)
+    bootstraps = sample_bootstraps(m, n)
     priority = custom_params.priority(m.sampling_params.custom_params)
     routing_key = custom_params.routing_key(m.sampling_params.custom_params)
     speculative = custom_params.speculative(m.sampling_params.custom_params)
@@ -297,6 +299,7 @@ def generate_call(
             routing_key=routing_key,
             speculative=speculative,
             waits_for=rids[0] if i else None,
+            bootstrap=bootstraps[i] if bootstraps else None,
         )
         for i, r in enumerate(rids)
     ]
@@ -311,15 +314,38 @@ def generate_call(
     return GenerateCall(rid, m.stream, samples, len(ids), lp, max(interval, 1), adapter)
 
 
+# Sample i > 0 of a disaggregated call takes room + i * ROOM_STRIDE: the
+# gateway draws rooms below 2**31, so derived rooms meet no other call's,
+# and both units derive the same ones.
+ROOM_STRIDE = 1 << 31
+
+
+def sample_bootstraps(m: pb.GenerateRequest, n: int) -> list[Bootstrap]:
+    """The bootstrap (prefill unit's host, port, room) of each of a call's
+    ``n`` samples; none when the call is not disaggregated."""
+    if not m.HasField("disaggregated_params") or not m.disaggregated_params.ByteSize():
+        return []
+    d = m.disaggregated_params
+    if not d.bootstrap_host or not 0 < d.bootstrap_port < 65536:
+        raise InvalidRequestError(
+            "disaggregated_params: bootstrap_host and a bootstrap_port in [1, 65535] are needed, "
+            f"got {d.bootstrap_host!r}:{d.bootstrap_port}"
+        )
+    if d.bootstrap_room < 0:
+        raise InvalidRequestError(
+            f"disaggregated_params: bootstrap_room must be >= 0, got {d.bootstrap_room}"
+        )
+    return [
+        Bootstrap(d.bootstrap_host, d.bootstrap_port, d.bootstrap_room + i * ROOM_STRIDE)
+        for i in range(n)
+    ]
+
+
 def _refuse_unsupported(m: pb.GenerateRequest) -> None:
     """Fields radixserve would otherwise ignore without a word."""
     if m.custom_logit_processor:
         raise InvalidRequestError(
             "custom_logit_processor: serialized logit processors (code) are not accepted"
-        )
-    if m.HasField("disaggregated_params") and m.disaggregated_params.ByteSize():
-        raise InvalidRequestError(
-            "disaggregated_params: prefill/decode disaggregation is not supported"
         )
     if m.data_parallel_rank not in (0, -1):
         raise InvalidRequestError(

@@ -113,6 +113,12 @@ class Disaggregation:
         self.transfers[req.rid] = t
         self._rooms[t.room] = t
 
+    def announced(self, room: int) -> Request | None:
+        """The live request announced with ``room``, if any (the prefill
+        engine matches decode units' claims with it)."""
+        t = self._rooms.get(room)
+        return t.req if t is not None else None
+
     def sends(self, req: Request) -> bool:
         """Whether ``req``'s first token starts a send (a prefill unit's request)."""
         return self.prefill and req.rid in self.transfers

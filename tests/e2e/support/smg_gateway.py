@@ -25,17 +25,20 @@ def start_gateway(
     *,
     extra_args: tuple[str, ...] = (),
     probe_chat: bool = True,
+    worker_args: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`smg` over ``units`` (anything with an ``address``), once it lists the
     model and has served a chat completion of ``probe_tokens`` tokens (any
     length shows it has the units' tokenizer): the process, the caller's to
     stop, and its base URL. ``extra_args``: more smg flags; ``probe_chat``
-    False: once it lists the model (a model that cannot chat)."""
+    False: once it lists the model (a model that cannot chat);
+    ``worker_args``: how smg is told its units, instead of ``--worker-urls``
+    over ``units`` (e.g. PD mode's ``--prefill``/``--decode``)."""
     port = free_port()
     log = open(tmp / "smg.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--worker-urls", *[f"grpc://{u.address}" for u in units]]
+        + (worker_args or ["--worker-urls", *[f"grpc://{u.address}" for u in units]])
         + ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         + ["--shutdown-grace-period-secs", "0", "--worker-startup-check-interval", "1"]
         + list(extra_args),

@@ -69,14 +69,7 @@ class Unit:
 
     def start(self) -> None:
         self.starts += 1
-        wlog = self.tmp / f"{self.name}-worker.log"
-        wfile = self.tmp / f"{self.name}-worker-{self.starts}.port"
-        self.worker = _spawn(
-            [str(BIN / "radixserve-worker"), *self.worker_args]
-            + ["--port", str(self.worker_port), "--port-file", str(wfile)],
-            wlog,
-        )
-        wait_for_file(self.worker, wfile, wlog)
+        self.start_worker()
         sfile = self.tmp / f"{self.name}-scheduler-{self.starts}.port"
         self.scheduler = _spawn(
             [str(BIN / "radixserve-scheduler"), *self.scheduler_args]
@@ -86,6 +79,17 @@ class Unit:
             self.log,
         )
         wait_for_file(self.scheduler, sfile, self.log)
+
+    def start_worker(self) -> None:
+        """The worker alone (again, on its port: the scheduler reconnects)."""
+        wlog = self.tmp / f"{self.name}-worker.log"
+        wfile = self.tmp / f"{self.name}-worker-{self.starts}-{time.monotonic_ns()}.port"
+        self.worker = _spawn(
+            [str(BIN / "radixserve-worker"), *self.worker_args]
+            + ["--port", str(self.worker_port), "--port-file", str(wfile)],
+            wlog,
+        )
+        wait_for_file(self.worker, wfile, wlog)
 
     def sigterm(self) -> None:
         """SIGTERM to both processes at once (a rolling restart of the unit)."""
