@@ -38,9 +38,13 @@ def docs(request):
 
 def _listen_port(c: dict, port_name: str) -> int:
     """The port the process is told to listen on, for a named container port."""
-    flag = {"grpc": "--port", "http": "--port", "health": "--health-port", "metrics": None}[
-        port_name
-    ]
+    flag = {
+        "grpc": "--port",
+        "http": "--port",
+        "health": "--health-port",
+        "bootstrap": "--disaggregation-bootstrap-port",
+        "metrics": None,
+    }[port_name]
     if port_name == "metrics":
         flag = "--prometheus-port" if c["name"] == "gateway" else "--metrics-port"
     return int(flag_value(c["args"], flag))

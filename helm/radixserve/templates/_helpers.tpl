@@ -35,6 +35,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- if hasKey . "unit" }}
 radixserve.io/unit: {{ .unit | quote }}
 {{- end }}
+{{- with .mode }}
+radixserve.io/disaggregation-mode: {{ . }}
+{{- end }}
 {{- end }}
 
 {{- define "radixserve.componentLabels" -}}
@@ -43,6 +46,46 @@ app.kubernetes.io/component: {{ .component }}
 {{- if hasKey . "unit" }}
 radixserve.io/unit: {{ .unit | quote }}
 {{- end }}
+{{- with .mode }}
+radixserve.io/disaggregation-mode: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* The units, as a JSON list of {id, mode}: "0".."N-1" with mode "" (one
+     co-located unit per `replicas`), or with disaggregation on, "p0".. with
+     mode prefill and "d0".. with mode decode. The id names the unit's objects
+     (<fullname>-scheduler-<id>, <fullname>-worker-<id>) and is its
+     radixserve.io/unit label. Fails on the combinations PD refuses. */}}
+{{- define "radixserve.units" -}}
+{{- $units := list }}
+{{- with .Values.disaggregation }}
+{{- if .enabled }}
+{{- if not $.Values.gateway.enabled }}
+{{- fail "disaggregation.enabled needs gateway.enabled: the SMG gateway pairs a prefill and a decode unit for each request and tells the decode unit where to meet the prefill one (no client of the schedulers' own API does)" }}
+{{- end }}
+{{- if include "radixserve.loraEnabled" $ }}
+{{- fail "disaggregation.enabled cannot be combined with LoRA (lora.adapters, lora.volume): the schedulers refuse adapters in a disaggregated unit" }}
+{{- end }}
+{{- if $.Values.hicache.enabled }}
+{{- fail "disaggregation.enabled cannot be combined with hicache.enabled: the schedulers refuse the host KV tier in a disaggregated unit" }}
+{{- end }}
+{{- if $.Values.tls.workers.enabled }}
+{{- fail "disaggregation.enabled cannot be combined with tls.workers.enabled: prefill workers push KV to decode workers (Worker.PushKv) over plaintext gRPC; secure it with workerToken and networkPolicy instead" }}
+{{- end }}
+{{- range $i := until (int .prefill.replicas) }}
+{{- $units = append $units (dict "id" (printf "p%d" $i) "mode" "prefill") }}
+{{- end }}
+{{- range $i := until (int .decode.replicas) }}
+{{- $units = append $units (dict "id" (printf "d%d" $i) "mode" "decode") }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if not .Values.disaggregation.enabled }}
+{{- range $i := until (int .Values.replicas) }}
+{{- $units = append $units (dict "id" (toString $i) "mode" "") }}
+{{- end }}
+{{- end }}
+{{- toJson $units }}
 {{- end }}
 
 {{- define "radixserve.serviceAccountName" -}}
@@ -65,9 +108,9 @@ radixserve.io/unit: {{ .unit | quote }}
 {{- printf "%s:%s" $repo $tag }}
 {{- end }}
 
-{{/* DNS names. (dict "root" $ "unit" u "rank" r) */}}
+{{/* DNS names. (dict "root" $ "unit" u "rank" r); u: a unit's id. */}}
 {{- define "radixserve.workerService" -}}
-{{- printf "%s-worker-%d" (include "radixserve.fullname" .root) (int .unit) }}
+{{- printf "%s-worker-%v" (include "radixserve.fullname" .root) .unit }}
 {{- end }}
 
 {{- define "radixserve.workerHost" -}}
@@ -76,7 +119,7 @@ radixserve.io/unit: {{ .unit | quote }}
 {{- end }}
 
 {{- define "radixserve.schedulerService" -}}
-{{- printf "%s-scheduler-%d" (include "radixserve.fullname" .root) (int .unit) }}
+{{- printf "%s-scheduler-%v" (include "radixserve.fullname" .root) .unit }}
 {{- end }}
 
 {{- define "radixserve.schedulerHost" -}}

@@ -20,6 +20,7 @@ VALUE_SETS = {
     "cpu": "cpu-values.yaml",
     "tp2-replicas3": "tp2-replicas3-values.yaml",
     "secure-no-gateway": "secure-no-gateway-values.yaml",
+    "pd": "pd-values.yaml",
 }
 
 
