@@ -5,13 +5,12 @@ stopped as the kubelet would, and serve a generation."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import subprocess
 import urllib.request
-from contextlib import ExitStack, contextmanager, redirect_stderr
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,31 +52,7 @@ def _env(docs: list[dict], w: dict) -> dict[str, str]:
     )
 
 
-def _scheduler_takes_pd_flags() -> bool:
-    """Whether the scheduler's CLI has --disaggregation-mode yet (the chart
-    renders it for the pd value set; the CLI side is wired separately)."""
-    try:
-        with redirect_stderr(io.StringIO()):
-            scheduler_config.load_config(
-                ["--worker", "grpc://w:1", "--disaggregation-mode", "decode"]
-            )
-    except SystemExit:
-        return False
-    return True
-
-
-_PD_PENDING = pytest.mark.xfail(
-    not _scheduler_takes_pd_flags(),
-    reason="radixserve-scheduler has no --disaggregation-* flags yet",
-    raises=SystemExit,
-    strict=True,
-)
-
-
-@pytest.mark.parametrize(
-    "value_set",
-    [pytest.param(v, marks=[_PD_PENDING] if v == "pd" else []) for v in sorted(VALUE_SETS)],
-)
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_rendered_commands_parse_with_the_real_parsers(value_set, monkeypatch, tmp_path):
     docs = render(value_set)
     for w in workloads(docs):
