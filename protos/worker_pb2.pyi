@@ -57,10 +57,12 @@ class SendKvRequest(_message.Message):
     def __init__(self, room: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., target: _Optional[str] = ..., dst_pages: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SendKvResponse(_message.Message):
-    __slots__ = ("pages_sent",)
+    __slots__ = ("pages_sent", "shared_memory")
     PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     pages_sent: int
-    def __init__(self, pages_sent: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, pages_sent: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class KvBatch(_message.Message):
     __slots__ = ("room", "bytes_per_page", "seq", "dst_pages", "data", "crc32", "last")
@@ -151,7 +153,7 @@ class ModelSamplingDefaults(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window", "num_host_pages", "num_storage_pages", "stored_block_hashes")
+    __slots__ = ("protocol_version", "model", "page_size", "num_pages", "tp_rank", "tp_size", "attention_backend", "device", "session_epoch", "weight_bytes", "kv_cache_bytes", "graph_bytes", "grammar_backend", "num_swa_pages", "swa_window", "num_host_pages", "num_storage_pages", "stored_block_hashes", "kv_shared_memory")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class WorkerInfo(_message.Message):
     NUM_HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_STORAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: ModelInfo
     page_size: int
@@ -188,7 +191,8 @@ class WorkerInfo(_message.Message):
     num_host_pages: int
     num_storage_pages: int
     stored_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., num_storage_pages: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_shared_memory: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., session_epoch: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., grammar_backend: _Optional[str] = ..., num_swa_pages: _Optional[int] = ..., swa_window: _Optional[int] = ..., num_host_pages: _Optional[int] = ..., num_storage_pages: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[int]] = ..., kv_shared_memory: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session_id", "epoch")

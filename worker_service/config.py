@@ -88,6 +88,12 @@ class WorkerConfig:
         "the scheduler frees what left the window; off: one pool for every layer (SGLang's "
         "--disable-hybrid-swa-memory; for a scheduler that does not send sliding pages)",
     )
+    kv_shared_memory: bool = setting(
+        False,
+        "prefill/decode disaggregation on one host: keep this (decode) worker's KV pool in "
+        "a /dev/shm file, so a prefill worker on the same host copies a prompt's pages "
+        "straight into it instead of streaming them (CPU pools; /dev/shm must hold the pool)",
+    )
     enable_hierarchical_cache: bool = setting(
         False,
         "a host-memory KV tier under the radix cache (SGLang's HiCache): pages the device "

@@ -272,6 +272,7 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         num_swa_pages=num_swa_pages + 1 if num_swa_pages else 0,
         compute_dtype=dtype,
         scales=scale_reader.scales(mcfg.num_layers) if compute_choice.spec.kv_dtype else None,
+        shared_memory=cfg.kv_shared_memory,
     )
     compute = ModelCompute(model, attn=attn, kv=kv, sampler=sampler, tp=tp, device=device)
     compute.fail_token = cfg.fail_sample_token

@@ -18,6 +18,7 @@ from tests.helm.support.chart import (
     CHART,
     NAMESPACE,
     VALUE_SETS,
+    allowed,
     component,
     container,
     flag_value,
@@ -27,12 +28,12 @@ from tests.helm.support.chart import (
     named,
     of_kind,
     pod_labels,
+    policy_for,
     render,
     render_error,
     template_text,
     workloads,
 )
-from tests.helm.test_chart_wiring import _allowed, _policy_for
 from worker_service import config as worker_config
 
 VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
@@ -128,14 +129,14 @@ def test_decode_workers_are_reachable_from_prefill_workers_only_where_needed():
         },
         "p0": {f"{FULL}-scheduler-p0", f"{FULL}-worker-p0"},
     }
-    for unit, allowed in expected.items():
-        policy = _policy_for(docs, named(docs, "StatefulSet", f"{FULL}-worker-{unit}"))
+    for unit, callers in expected.items():
+        policy = policy_for(docs, named(docs, "StatefulSet", f"{FULL}-worker-{unit}"))
         for name, labels in pods.items():
-            assert _allowed(policy, "grpc", labels) == (name in allowed), (unit, name)
-    sched = _policy_for(docs, named(docs, "Deployment", f"{FULL}-scheduler-p0"))
+            assert allowed(policy, "grpc", labels) == (name in callers), (unit, name)
+    sched = policy_for(docs, named(docs, "Deployment", f"{FULL}-scheduler-p0"))
     for name, labels in pods.items():
-        assert _allowed(sched, "bootstrap", labels) == (name == f"{FULL}-scheduler-d0"), name
-        assert _allowed(sched, "grpc", labels) == (name == f"{FULL}-gateway"), name
+        assert allowed(sched, "bootstrap", labels) == (name == f"{FULL}-scheduler-d0"), name
+        assert allowed(sched, "grpc", labels) == (name == f"{FULL}-gateway"), name
 
 
 def test_worker_gateway_and_test_pod_commands_parse(tmp_path):

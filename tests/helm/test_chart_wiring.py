@@ -13,6 +13,7 @@ from tests.helm.support.chart import (
     CHART,
     NAMESPACE,
     VALUE_SETS,
+    allowed,
     component,
     config_env,
     container,
@@ -22,6 +23,7 @@ from tests.helm.support.chart import (
     named,
     of_kind,
     pod_labels,
+    policy_for,
     render,
     render_error,
     template_text,
@@ -147,57 +149,31 @@ def test_gpu_requests_only_when_asked():
     assert container(of_kind(two, "StatefulSet")[0])["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
-def _policy_for(docs: list[dict], workload: dict) -> dict:
-    (policy,) = [
-        p
-        for p in of_kind(docs, "NetworkPolicy")
-        if matches(p["spec"]["podSelector"], pod_labels(workload))
-    ]
-    return policy
-
-
-def _allowed(policy: dict, port: str, labels: dict) -> bool:
-    for rule in policy["spec"]["ingress"]:
-        ports = [p["port"] for p in rule.get("ports", [])]
-        if ports and port not in ports:
-            continue
-        if "from" not in rule:
-            return True
-        if any(
-            "podSelector" in peer
-            and "namespaceSelector" not in peer
-            and matches(peer["podSelector"], labels)
-            for peer in rule["from"]
-        ):
-            return True
-    return False
-
-
 def test_network_policies_select_the_right_pods():
     docs = render("tp2-replicas3")
     pods = {w["metadata"]["name"]: pod_labels(w) for w in workloads(docs)}
     (test_pod,) = of_kind(docs, "Pod")
     pods["test"] = test_pod["metadata"]["labels"]
     for unit in range(3):
-        policy = _policy_for(docs, named(docs, "StatefulSet", f"{FULL}-worker-{unit}"))
+        policy = policy_for(docs, named(docs, "StatefulSet", f"{FULL}-worker-{unit}"))
         for name, labels in pods.items():
             own = name in (f"{FULL}-scheduler-{unit}", f"{FULL}-worker-{unit}")
-            assert _allowed(policy, "grpc", labels) == own, (unit, name)
-        assert _allowed(policy, "metrics", {"app": "prometheus"})
-    sched = _policy_for(docs, named(docs, "Deployment", f"{FULL}-scheduler-0"))
+            assert allowed(policy, "grpc", labels) == own, (unit, name)
+        assert allowed(policy, "metrics", {"app": "prometheus"})
+    sched = policy_for(docs, named(docs, "Deployment", f"{FULL}-scheduler-0"))
     for name, labels in pods.items():
-        allowed = name in (f"{FULL}-gateway", "test")
-        assert _allowed(sched, "grpc", labels) == allowed, name
-    gateway = _policy_for(docs, named(docs, "Deployment", f"{FULL}-gateway"))
-    assert _allowed(gateway, "http", {"app": "anyone"})
+        expected = name in (f"{FULL}-gateway", "test")
+        assert allowed(sched, "grpc", labels) == expected, name
+    gateway = policy_for(docs, named(docs, "Deployment", f"{FULL}-gateway"))
+    assert allowed(gateway, "http", {"app": "anyone"})
     # Without the gateway the schedulers are the public API: open to clients,
     # or to the peers named in networkPolicy.schedulerClients.
     open_docs = render(None, {"gateway.enabled": "false"})
-    sched = _policy_for(open_docs, of_kind(open_docs, "Deployment")[0])
-    assert _allowed(sched, "grpc", {"app": "anyone"})
+    sched = policy_for(open_docs, of_kind(open_docs, "Deployment")[0])
+    assert allowed(sched, "grpc", {"app": "anyone"})
     secure = render("secure-no-gateway")
-    sched = _policy_for(secure, of_kind(secure, "Deployment")[0])
-    assert not _allowed(sched, "grpc", {"app": "anyone"})
+    sched = policy_for(secure, of_kind(secure, "Deployment")[0])
+    assert not allowed(sched, "grpc", {"app": "anyone"})
     (grpc_rule,) = [r for r in sched["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"]
     assert {"namespaceSelector": {"matchLabels": {"radixserve.io/client": "true"}}} in grpc_rule[
         "from"

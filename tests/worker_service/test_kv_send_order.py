@@ -8,6 +8,8 @@ refused."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -39,38 +41,46 @@ def _decodes(stream: PlanStream, first_step: int) -> list[tuple[int, float]]:
     return out
 
 
+def _prefill(stream: PlanStream) -> int:
+    """Prefill PROMPT into pages HERE; its first token."""
+    plan = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_PREFILL)
+    plan.joins.add(slot=0, rid="r", sampling=GREEDY, logprobs=LOGPROBS, prompt_len=len(PROMPT))
+    plan.extends.add(slot=0, start_pos=0, input_ids=PROMPT, new_pages=HERE, sample=True)
+    result = stream.run(plan)
+    assert not result.error, result.error
+    return result.token_ids[0]
+
+
+def _landing(first: int) -> pb.StepPlan:
+    """The decode worker takes PROMPT's KV in pages THERE as a landed join."""
+    land = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_IDLE)
+    land.joins.add(
+        slot=0,
+        rid="r",
+        sampling=GREEDY,
+        logprobs=LOGPROBS,
+        prompt_len=len(PROMPT),
+        prefix_ids=PROMPT,
+        num_output_tokens=1,
+        last_token=first,
+        kv_pages=THERE,
+    )
+    return land
+
+
 @pytest.mark.server
 def test_send_kv_moves_a_prefilled_prompt_to_a_worker_that_decodes_it(tmp_path):
     with worker_processes(tmp_path, ARGS, ARGS) as (prefill, decode):
         here, there = PlanStream(prefill), PlanStream(decode)
         try:
-            plan = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_PREFILL)
-            plan.joins.add(
-                slot=0, rid="r", sampling=GREEDY, logprobs=LOGPROBS, prompt_len=len(PROMPT)
-            )
-            plan.extends.add(slot=0, start_pos=0, input_ids=PROMPT, new_pages=HERE, sample=True)
-            result = here.run(plan)
-            assert not result.error, result.error
-            first = result.token_ids[0]
+            first = _prefill(here)
             with grpc.insecure_channel(prefill) as channel:
                 order = pb.SendKvRequest(
                     room="room-7", src_pages=HERE, target=decode, dst_pages=THERE
                 )
                 sent = worker_pb2_grpc.WorkerStub(channel).SendKv(order, timeout=60)
-            assert sent.pages_sent == len(HERE)
-            land = pb.StepPlan(step_id=1, mode=pb.FORWARD_MODE_IDLE)
-            land.joins.add(
-                slot=0,
-                rid="r",
-                sampling=GREEDY,
-                logprobs=LOGPROBS,
-                prompt_len=len(PROMPT),
-                prefix_ids=PROMPT,
-                num_output_tokens=1,
-                last_token=first,
-                kv_pages=THERE,
-            )
-            assert not there.run(land).error
+            assert sent.pages_sent == len(HERE) and not sent.shared_memory
+            assert not there.run(_landing(first)).error
             colocated, disagg = _decodes(here, 2), _decodes(there, 2)
         finally:
             here.close()
@@ -115,3 +125,29 @@ def test_send_kv_shows_the_senders_token_and_refuses_bad_orders(tmp_path):
         with pytest.raises(grpc.RpcError) as err:  # no token: our own guard refuses
             stub.SendKv(pb.SendKvRequest(room="x", target=b), timeout=60)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.server
+def test_send_kv_copies_into_a_shared_memory_pool_on_one_host(tmp_path):
+    """A decode worker with --kv-shared-memory: the prefill worker copies
+    the pages straight into its pool file, and the landed join decodes the
+    prefill worker's own tokens; the file goes with the worker."""
+    shared = (*ARGS, "--kv-shared-memory")
+    with worker_processes(tmp_path, ARGS, shared) as (prefill, decode):
+        with grpc.insecure_channel(decode) as channel:
+            path = worker_pb2_grpc.WorkerStub(channel).GetInfo(pb.GetInfoRequest()).kv_shared_memory
+        assert path.startswith("/dev/shm/radixserve-kv-") and Path(path).exists()
+        here, there = PlanStream(prefill), PlanStream(decode)
+        try:
+            first = _prefill(here)
+            with grpc.insecure_channel(prefill) as channel:
+                order = pb.SendKvRequest(room="shm", src_pages=HERE, target=decode, dst_pages=THERE)
+                sent = worker_pb2_grpc.WorkerStub(channel).SendKv(order, timeout=60)
+            assert sent.shared_memory and sent.pages_sent == len(HERE)
+            assert not there.run(_landing(first)).error
+            colocated, disagg = _decodes(here, 2), _decodes(there, 2)
+        finally:
+            here.close()
+            there.close()
+    assert [t for t, _ in disagg] == [t for t, _ in colocated]
+    assert not Path(path).exists()

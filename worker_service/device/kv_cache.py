@@ -26,6 +26,7 @@ import re
 import torch
 
 from worker_service.device.kv_quant import FP8_E4M3, KvScales, dequantize_fp8, quantize_fp8
+from worker_service.device.kv_shared_memory import allocate_layers
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
 _UNITS["GIB"] = 2**30
@@ -56,9 +57,12 @@ class KvCache:
         num_swa_pages: int = 0,
         compute_dtype: torch.dtype | None = None,
         scales: KvScales | None = None,
+        shared_memory: bool = False,
     ) -> None:
         """``compute_dtype``: what reads return (None: ``dtype``); ``scales``:
-        an fp8 cache's per-layer scales (None: 1.0)."""
+        an fp8 cache's per-layer scales (None: 1.0); ``shared_memory``: the
+        layers in one /dev/shm file that a prefill worker on this host may
+        write pages into (``shared_path``; CPU only)."""
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page")
         if swa_layers and num_swa_pages < 2:
@@ -77,15 +81,18 @@ class KvCache:
         if len(self.scales.k) != num_layers or len(self.scales.v) != num_layers:
             raise ValueError(f"KV scales for {len(self.scales.k)} layers, not {num_layers}")
         self.device = torch.device(device)
-        self.layers = [
-            torch.zeros(
-                (num_swa_pages if i in self.swa_layers else num_pages, 2, page_size)
-                + (num_kv_heads, head_dim),
-                dtype=dtype,
-                device=self.device,
-            )
+        shapes = [
+            (num_swa_pages if i in self.swa_layers else num_pages, 2, page_size)
+            + (num_kv_heads, head_dim)
             for i in range(num_layers)
         ]
+        self.shared_path = ""
+        if shared_memory:
+            if self.device.type != "cpu" or self.swa_layers:
+                raise ValueError("a shared-memory KV pool needs a CPU pool without sliding layers")
+            self.shared_path, self.layers = allocate_layers(shapes, dtype)
+        else:
+            self.layers = [torch.zeros(s, dtype=dtype, device=self.device) for s in shapes]
 
     @property
     def has_full_layers(self) -> bool:

@@ -132,6 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_cache_bytes=w.kv_cache_bytes,
             graph_bytes=w.graph_bytes,
             grammar_backend=w.grammar_backend,
+            kv_shared_memory=getattr(getattr(w.runner.compute, "kv", None), "shared_path", ""),
         )
 
     def Execute(

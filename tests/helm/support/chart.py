@@ -130,3 +130,31 @@ def config_env(docs: list[dict]) -> dict[str, str]:
         d for d in of_kind(docs, "ConfigMap") if not d["metadata"]["name"].endswith("-dashboard")
     ]
     return dict(cm["data"])
+
+
+def policy_for(docs: list[dict], workload: dict) -> dict:
+    """The one NetworkPolicy that selects ``workload``'s pods."""
+    (policy,) = [
+        p
+        for p in of_kind(docs, "NetworkPolicy")
+        if matches(p["spec"]["podSelector"], pod_labels(workload))
+    ]
+    return policy
+
+
+def allowed(policy: dict, port: str, labels: dict) -> bool:
+    """Whether ``policy`` lets pods with ``labels`` in on ``port``."""
+    for rule in policy["spec"]["ingress"]:
+        ports = [p["port"] for p in rule.get("ports", [])]
+        if ports and port not in ports:
+            continue
+        if "from" not in rule:
+            return True
+        if any(
+            "podSelector" in peer
+            and "namespaceSelector" not in peer
+            and matches(peer["podSelector"], labels)
+            for peer in rule["from"]
+        ):
+            return True
+    return False
