@@ -61,25 +61,21 @@ class ClaimInbox:
         self._lock = threading.Lock()
         self._new: list[PendingClaim] = []
         self._wakeup = wakeup
-        self.changed = False  # a claim arrived or was withdrawn since take()
 
     def put(self, claim: PendingClaim) -> None:
         with self._lock:
             self._new.append(claim)
-            self.changed = True
         self._wakeup.set()
 
     def withdrawn(self, claim: PendingClaim) -> None:
         if claim.done.is_set():
             return
         claim.withdrawn = True
-        self.changed = True
         self._wakeup.set()
 
     def take(self) -> list[PendingClaim]:
         with self._lock:
             new, self._new = self._new, []
-            self.changed = False
         return new
 
 

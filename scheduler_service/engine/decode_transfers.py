@@ -62,10 +62,6 @@ class DecodeTransfers:
         self._done: list[tuple[str, bpb.ClaimResult | None, str]] = []
         self._draining: list[tuple[float, str, str]] = []  # (free at, rid, message)
 
-    def busy(self) -> bool:
-        with self._lock:
-            return bool(self._live or self._done or self._draining)
-
     def pump(self) -> None:
         d = self._d
         orders = d.take_orders()

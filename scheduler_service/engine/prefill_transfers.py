@@ -48,9 +48,6 @@ class PrefillTransfers:
         self._matched: dict[str, PendingClaim] = {}  # rid -> claim
         self._sending: dict[str, KvSend] = {}  # rid -> its order, while the carrier has it
 
-    def busy(self) -> bool:
-        return bool(self._unmatched or self._matched or self._inbox.changed)
-
     def pump(self) -> None:
         d = self._d
         now = self._clock()
