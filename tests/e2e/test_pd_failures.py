@@ -120,34 +120,32 @@ def test_a_room_nobody_claims_times_out_on_both_units(units):
     _no_pages_kept(prefill, decode)
 
 
-def test_decode_worker_killed_mid_transfer(units):
+def _killed_mid_transfer(units, victim: str, room: int) -> None:
+    """Stall a transfer (the decode worker stopped), kill ``victim``'s
+    worker, check both calls fail naming the room, restart it, and check
+    both units serve again and keep no page."""
     prefill, decode, bport, pool = units
+    killed = prefill if victim == "prefill" else decode
     decode.worker.send_signal(signal.SIGSTOP)
-    req = _request("kill-d", bport, 2001, prompt_len=600)
-    p, d = _call(pool, prefill, req), _call(pool, decode, req)
-    wait_until(lambda: _sending(prefill) == 1, 30, "the prefill unit sending")
-    decode.worker.kill()
-    decode.worker.wait()
-    _unavailable(p.result(60), 2001)
-    _unavailable(d.result(60), 2001)
-    decode.start_worker()
+    try:
+        req = _request(f"kill-{victim}", bport, room, prompt_len=600)
+        p, d = _call(pool, prefill, req), _call(pool, decode, req)
+        wait_until(lambda: _sending(prefill) == 1, 30, "the prefill unit sending")
+        killed.worker.kill()
+        killed.worker.wait()
+        _unavailable(p.result(60), room)
+        _unavailable(d.result(60), room)
+    finally:
+        if decode.worker.poll() is None:
+            decode.worker.send_signal(signal.SIGCONT)
+    killed.start_worker()
     _serves_again(prefill, decode, bport, pool)
     _no_pages_kept(prefill, decode)
+
+
+def test_decode_worker_killed_mid_transfer(units):
+    _killed_mid_transfer(units, "decode", 2001)
 
 
 def test_prefill_worker_killed_mid_transfer(units):
-    prefill, decode, bport, pool = units
-    decode.worker.send_signal(signal.SIGSTOP)
-    try:
-        req = _request("kill-p", bport, 3001, prompt_len=600)
-        p, d = _call(pool, prefill, req), _call(pool, decode, req)
-        wait_until(lambda: _sending(prefill) == 1, 30, "the prefill unit sending")
-        prefill.worker.kill()
-        prefill.worker.wait()
-        _unavailable(p.result(60), 3001)
-        _unavailable(d.result(60), 3001)
-    finally:
-        decode.worker.send_signal(signal.SIGCONT)
-    prefill.start_worker()
-    _serves_again(prefill, decode, bport, pool)
-    _no_pages_kept(prefill, decode)
+    _killed_mid_transfer(units, "prefill", 3001)
