@@ -164,7 +164,8 @@ async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
     try:
         vocab = args.vocab_size or await driver.vocab_size()
         multiturn = args.dataset == "multiturn"
-        requests = [] if multiturn else await prepare(args, driver, vocab)
+        mixed = args.dataset == "mixed"
+        requests = [] if multiturn or mixed else await prepare(args, driver, vocab)
         if args.warmup_requests:
             rng = random.Random(-1)
             warm = [
@@ -178,6 +179,10 @@ async def serve_run(args: argparse.Namespace) -> tuple[list[BenchRequest], Run]:
             from clients.bench.multiturn import run_multiturn
 
             return requests, await run_multiturn(args, driver)
+        if mixed:
+            from clients.bench.mixed import run_mixed
+
+            return requests, await run_mixed(args, driver)
         replay = args.dataset == "trace" and requests[0].arrival_s is not None
         replay = replay and math.isinf(args.request_rate) and args.max_concurrency is None
         run = await run_workload(
@@ -245,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     report["results"] = summaries
     print(table(summaries, report.get("ratios")))
     print(f"workload: {report['workload']}")
-    if run.extra:
+    if "mixed" in run.extra:
+        from clients.bench.mixed import mixed_line
+
+        print(mixed_line(run.extra["mixed"]))
+    elif run.extra:
         from clients.bench.multiturn import figures_line
 
         print(figures_line(run.extra))

@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 
+from clients.bench.mixed import add_mixed_flags, check_mixed, describe_mixed
 from clients.bench.multiturn_flags import add_multiturn_flags, check_multiturn, describe_multiturn
 from clients.bench.sampling import SamplingMode
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             "text",
             "jsonl",
             "multiturn",
+            "mixed",
         ],
         default=None,
         help="default: trace when --trace is given, text with --compare-openai, else "
@@ -260,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_multiturn_flags(p)
+    add_mixed_flags(p)
 
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None)
@@ -330,6 +333,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.vocab_size is not None and args.vocab_size < 2:
         p.error("--vocab-size must be at least 2")
     check_multiturn(p, args)
+    check_mixed(p, args)
 
 
 def sampling_mode(args: argparse.Namespace) -> SamplingMode:
@@ -355,6 +359,8 @@ def describe(args: argparse.Namespace) -> str:
         )
     elif args.dataset == "multiturn":
         what = describe_multiturn(args)
+    elif args.dataset == "mixed":
+        what = describe_mixed(args)
     elif args.dataset == "jsonl":
         what = f"jsonl: prompts of {args.dataset_path}"
     elif args.dataset in ("random", "generated-shared-prefix", "trace"):

@@ -255,3 +255,23 @@ def test_module_runs_as_the_console_script():
     script = Path(sys.executable).parent / "radixserve-bench"
     r = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--baseline" in r.stdout
+
+
+def test_mixed_streams_and_long_prompts(sim_text_address, tmp_path):
+    out = tmp_path / "mixed.json"
+    r = bench(
+        "--address", sim_text_address, "--dataset", "mixed", "--mixed-streams", "2",
+        "--mixed-stream-output", "24", "--mixed-long-len", "200", "--mixed-long-output", "4",
+        "--mixed-long-rate", "3", "--mixed-duration", "3", "--seed", "5",
+        "--output-json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "workload: mixed: 2 streams of 24 tokens" in r.stdout
+    assert "streams: ITL p50" in r.stdout
+    s = json.loads(out.read_text())["results"]["radixserve"]
+    m = s["mixed"]
+    assert m["errors"] == 0 and s["failed"] == 0
+    assert m["streams_completed"] >= 2 and m["long_prompts_completed"] >= 1
+    # Every stream gives all its tokens (EOS ignored), every long prompt its 4.
+    assert s["output_tokens"] == 24 * m["streams_completed"] + 4 * m["long_prompts_completed"]
+    assert m["long_ttft_p50_ms"] > 0 and m["stream_itl_p50_ms"] > 0
