@@ -136,7 +136,7 @@ def disaggregated(args: argparse.Namespace, seed: int) -> dict:
             stack,
             d,
             "prefill",
-            args.worker_threads,
+            args.prefill_threads or args.worker_threads,
             *("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport)),
         )
         shm = ("--kv-shared-memory",) if args.shared_memory else ()
@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--stream-output", type=int, default=256)
     ap.add_argument("--long-rate", type=float, default=0.5)
     ap.add_argument("--long-len", type=int, default=2048)
-    ap.add_argument("--worker-threads", type=int, default=1)
+    ap.add_argument("--worker-threads", type=int, default=1, help="each co-located unit's")
+    ap.add_argument("--prefill-threads", type=int, default=None, help="default: --worker-threads")
+    ap.add_argument("--decode-threads", type=int, default=None, help="default: --worker-threads")
     ap.add_argument(
         "--shared-memory",
         action="store_true",
@@ -171,7 +173,9 @@ def main() -> None:
     print(
         f"\n{args.streams} streams of {args.stream_output} tokens, long prompts of "
         f"{args.long_len} tokens at {args.long_rate:g}/s, {args.duration:g} s, "
-        f"{args.repeats} repeats (medians), worker threads {args.worker_threads}"
+        f"{args.repeats} repeats (medians), worker threads: co-located "
+        f"{args.worker_threads} each, prefill {args.prefill_threads or args.worker_threads}, "
+        f"decode {args.decode_threads or args.worker_threads}"
     )
     print(f"{'figure':<32} {'co-located':>11} {'disaggregated':>14} {'ratio':>7}")
     for key, label in FIGURES:

@@ -26,6 +26,7 @@ from scheduler_service.api.call_observer import CallObserver
 from scheduler_service.api.convert.public import GenerateCall, generate_call
 from scheduler_service.api.convert.responses import (
     SampleState,
+    accepted_chunk,
     chunk,
     complete,
     wants_input_logprobs,
@@ -117,6 +118,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.metrics = metrics
         self.grammars = grammars
         self.admin = AdminRpcs(core, model)
+        self._prefill_unit = core.config.scheduler.disaggregation_mode == "prefill"
         self.lora = LoraRpcs(core)
         self.embeds = EmbedRpc(core, model, rid_grace_s=RID_REUSE_GRACE_S)
         self.shutting_down = False
@@ -193,6 +195,12 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 code, message = "UNAVAILABLE", str(e)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
             try:
+                if self._prefill_unit and g.samples[0].bootstrap is not None:
+                    # smg 1.13 gives up on a PD request's prefill leg that
+                    # says nothing for 3 s while its unit answers no other
+                    # leg; a CPU prefill unit's long prompt (and its queue)
+                    # takes longer: an empty chunk says the call is taken.
+                    yield accepted_chunk(g.rid, len(g.samples[0].prompt_ids))
                 async for response in self._responses(g, call, context, obs):
                     yield response
             except (asyncio.CancelledError, GeneratorExit):

@@ -8,6 +8,7 @@ page once the requests are done."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -117,9 +118,13 @@ def test_prompt_and_output_logprobs_over_grpc_equal_colocated(pd, smollm2_addres
     host, port = prefill.bootstrap
     dp = pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=port, bootstrap_room=7)
     with ThreadPoolExecutor(2) as pool:
-        p_call = pool.submit(lambda: _complete(stub(prefill.address).Generate(request(dp))))
+        p_call = pool.submit(lambda: list(stub(prefill.address).Generate(request(dp))))
         d_call = pool.submit(lambda: _complete(stub(decode.address).Generate(request(dp))))
-        p, d = p_call.result(60), d_call.result(60)
+        p_all, d = p_call.result(60), d_call.result(60)
+    # The prefill unit answers at once with a chunk without tokens (the
+    # gateway's silence bound), then its one token.
+    assert p_all[0].HasField("chunk") and not p_all[0].chunk.token_ids
+    p = _complete(p_all)
     assert list(d.output_ids) == list(ref.output_ids)
     assert list(p.output_ids) == list(ref.output_ids)[:1]
     got, want = d.output_logprobs, ref.output_logprobs
@@ -176,3 +181,22 @@ def test_loads_report_roles_and_no_page_is_kept(pd):
         disagg = loads.loads[0].disaggregation
         assert disagg.mode == mode
         wait_until(lambda s=s: used_tokens(s) == 0, what=f"the {mode} unit's pages free")
+
+
+def test_prefills_longer_than_the_gateways_silence_bound(pd, gateway):
+    """smg 1.13 gives up on a prefill leg silent for 3 s while its unit
+    answers no other leg: three ~1,500-token prompts at once keep this
+    CPU prefill unit busy longer than that."""
+    base, _, _ = pd
+    _, model = gateway
+    words = " ".join(PROMPT.split() * 120)
+
+    def one(i: int) -> str:
+        body = {"model": model, "prompt": f"{i}: {words}", "max_tokens": 4, "temperature": 0}
+        return post(base + "/v1/completions", body)["choices"][0]["finish_reason"]
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        reasons = list(pool.map(one, range(3)))
+    assert reasons == ["length"] * 3
+    assert time.monotonic() - t0 > 3  # the bound would have passed

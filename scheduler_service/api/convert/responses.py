@@ -148,6 +148,15 @@ def wants_input_logprobs(s: SampleState) -> bool:
     return s.logprob_start >= 0 and not s.prompt_logprobs_sent
 
 
+def accepted_chunk(rid: str, prompt_tokens: int) -> pb.GenerateResponse:
+    """A chunk without tokens: the call is taken (a prefill unit's first
+    answer to a disaggregated call, before its prompt's turn comes)."""
+    r = pb.GenerateResponse(request_id=rid)
+    r.chunk.SetInParent()
+    r.chunk.prompt_tokens = prompt_tokens
+    return r
+
+
 def chunk(
     s: SampleState, rid: str, tokens: list[int], lps: list, *, with_logprobs: bool
 ) -> pb.GenerateResponse:
