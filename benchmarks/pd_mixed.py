@@ -40,7 +40,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.overlap import BIN, started
+from benchmarks.overlap import BIN, free_port, started
 
 FIGURES = (
     ("stream_itl_p50_ms", "streams' ITL p50 (ms)"),
@@ -56,14 +56,6 @@ FIGURES = (
     ("long_prompts_completed", "long prompts completed"),
     ("errors", "errors"),
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unit(stack: ExitStack, tmp: Path, name: str, threads: int, *extra: str) -> str:

@@ -54,8 +54,8 @@ class DecodeTransfers:
         self._timeout_s = timeout_s
         self._wakeup = wakeup
         self._clock = clock
-        self._channels: dict[str, bootstrap_pb2_grpc.BootstrapStub] = {}
-        self._open: list[grpc.Channel] = []
+        # Per prefill unit's bootstrap address: its channel and stub.
+        self._channels: dict[str, tuple[grpc.Channel, bootstrap_pb2_grpc.BootstrapStub]] = {}
         self._lock = threading.Lock()
         self._live: dict[str, grpc.Future] = {}
         self._cancelled: set[str] = set()
@@ -106,11 +106,10 @@ class DecodeTransfers:
             self._d.failed(order.rid, "no bootstrap address")
             return
         address = f"{bootstrap.host}:{bootstrap.port}"
-        stub = self._channels.get(address)
-        if stub is None:
+        if address not in self._channels:
             channel = grpc.insecure_channel(address)
-            self._open.append(channel)
-            stub = self._channels[address] = bootstrap_pb2_grpc.BootstrapStub(channel)
+            self._channels[address] = (channel, bootstrap_pb2_grpc.BootstrapStub(channel))
+        stub = self._channels[address][1]
         request = bpb.ClaimRequest(
             room=order.room,
             targets=self._targets,
@@ -149,7 +148,7 @@ class DecodeTransfers:
             futures = list(self._live.values())
         for f in futures:
             f.cancel()
-        for channel in self._open:
+        for channel, _ in self._channels.values():
             channel.close()
 
 
